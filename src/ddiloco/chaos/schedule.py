@@ -1,0 +1,123 @@
+"""Chaos schedules for the training runtimes: when each learner fails, for how long, and who
+straggles. The same config drives the virtual-time simulator (and later the real runtime)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ddiloco.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Failures and stragglers injected into a run."""
+
+    enabled: bool = False
+    """Whether to inject anything at all."""
+    downtime_fraction: float = 0.10
+    """Share of the run each learner is unavailable (down plus restarting)."""
+    failures_per_learner: int = 2
+    """Failures of each learner over the run; the seed places them, the totals are fixed."""
+    restart_s: float = 2.0
+    """Part of each outage spent restarting (process start, fetching the global state)."""
+    stragglers: tuple[str, ...] = ()
+    """Slow learners as 'LEARNER:FACTOR' (whole run) or 'LEARNER:FACTOR:START:END' with START
+    and END as fractions of the run; a factor of 2 makes each step take twice as long."""
+    learners: tuple[int, ...] = ()
+    """Learners that fail (empty: all of them)."""
+
+    def validate(self, num_learners: int) -> None:
+        if not 0.0 <= self.downtime_fraction < 1.0:
+            raise ConfigError(f"chaos.downtime_fraction = {self.downtime_fraction} is out of range; allowed: [0, 1)")
+        if self.failures_per_learner < 0:
+            raise ConfigError(f"chaos.failures_per_learner = {self.failures_per_learner} is out of range; allowed: >= 0")
+        if self.restart_s < 0:
+            raise ConfigError(f"chaos.restart_s = {self.restart_s} is out of range; allowed: >= 0")
+        for s in self.stragglers:
+            parse_straggler(s, num_learners)
+        for m in self.learners:
+            if not 0 <= m < num_learners:
+                raise ConfigError(f"chaos.learners contains {m}; allowed: 0 .. {num_learners - 1}")
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Learner ``learner`` runs ``factor`` times slower during [start_s, end_s)."""
+
+    learner: int
+    factor: float
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Outage:
+    """Learner ``learner`` is down from ``start_s`` and back (restarted) at ``end_s``."""
+
+    learner: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class ChaosSchedule:
+    """Concrete outages and straggler windows for one run."""
+
+    outages: tuple[Outage, ...] = ()
+    stragglers: tuple[Straggler, ...] = ()
+    restart_s: float = 0.0
+
+    def slowdown(self, learner: int, t: float) -> float:
+        f = 1.0
+        for s in self.stragglers:
+            if s.learner == learner and s.start_s <= t < s.end_s:
+                f *= s.factor
+        return f
+
+
+def parse_straggler(text: str, num_learners: int, horizon_s: float = 1.0) -> Straggler:
+    """'LEARNER:FACTOR[:START:END]' (START/END as fractions of the run) -> Straggler."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 4):
+            raise ValueError
+        m, factor = int(parts[0]), float(parts[1])
+        start, end = (float(parts[2]), float(parts[3])) if len(parts) == 4 else (0.0, 1.0)
+    except ValueError:
+        raise ConfigError(f"chaos.stragglers entry {text!r} is malformed; use 'LEARNER:FACTOR' or 'LEARNER:FACTOR:START:END'") from None
+    if not 0 <= m < num_learners or factor < 1.0 or not 0 <= start < end <= 1.0:
+        raise ConfigError(f"chaos.stragglers entry {text!r} is out of range; learner in 0..{num_learners - 1}, factor >= 1, 0 <= START < END <= 1")
+    return Straggler(m, factor, start * horizon_s, end * horizon_s)
+
+
+def make_schedule(cfg: ChaosConfig, num_learners: int, horizon_s: float, seed: int) -> ChaosSchedule:
+    """Place each learner's fixed number of failures, with fixed total downtime, at random.
+
+    The up-time is cut at sorted uniform points and the outages (a random split of the
+    downtime, each at least restart_s long) are inserted there, so outages never overlap and
+    the realised downtime equals ``downtime_fraction * horizon_s`` exactly.
+    """
+    if not cfg.enabled:
+        return ChaosSchedule()
+    rng = np.random.default_rng([seed, 0xC4A05])
+    outages: list[Outage] = []
+    failing = cfg.learners or tuple(range(num_learners))
+    n = cfg.failures_per_learner
+    total_down = cfg.downtime_fraction * horizon_s
+    for m in range(num_learners):
+        # Draw for every learner so adding one to `learners` does not move the others.
+        cuts = np.sort(rng.uniform(0.0, horizon_s - total_down, size=n))
+        split = rng.dirichlet(np.full(n, 4.0)) if n else np.zeros(0)
+        if m not in failing or n == 0 or total_down == 0:
+            continue
+        durations = np.maximum(split * total_down, cfg.restart_s)
+        durations *= total_down / durations.sum()
+        shift = 0.0
+        for cut, d in zip(cuts, durations):
+            start = float(cut + shift)
+            outages.append(Outage(m, start, start + float(d)))
+            shift += float(d)
+    stragglers = tuple(parse_straggler(s, num_learners, horizon_s) for s in cfg.stragglers)
+    return ChaosSchedule(tuple(sorted(outages, key=lambda o: (o.start_s, o.learner))), stragglers, cfg.restart_s)

@@ -1,0 +1,247 @@
+"""A run's whole configuration: TOML file + ``--set key=value`` overrides -> frozen dataclasses.
+
+Sections map one to one onto dataclasses: ``[run]`` RunSection, ``[workload]`` WorkloadConfig,
+``[algo]`` DiLoCoConfig, ``[inner]`` InnerConfig, ``[sim]`` SimConfig, ``[chaos]`` ChaosConfig.
+Unknown keys and out-of-range values fail before any work starts, with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddiloco.chaos.schedule import ChaosConfig
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.errors import ConfigError
+from ddiloco.workloads.config import WorkloadConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+METHODS = ("dp", "diloco", "streaming", "decoupled")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """What to run and for how long."""
+
+    method: str = "decoupled"
+    """dp (data-parallel reference), diloco (synchronous), streaming, or decoupled."""
+    num_learners: int = 4
+    """M, the number of learners."""
+    tokens: int = 600_000
+    """Token budget N of a healthy run (all learners together); it also fixes the virtual-time
+    budget T = time a healthy fleet at speed 1 needs for N tokens, which chaos runs share."""
+    seed: int = 0
+    """Seed of the model init; data, chaos and speed noise derive their own streams from it."""
+    eval_points: int = 8
+    """Evaluations of the global model spread over the run (plus the final one)."""
+    run_dir: str = "runs/latest"
+    """Folder for config, metrics, tape, plot and final model."""
+    threads: int = 1
+    """torch.set_num_threads for this process."""
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The learners' inner optimizer (AdamW) and its schedule over global tokens."""
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_frac: float = 0.05
+    """Share of the token budget spent warming the LR up linearly."""
+    min_lr_frac: float = 0.1
+    """Cosine decay floor as a share of the peak LR."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The virtual-time cost model."""
+
+    step_time_s: float = 0.1
+    """Virtual seconds of one inner step of a speed-1 learner."""
+    speeds: tuple[float, ...] = ()
+    """Per-learner speed factors (1 = nominal, 0.8 = 20% slower); empty: all 1."""
+    speed_noise: float = 0.0
+    """Relative standard deviation of each step's duration (own seeded stream)."""
+    bandwidth_gbps: float = 1.0
+    """Learner <-> syncer bandwidth, gigabits per second."""
+    latency_s: float = 0.005
+    """One-way message latency."""
+    merge_gbps: float = 8.0
+    """Syncer merge throughput, gigabytes of contributions per second."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs."""
+
+    run: RunSection = field(default_factory=RunSection)
+    """[run]"""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """[workload]"""
+    algo: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    """[algo]"""
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    """[inner]"""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """[sim]"""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """[chaos]"""
+
+    def validate(self) -> "Config":
+        r = self.run
+        if r.method not in METHODS:
+            raise ConfigError(f"run.method = {r.method!r} is not known; allowed: {', '.join(METHODS)}")
+        for name, ok, allowed in (
+            ("num_learners", r.num_learners >= 1, ">= 1"),
+            ("tokens", r.tokens >= 1, ">= 1"),
+            ("eval_points", r.eval_points >= 0, ">= 0"),
+            ("threads", r.threads >= 1, ">= 1"),
+        ):
+            if not ok:
+                raise ConfigError(f"run.{name} = {getattr(r, name)!r} is out of range; allowed: {allowed}")
+        i = self.inner
+        for name, ok, allowed in (
+            ("lr", i.lr > 0, "> 0"),
+            ("weight_decay", i.weight_decay >= 0, ">= 0"),
+            ("beta1", 0 <= i.beta1 < 1, "[0, 1)"),
+            ("beta2", 0 <= i.beta2 < 1, "[0, 1)"),
+            ("warmup_frac", 0 <= i.warmup_frac < 1, "[0, 1)"),
+            ("min_lr_frac", 0 <= i.min_lr_frac <= 1, "[0, 1]"),
+            ("grad_clip", i.grad_clip >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise ConfigError(f"inner.{name} = {getattr(i, name)!r} is out of range; allowed: {allowed}")
+        s = self.sim
+        for name, ok, allowed in (
+            ("step_time_s", s.step_time_s > 0, "> 0"),
+            ("speed_noise", 0 <= s.speed_noise < 1, "[0, 1)"),
+            ("bandwidth_gbps", s.bandwidth_gbps > 0, "> 0"),
+            ("latency_s", s.latency_s >= 0, ">= 0"),
+            ("merge_gbps", s.merge_gbps > 0, "> 0"),
+        ):
+            if not ok:
+                raise ConfigError(f"sim.{name} = {getattr(s, name)!r} is out of range; allowed: {allowed}")
+        if s.speeds and (len(s.speeds) != r.num_learners or min(s.speeds) <= 0):
+            raise ConfigError(f"sim.speeds = {list(s.speeds)} must list {r.num_learners} positive factors (one per learner) or be empty")
+        self.algo.validate()
+        self.workload.validate()
+        self.chaos.validate(r.num_learners)
+        if self.algo.quorum > r.num_learners:
+            import warnings
+
+            warnings.warn(f"algo.quorum = {self.algo.quorum} exceeds run.num_learners = {r.num_learners}; the effective quorum is capped at the live learners (the fleet is elastic)", stacklevel=2)
+        return self
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a TOML/CLI value to the annotated field type, or fail naming the key."""
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            if isinstance(value, str):
+                if value.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if value.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            return bool(value)
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) else int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+        if origin is tuple:
+            (inner, _ell) = typing.get_args(tp)
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v.strip()]
+            return tuple(_coerce(v, inner, where) for v in value)
+        if origin is dict:
+            if not isinstance(value, dict):
+                raise ValueError
+            return dict(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} = {value!r} is not a valid {getattr(tp, '__name__', tp)}") from None
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {section}.{key}; known keys: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r} must look like section.key=value (e.g. algo.quorum=2)")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set {text!r}: the key must be section.key (e.g. run.num_learners=8)")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word, e.g. algo.merge=mean
+    return parts, value
+
+
+SECTIONS = {"run": RunSection, "workload": WorkloadConfig, "algo": DiLoCoConfig, "inner": InnerConfig, "sim": SimConfig, "chaos": ChaosConfig}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Defaults <- ``base`` (e.g. a method preset) <- TOML file <- ``--set`` overrides."""
+    data: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (base or {}).items()}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass an existing TOML file")
+        try:
+            file_data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        for sec, vals in file_data.items():
+            if sec not in SECTIONS or not isinstance(vals, dict):
+                raise ConfigError(f"unknown config section [{sec}] in {p}; known: {', '.join(SECTIONS)}")
+            data.setdefault(sec, {}).update(vals)
+    for text in overrides or []:
+        (sec, key), value = _parse_override(text)
+        if sec not in SECTIONS:
+            raise ConfigError(f"unknown config section {sec!r} in --set {text!r}; known: {', '.join(SECTIONS)}")
+        data.setdefault(sec, {})[key] = value
+    sections = {sec: _build(cls, data.get(sec, {}), sec) for sec, cls in SECTIONS.items()}
+    return Config(**sections).validate()
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The resolved config as plain TOML-able data."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        sec = dataclasses.asdict(getattr(cfg, f.name))
+        out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items()}
+    return out

@@ -1,0 +1,96 @@
+"""The algorithm's knobs: one frozen dataclass shared by the syncer and the learners.
+
+Baselines are configurations of these same knobs (see ``methods.py``), not separate code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddiloco.errors import ConfigError
+
+FRAGMENT_STRATEGIES = ("balanced", "per_layer", "strided")
+MERGES = ("rda", "mean")
+ANCHORS = ("base", "current")
+LATE_FRAGMENT = ("continue", "wait")
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Decoupled DiLoCo's algorithm settings (the paper's defaults where it gives them)."""
+
+    num_fragments: int = 0
+    """P, the number of parameter fragments; 0 picks the model's default (largest P <= H
+    whose largest fragment is at most 1.25x the mean)."""
+    fragment_strategy: str = "balanced"
+    """How tensors are grouped: balanced (greedy bin-packing by size, rows of large tensors
+    split when needed), per_layer, or strided (tensor i goes to fragment i mod P)."""
+    sync_every: int = 24
+    """H: inner steps between two outer steps of the same fragment."""
+    overlap: int = 2
+    """tau: inner steps a fragment may be in flight (0 <= tau < H)."""
+    quorum: int = 1
+    """K: distinct learners whose answers a round needs before it may close; 0 means every
+    live learner. The effective quorum is min(K, live learners)."""
+    grace: bool = True
+    """Whether the adaptive grace window admits more learners after the quorum is reached."""
+    grace_gamma: float = 0.8
+    """gamma: safety margin of the grace window (grace = gamma*(tau*t_step - t_quorum - t_sync))."""
+    max_grace_steps: float = 1.0
+    """Upper clamp of the grace window, in inner steps."""
+    ema_decay: float = 0.9
+    """Decay of the exponential moving averages of step, quorum and sync durations."""
+    liveness_timeout_s: float = 5.0
+    """A learner not heard from for this long is not live: no round waits for it."""
+    keep_versions: int = 4
+    """S: past versions of each fragment kept to anchor contributions; older bases are stale."""
+    anchor: str = "base"
+    """Anchor of the outer gradient: 'base' (the global value the learner started from) or
+    'current' (the latest global value; only for ablations)."""
+    merge: str = "rda"
+    """Merge of non-embedding tensors: weighted radial-directional averaging or weighted mean."""
+    outer_lr: float = 0.7
+    """Outer learning rate of the per-fragment Nesterov SGD."""
+    outer_momentum: float = 0.9
+    """Outer momentum (Nesterov)."""
+    alpha: float = 0.0
+    """Blend on receipt: local = alpha*local + (1-alpha)*global; 0 overwrites (the default)."""
+    late_fragment: str = "continue"
+    """'continue' never blocks (Decoupled DiLoCo); 'wait' blocks at step send+tau until the
+    fragment arrives (lock-step baselines), with learners sending on their own schedule."""
+    syncer_timeout_s: float = 60.0
+    """A 'wait' learner gives up waiting for a fragment after this long and trains on."""
+    max_tokens_per_step: float = 1e7
+    """Validation bound on a contribution's tokens/steps: the weight is quadratic in tokens,
+    so one bad counter would dominate a merge."""
+    max_delta_norm: float = 1e6
+    """Validation bound on the L2 norm of a contribution's outer gradient."""
+    embedding_patterns: tuple[str, ...] = ("emb", "lm_head", "embed")
+    """Substrings of tensor names merged by weighted mean instead of RDA (embedding-like)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad field and its allowed range."""
+        _check(self.num_fragments >= 0, "num_fragments", self.num_fragments, ">= 1, or 0 for the model default")
+        _check(self.fragment_strategy in FRAGMENT_STRATEGIES, "fragment_strategy", self.fragment_strategy, f"one of {FRAGMENT_STRATEGIES}")
+        _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
+        _check(0 <= self.overlap < self.sync_every, "overlap", self.overlap, f"0 <= overlap < sync_every ({self.sync_every})")
+        _check(self.quorum >= 0, "quorum", self.quorum, ">= 1, or 0 for every live learner")
+        _check(0.0 <= self.grace_gamma <= 1.0, "grace_gamma", self.grace_gamma, "[0, 1]")
+        _check(self.max_grace_steps >= 0, "max_grace_steps", self.max_grace_steps, ">= 0")
+        _check(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
+        _check(self.liveness_timeout_s > 0, "liveness_timeout_s", self.liveness_timeout_s, "> 0")
+        _check(self.keep_versions >= 1, "keep_versions", self.keep_versions, ">= 1")
+        _check(self.anchor in ANCHORS, "anchor", self.anchor, f"one of {ANCHORS}")
+        _check(self.merge in MERGES, "merge", self.merge, f"one of {MERGES}")
+        _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "> 0")
+        _check(0.0 <= self.outer_momentum < 1.0, "outer_momentum", self.outer_momentum, "[0, 1)")
+        _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
+        _check(self.late_fragment in LATE_FRAGMENT, "late_fragment", self.late_fragment, f"one of {LATE_FRAGMENT}")
+        _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")
+        _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
+        _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
+
+
+def _check(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"algo.{field} = {value!r} is out of range; allowed: {allowed}")

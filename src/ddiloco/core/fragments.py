@@ -1,0 +1,213 @@
+"""Partition a model's named tensors into P fragments, and the staggered schedule.
+
+A fragment is a list of *pieces*; a piece is a row range of one named tensor (usually the
+whole tensor). Rows of large tensors are split only when P is large relative to the tensors,
+so that bins stay balanced.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ddiloco.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name and shape of one model tensor."""
+
+    name: str
+    """Parameter name as in ``model.named_parameters()``."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [row_start, row_end) of tensor ``name`` (the whole tensor for 0-d/1-row cases)."""
+
+    name: str
+    """Parameter name."""
+    row_start: int
+    """First row (along dim 0) in this piece."""
+    row_end: int
+    """One past the last row."""
+    shape: tuple[int, ...]
+    """Shape of the piece itself."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """The P fragments of a model: ``fragments[p]`` lists fragment p's pieces in order."""
+
+    fragments: tuple[tuple[Piece, ...], ...]
+    """Pieces of each fragment."""
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def sizes(self) -> list[int]:
+        """Elements per fragment."""
+        return [sum(pc.numel for pc in frag) for frag in self.fragments]
+
+    def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """A plain description to compare layouts (e.g. learner vs syncer)."""
+        return [(pc.name, pc.row_start, pc.row_end, pc.shape) for frag in self.fragments for pc in frag]
+
+
+def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    """TensorSpecs of ``model.named_parameters()`` (or any name/tensor pairs)."""
+    return [TensorSpec(name, tuple(t.shape)) for name, t in named]
+
+
+def pack_sizes(sizes: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Greedy longest-processing-time bin packing: item indices per bin.
+
+    Items are placed largest first into the currently lightest bin (ties: lowest bin index,
+    then lowest item index), which bounds the heaviest bin by sum/P + (1-1/P)*largest and by
+    (4/3 - 1/(3P)) times the optimum.
+    """
+    if num_bins < 1:
+        raise ConfigError(f"num_fragments = {num_bins} is out of range; allowed: >= 1")
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    heap = [(0, b) for b in range(num_bins)]
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i in order:
+        load, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + sizes[i], b))
+    return bins
+
+
+def _split_rows(spec: TensorSpec, target: int) -> list[Piece]:
+    """Split a tensor into near-equal row ranges of at most ~target elements each."""
+    shape = spec.shape if spec.shape else (1,)
+    rows = shape[0]
+    row_numel = math.prod(shape[1:])
+    chunks = min(rows, max(1, math.ceil(spec.numel / max(target, 1))))
+    pieces = []
+    for c in range(chunks):
+        lo, hi = c * rows // chunks, (c + 1) * rows // chunks
+        pieces.append(Piece(spec.name, lo, hi, (hi - lo, *shape[1:])))
+    assert sum(p.numel for p in pieces) == rows * row_numel
+    return pieces
+
+
+def _whole(spec: TensorSpec) -> Piece:
+    rows = spec.shape[0] if spec.shape else 1
+    return Piece(spec.name, 0, rows, spec.shape)
+
+
+def balanced_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLayout:
+    """Balanced-tensor greedy packing; tensors larger than sum/P are first split by rows."""
+    total = sum(s.numel for s in specs)
+    target = math.ceil(total / num_fragments)
+    pieces: list[Piece] = []
+    for s in specs:
+        pieces.extend(_split_rows(s, target) if s.numel > target and s.shape else [_whole(s)])
+    bins = pack_sizes([p.numel for p in pieces], num_fragments)
+    # Keep model order inside a fragment so payloads are laid out predictably.
+    return FragmentLayout(tuple(tuple(pieces[i] for i in sorted(b)) for b in bins))
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def per_layer_layout(specs: Sequence[TensorSpec]) -> FragmentLayout:
+    """One fragment per layer (names like ``blocks.3.*``); other tensors form their own groups."""
+    groups: dict[str, list[Piece]] = {}
+    for s in specs:
+        m = _LAYER.match(s.name)
+        key = m.group(1) if m else s.name.split(".")[0]
+        groups.setdefault(key, []).append(_whole(s))
+    return FragmentLayout(tuple(tuple(g) for g in groups.values()))
+
+
+def strided_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLayout:
+    """Tensor i goes to fragment i mod P (the strided split of Streaming DiLoCo)."""
+    bins: list[list[Piece]] = [[] for _ in range(num_fragments)]
+    for i, s in enumerate(specs):
+        bins[i % num_fragments].append(_whole(s))
+    if any(not b for b in bins):
+        raise ConfigError(f"num_fragments = {num_fragments} exceeds the model's {len(specs)} tensors for strided fragments; use fewer fragments or fragment_strategy = 'balanced'")
+    return FragmentLayout(tuple(tuple(b) for b in bins))
+
+
+def imbalance(layout: FragmentLayout) -> float:
+    """Largest fragment over the mean fragment size."""
+    sizes = layout.sizes()
+    return max(sizes) / (sum(sizes) / len(sizes))
+
+
+def default_num_fragments(specs: Sequence[TensorSpec], sync_every: int, max_ratio: float = 1.25) -> int:
+    """The largest P <= H (one fragment leaves per step at P = H) keeping the largest
+    balanced fragment within ``max_ratio`` of the mean."""
+    for p in range(min(sync_every, sum(s.numel for s in specs)), 0, -1):
+        if imbalance(balanced_layout(specs, p)) <= max_ratio:
+            return p
+    return 1
+
+
+def make_layout(specs: Sequence[TensorSpec], num_fragments: int, strategy: str, sync_every: int) -> FragmentLayout:
+    """Build the layout a config asks for (num_fragments = 0 picks the default P)."""
+    if not specs:
+        raise ConfigError("the model has no parameters to fragment; check the workload's build_model()")
+    if strategy == "per_layer":
+        return per_layer_layout(specs)
+    p = num_fragments or default_num_fragments(specs, sync_every)
+    if strategy == "strided":
+        return strided_layout(specs, p)
+    return balanced_layout(specs, p)
+
+
+# -- extracting and writing fragment values --------------------------------------------------
+
+
+def read_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    """Detached copies of a fragment's pieces from a name->tensor map."""
+    out = []
+    for pc in pieces:
+        t = params[pc.name].detach()
+        out.append((t[pc.row_start : pc.row_end] if t.dim() else t).clone())
+    return out
+
+
+def write_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0) -> None:
+    """Write values into the tensors in place: overwrite (alpha = 0) or blend alpha*local + (1-alpha)*value."""
+    with torch.no_grad():
+        for pc, v in zip(pieces, values):
+            t = params[pc.name]
+            dst = t[pc.row_start : pc.row_end] if t.dim() else t
+            if alpha == 0.0:
+                dst.copy_(v)
+            else:
+                dst.mul_(alpha).add_(v.to(dst.dtype), alpha=1.0 - alpha)
+
+
+# -- the staggered schedule -----------------------------------------------------------------
+
+
+def fragment_offset(p: int, num_fragments: int, sync_every: int) -> int:
+    """Step offset of fragment p within each period of H steps: floor(p*H/P)."""
+    return (p * sync_every) // num_fragments
+
+
+def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
+    """Fragments whose round opens at syncer step ``step`` (t mod H = floor(p*H/P))."""
+    phase = step % sync_every
+    return [p for p in range(num_fragments) if fragment_offset(p, num_fragments, sync_every) == phase]

@@ -1,0 +1,47 @@
+"""The outer optimizer of one fragment: SGD with Nesterov momentum on merged outer gradients."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class OuterNesterov:
+    """SGD with Nesterov momentum, step for step equal to ``torch.optim.SGD(nesterov=True)``.
+
+    The outer gradient is ``Theta - theta`` (old global minus learner value), so a step with
+    lr 1 and momentum 0 moves the global values exactly onto the merged learner values.
+    """
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: list[torch.Tensor] | None = None
+
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Return the new parameter values (inputs are not modified)."""
+        if self.momentum > 0:
+            if self.buffers is None:
+                # torch's SGD starts the buffer at the first gradient, not at zero.
+                self.buffers = [g.detach().clone() for g in grads]
+            else:
+                for b, g in zip(self.buffers, grads):
+                    b.mul_(self.momentum).add_(g)
+            updates = [g + self.momentum * b for g, b in zip(grads, self.buffers)]
+        else:
+            updates = list(grads)
+        return [p - self.lr * u for p, u in zip(params, updates)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "buffers": None if self.buffers is None else [b.clone() for b in self.buffers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr = float(state["lr"])
+        self.momentum = float(state["momentum"])
+        bufs = state["buffers"]
+        self.buffers = None if bufs is None else [b.clone() for b in bufs]

@@ -1,0 +1,1 @@
+"""Drivers of the core: the virtual-time simulator (and, later, the real distributed runtime)."""

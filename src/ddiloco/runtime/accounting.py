@@ -1,0 +1,57 @@
+"""Where each learner's allocated time went: computing, blocked, down or restarting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STATES = ("compute", "blocked", "down", "restarting")
+
+
+@dataclass
+class TimeAccount:
+    """Time spent in each state by one learner (states change at event times)."""
+
+    state: str = "compute"
+    since: float = 0.0
+    totals: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STATES})
+
+    def switch(self, state: str, now: float) -> None:
+        self.totals[self.state] += now - self.since
+        self.state, self.since = state, now
+
+    def close(self, now: float) -> None:
+        self.switch(self.state, now)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Fleet-level shares of allocated learner-time (they add up to 1)."""
+
+    goodput: float
+    """Learner-time on inner steps / allocated learner-time."""
+    blocked: float
+    """Share spent waiting for fragments (lock-step baselines)."""
+    down: float
+    """Share spent down (failed, not yet restarting)."""
+    restarting: float
+    """Share spent restarting (process start, state fetch)."""
+
+
+def fleet_goodput(accounts: list[TimeAccount], horizon_s: float) -> Goodput:
+    alloc = horizon_s * len(accounts)
+    tot = {s: sum(a.totals[s] for a in accounts) / alloc for s in STATES}
+    return Goodput(tot["compute"], tot["blocked"], tot["down"], tot["restarting"])
+
+
+def uptime(outages: list[tuple[int, float, float]], num_learners: int, need: int, horizon_s: float) -> float:
+    """Share of [0, horizon] during which at least ``need`` learners are not in an outage."""
+    edges = sorted([(s, -1) for _, s, _ in outages] + [(e, +1) for _, _, e in outages])
+    up, last, good = num_learners, 0.0, 0.0
+    for t, d in edges:
+        t = min(max(t, 0.0), horizon_s)
+        if up >= need:
+            good += t - last
+        up, last = up + d, t
+    if up >= need:
+        good += horizon_s - last
+    return good / horizon_s

@@ -1,0 +1,19 @@
+"""Held-out evaluation of a model (always the syncer's global model in the runtimes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddiloco.workloads.base import Batch, Workload
+
+
+@torch.no_grad()
+def evaluate(workload: Workload, model: nn.Module, batches: list[Batch]) -> float:
+    """Token-weighted mean loss over the fixed evaluation batches."""
+    model.eval()
+    total, tokens = 0.0, 0
+    for b in batches:
+        total += float(workload.loss(model, b)) * b.tokens
+        tokens += b.tokens
+    return total / max(tokens, 1)

@@ -1,0 +1,39 @@
+"""The learners' inner optimizer and its learning-rate schedule over global tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ddiloco.config import InnerConfig
+
+
+def make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    """AdamW; biases, norms and other 1-d tensors get no weight decay."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def lr_at(tokens: float, total_tokens: float, cfg: InnerConfig, lr_scale: float = 1.0) -> float:
+    """Linear warm-up, then cosine decay to min_lr_frac, as a function of global tokens."""
+    peak = cfg.lr * lr_scale
+    warm = cfg.warmup_frac * total_tokens
+    if tokens < warm:
+        return peak * (tokens + 1) / (warm + 1)
+    frac = min(1.0, (tokens - warm) / max(1.0, total_tokens - warm))
+    return peak * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def inner_step(model: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> None:
+    """One optimizer step on ``loss`` at learning rate ``lr``."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
+    opt.step()

@@ -1,0 +1,72 @@
+"""What a run produced, and the tape statistics every report shows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddiloco.runtime.accounting import Goodput
+
+
+def summarise_tape(tape: list[dict[str, Any]], num_fragments: int) -> dict[str, float]:
+    """Rounds per fragment, mean learners per merge, grace admissions, rejections, late answers."""
+    merges = [e for e in tape if e.get("event") == "round" and e["merged"] and e["version"] > 0 and any(m["weight"] > 0 for m in e["merged"])]
+    rejected = sum(len(e.get("rejected", [])) for e in tape if e.get("event") == "round") + sum(1 for e in tape if e.get("event") == "rejected")
+    return {
+        "rounds_per_fragment": len(merges) / num_fragments,
+        "learners_per_merge": sum(len(e["merged"]) for e in merges) / len(merges) if merges else 0.0,
+        "grace_admissions": sum(1 for e in merges for m in e["merged"] if m["in_grace"]),
+        "rejected": rejected,
+        "late": sum(1 for e in tape if e.get("event") == "late"),
+    }
+
+
+@dataclass
+class RunResult:
+    """Outcome of one run (simulated or real)."""
+
+    method: str
+    final_loss: float
+    evals: list[dict[str, float]]
+    horizon_s: float
+    tokens_processed: int
+    tokens_merged: float
+    goodput: Goodput
+    uptime: float
+    lost_steps: float
+    failures: int
+    num_fragments: int
+    rounds_per_fragment: float
+    learners_per_merge: float
+    grace_admissions: int
+    rejected: int
+    late: int
+    tape: list[dict[str, Any]] = field(default_factory=list)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The scalar figures (what the table and summary.json show)."""
+        return {
+            "method": self.method,
+            "eval_loss": self.final_loss,
+            "tokens_processed": self.tokens_processed,
+            "tokens_merged": self.tokens_merged,
+            "merged_share": self.tokens_merged / self.tokens_processed if self.tokens_processed else 0.0,
+            "goodput": self.goodput.goodput,
+            "blocked": self.goodput.blocked,
+            "down": self.goodput.down,
+            "restarting": self.goodput.restarting,
+            "uptime": self.uptime,
+            "lost_steps": self.lost_steps,
+            "failures": self.failures,
+            "num_fragments": self.num_fragments,
+            "rounds_per_fragment": self.rounds_per_fragment,
+            "learners_per_merge": self.learners_per_merge,
+            "grace_admissions": self.grace_admissions,
+            "rejected": self.rejected,
+            "late": self.late,
+            "virtual_time_s": self.horizon_s,
+        }

@@ -1,0 +1,25 @@
+"""Run one configured method in virtual time (the entry point the CLI and benchmarks share)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ddiloco.config import Config
+from ddiloco.runtime.result import RunResult
+from ddiloco.workloads.base import Workload
+from ddiloco.workloads.config import load_workload
+
+
+def simulate(cfg: Config, workload: Workload | None = None, on_progress: Callable[[float, float], None] | None = None) -> RunResult:
+    """Train ``cfg.run.method`` in virtual time and return its result."""
+    torch.set_num_threads(cfg.run.threads)
+    wl = workload if workload is not None else load_workload(cfg.workload)
+    if cfg.run.method == "dp":
+        from ddiloco.runtime.dp import run_data_parallel
+
+        return run_data_parallel(cfg, wl, on_progress)
+    from ddiloco.runtime.sim import Simulation
+
+    return Simulation(cfg, wl, on_progress).run()

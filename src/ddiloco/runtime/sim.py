@@ -1,0 +1,305 @@
+"""Deterministic virtual-time runtime: M real torch learners and the syncer in one process.
+
+Every duration comes from the cost model in ``SimConfig`` (step time / speed x straggler
+factor x noise, transfer = latency + bytes / bandwidth), never from the wall clock. Events run
+in (time, actor, sequence) order on one thread, so the same config and seed give bit-identical
+results. Chaos, data and speed noise each draw from their own seeded stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
+from ddiloco.config import Config
+from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, specs_of, write_fragment
+from ddiloco.core.learner import LearnerCore
+from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+from ddiloco.core.syncer import Syncer
+from ddiloco.runtime.accounting import TimeAccount, fleet_goodput, uptime
+from ddiloco.runtime.evaluate import evaluate
+from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
+from ddiloco.runtime.result import RunResult, summarise_tape
+from ddiloco.workloads.base import DataStream, Workload
+
+SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)
+
+
+@dataclass
+class SimLearner:
+    """One learner's model, optimizer, data and protocol state inside the simulation."""
+
+    id: int
+    model: nn.Module
+    params: dict[str, torch.Tensor]
+    opt: torch.optim.Optimizer
+    stream: DataStream
+    core: LearnerCore
+    speed: float
+    noise: np.random.Generator
+    account: TimeAccount = field(default_factory=TimeAccount)
+    gen: int = 0  # incarnation: events of a failed incarnation are dropped
+    inbox: list[FragmentUpdate] = field(default_factory=list)
+    lost_steps: float = 0.0
+    failures: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.account.state in ("compute", "blocked")
+
+
+class Simulation:
+    """Runs one configured method in virtual time and returns a RunResult."""
+
+    def __init__(self, cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None) -> None:
+        self.cfg, self.wl, self.on_progress = cfg, workload, on_progress
+        a, s, r = cfg.algo, cfg.sim, cfg.run
+        torch.use_deterministic_algorithms(True)
+        base = workload.build_model(r.seed)
+        self.layout: FragmentLayout = make_layout(specs_of(base.named_parameters()), a.num_fragments, a.fragment_strategy, a.sync_every)
+        emb = [workload.is_embedding_like(pc.name) for frag in self.layout.fragments for pc in frag]
+        self.syncer = Syncer(a, self.layout, dict(base.named_parameters()), emb)
+        self.eval_model = copy.deepcopy(base)
+        self.eval_batches = workload.eval_batches()
+        m_count = r.num_learners
+        speeds = s.speeds or (1.0,) * m_count
+        self.learners = []
+        for m in range(m_count):
+            model = copy.deepcopy(base)
+            stream = workload.train_stream(m, m_count, r.seed)
+            self.learners.append(SimLearner(m, model, dict(model.named_parameters()), make_optimizer(model, cfg.inner), stream, LearnerCore(a, m, self.layout.num_fragments), speeds[m], np.random.default_rng([r.seed, 0x5EED, m])))
+        first = self.learners[0].stream.next_batch()
+        self.learners[0].stream.seek(0)
+        self.tokens_per_step = first.tokens
+        steps = math.ceil(r.tokens / (m_count * self.tokens_per_step))
+        self.horizon = steps * s.step_time_s
+        self.chaos: ChaosSchedule = make_schedule(cfg.chaos, m_count, self.horizon, r.seed)
+        self.fragment_bytes = [4 * n for n in self.layout.sizes()]
+        self.events: list[tuple[float, int, int, str, Any]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.evals: list[dict[str, float]] = []
+        self.log: list[dict[str, Any]] = []
+        self._wakes: set[float] = set()
+
+    # -- event plumbing --------------------------------------------------------------------
+
+    def _at(self, t: float, actor: int, kind: str, data: Any = None) -> None:
+        heapq.heappush(self.events, (t, actor, next(self.seq), kind, data))
+
+    def _transfer_s(self, nbytes: int) -> float:
+        return self.cfg.sim.latency_s + nbytes * 8 / (self.cfg.sim.bandwidth_gbps * 1e9)
+
+    def _to_syncer(self, msg: Any, nbytes: int = 64) -> None:
+        self._at(self.now + self._transfer_s(nbytes), SYNCER, "syncer_msg", msg)
+
+    def _dispatch(self, outs: list) -> None:
+        """Deliver syncer outputs: requests after a latency, updates after merge + transfer."""
+        merged = {}
+        for o in outs:
+            if isinstance(o, FragmentUpdate) and o.reason == "merged":
+                merged[o.fragment] = merged.get(o.fragment, 0) + 1
+        for o in outs:
+            if isinstance(o, FragmentRequest):
+                self._at(self.now + self.cfg.sim.latency_s, o.learner, "learner_msg", o)
+            else:
+                nbytes = self.fragment_bytes[o.fragment]
+                merge_s = merged.get(o.fragment, 0) * nbytes / (self.cfg.sim.merge_gbps * 1e9)
+                self._at(self.now + merge_s + self._transfer_s(nbytes), o.learner, "learner_msg", o)
+        deadline = self.syncer.next_deadline(self.now)
+        if deadline is not None and deadline not in self._wakes:
+            self._wakes.add(deadline)
+            self._at(deadline, SYNCER, "syncer_wake")
+
+    # -- learners --------------------------------------------------------------------------
+
+    def _step_duration(self, ln: SimLearner) -> float:
+        d = self.cfg.sim.step_time_s / ln.speed * self.chaos.slowdown(ln.id, self.now)
+        if self.cfg.sim.speed_noise > 0:
+            d *= max(0.2, 1.0 + self.cfg.sim.speed_noise * float(ln.noise.standard_normal()))
+        return d
+
+    def _start_step(self, ln: SimLearner) -> None:
+        d = self._step_duration(ln)
+        self._at(self.now + d, ln.id, "step_end", (ln.gen, d))
+
+    def _on_step_end(self, ln: SimLearner, gen: int, duration: float) -> None:
+        if gen != ln.gen:
+            return
+        batch = ln.stream.next_batch()
+        lr = lr_at(ln.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner)
+        ln.model.train()
+        inner_step(ln.model, ln.opt, self.wl.loss(ln.model, batch), lr, self.cfg.inner.grad_clip)
+        sends = ln.core.on_step(batch.tokens)
+        self._to_syncer(Heartbeat(ln.id, ln.core.step, duration))
+        for p in sends:
+            self._send_fragment(ln, p)
+        for u in ln.inbox:
+            self._apply(ln, u)
+        ln.inbox.clear()
+        self._continue_or_block(ln)
+
+    def _continue_or_block(self, ln: SimLearner) -> None:
+        if ln.core.blocking_fragments(self.now):
+            if ln.account.state != "blocked":
+                ln.account.switch("blocked", self.now)
+            deadline = ln.core.block_deadline()
+            if deadline is not None:
+                self._at(deadline, ln.id, "unblock_check", ln.gen)
+            self._at(self.now + self.cfg.algo.liveness_timeout_s / 4, ln.id, "blocked_heartbeat", ln.gen)
+        else:
+            if ln.account.state != "compute":
+                ln.account.switch("compute", self.now)
+            self._start_step(ln)
+
+    def _send_fragment(self, ln: SimLearner, p: int) -> None:
+        ans = ln.core.answer(p)
+        values = read_fragment(ln.params, self.layout.fragments[p])
+        c = Contribution(ln.id, p, ans.base_version, values, ans.steps, ans.tokens, ln.stream.position, ans.step)
+        self._to_syncer(c, self.fragment_bytes[p])
+
+    def _apply(self, ln: SimLearner, u: FragmentUpdate) -> None:
+        alpha = ln.core.on_update(u)
+        if alpha is None:
+            return
+        write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, alpha)
+        self._to_syncer(Ack(ln.id, u.fragment, u.version))
+
+    def _on_learner_msg(self, ln: SimLearner, msg: Any) -> None:
+        if not ln.up:
+            return  # a dead process receives nothing
+        if isinstance(msg, FragmentRequest):
+            self._send_fragment(ln, msg.fragment)  # from the host copy: training never pauses
+        elif ln.account.state == "blocked":
+            self._apply(ln, msg)
+            self._continue_or_block(ln)
+        else:
+            ln.inbox.append(msg)  # applied between inner steps
+
+    # -- chaos -----------------------------------------------------------------------------
+
+    def _on_fail(self, ln: SimLearner, restart_at: float, back_at: float) -> None:
+        ln.gen += 1
+        ln.failures += 1
+        ln.lost_steps += sum(ln.core.steps) / len(ln.core.steps)  # steps not yet contributed
+        ln.inbox.clear()
+        ln.account.switch("down", self.now)
+        self.log.append({"event": "fail", "learner": ln.id, "time": self.now})
+        self._at(restart_at, ln.id, "restart_begin", None)
+        self._at(back_at, ln.id, "rejoin", None)
+
+    def _on_rejoin(self, ln: SimLearner) -> None:
+        """Fetch every global fragment, warm the inner optimizer from a live peer, resume data."""
+        outs = self.syncer.on_join(ln.id, self.now)
+        joins = [o for o in outs if isinstance(o, FragmentUpdate) and o.learner == ln.id and o.reason == "join"]
+        ln.core.on_rejoin(self.syncer.max_step_seen)
+        for u in joins:
+            self._apply(ln, u)
+        peer = next((p for p in self.learners if p.up and p.id != ln.id), None)
+        ln.opt = make_optimizer(ln.model, self.cfg.inner)
+        if peer is not None:
+            ln.opt.load_state_dict(copy.deepcopy(peer.opt.state_dict()))
+        ln.stream.seek(self.syncer.learners[ln.id].data_position)
+        self.log.append({"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id})
+        ln.account.switch("compute", self.now)
+        self._dispatch([o for o in outs if not any(o is j for j in joins)])
+        self._start_step(ln)
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    def _evaluate(self) -> float:
+        self.eval_model.load_state_dict(self.syncer.global_state(), strict=False)
+        return evaluate(self.wl, self.eval_model, self.eval_batches)
+
+    def _record_eval(self, final: bool = False) -> None:
+        loss = self._evaluate()
+        self.evals.append({"time": self.now, "tokens": sum(ln.core.tokens_processed for ln in self.learners), "merged_tokens": self.syncer.global_tokens, "loss": loss, "final": final})
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        for ln in self.learners:
+            self._dispatch([o for o in self.syncer.on_join(ln.id, 0.0) if not (isinstance(o, FragmentUpdate) and o.learner == ln.id)])
+            self._start_step(ln)
+        for o in self.chaos.outages:
+            restart_at = max(o.start_s, o.end_s - self.chaos.restart_s)
+            self._at(o.start_s, o.learner, "fail", (restart_at, o.end_s))
+        for k in range(1, self.cfg.run.eval_points + 1):
+            self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + 1, "eval")
+        handlers = {
+            "step_end": lambda ln, d: self._on_step_end(ln, *d),
+            "learner_msg": self._on_learner_msg,
+            "fail": lambda ln, d: self._on_fail(ln, *d),
+            "restart_begin": lambda ln, d: ln.account.switch("restarting", self.now),
+            "rejoin": lambda ln, d: self._on_rejoin(ln),
+            "unblock_check": lambda ln, gen: gen == ln.gen and ln.account.state == "blocked" and self._continue_or_block(ln),
+            "blocked_heartbeat": lambda ln, gen: gen == ln.gen and ln.account.state == "blocked" and self._blocked_heartbeat(ln),
+        }
+        while self.events and self.events[0][0] <= self.horizon:
+            t, actor, _, kind, data = heapq.heappop(self.events)
+            self.now = t
+            if kind == "syncer_msg":
+                self._dispatch(self._syncer_receive(data))
+            elif kind == "syncer_wake":
+                self._wakes.discard(t)
+                self._dispatch(self.syncer.poll(t))
+            elif kind == "eval":
+                self._record_eval()
+                if self.on_progress:
+                    self.on_progress(t, self.horizon)
+            else:
+                handlers[kind](self.learners[actor], data)
+        self.now = self.horizon
+        for ln in self.learners:
+            ln.account.close(self.horizon)
+        self.syncer.flush(self.horizon)  # evaluation is of the global model after a flush
+        self._record_eval(final=True)
+        if self.on_progress:
+            self.on_progress(self.horizon, self.horizon)
+        return self._result()
+
+    def _blocked_heartbeat(self, ln: SimLearner) -> None:
+        self._to_syncer(Heartbeat(ln.id, ln.core.step, 0.0))
+        self._at(self.now + self.cfg.algo.liveness_timeout_s / 4, ln.id, "blocked_heartbeat", ln.gen)
+
+    def _syncer_receive(self, msg: Any) -> list:
+        if isinstance(msg, Heartbeat):
+            return self.syncer.on_heartbeat(msg, self.now)
+        if isinstance(msg, Contribution):
+            return self.syncer.on_contribution(msg, self.now)
+        if isinstance(msg, Ack):
+            self.syncer.on_ack(msg, self.now)
+            return []
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _result(self) -> RunResult:
+        gp = fleet_goodput([ln.account for ln in self.learners], self.horizon)
+        need = self.cfg.algo.quorum if self.cfg.algo.quorum >= 1 else 1
+        outages = [(o.learner, o.start_s, o.end_s) for o in self.chaos.outages]
+        processed = sum(ln.core.tokens_processed for ln in self.learners)
+        return RunResult(
+            method=self.cfg.run.method,
+            final_loss=self.evals[-1]["loss"],
+            evals=self.evals,
+            horizon_s=self.horizon,
+            tokens_processed=processed,
+            tokens_merged=self.syncer.global_tokens,
+            goodput=gp,
+            uptime=uptime(outages, len(self.learners), min(need, len(self.learners)), self.horizon),
+            lost_steps=sum(ln.lost_steps for ln in self.learners),
+            failures=sum(ln.failures for ln in self.learners),
+            num_fragments=self.layout.num_fragments,
+            tape=self.syncer.tape,
+            log=self.log,
+            state={k: v.detach().clone() for k, v in self.eval_model.state_dict().items()},
+            **summarise_tape(self.syncer.tape, self.layout.num_fragments),
+        )

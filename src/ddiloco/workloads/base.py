@@ -1,0 +1,70 @@
+"""The contract between a training workload and the runtimes.
+
+A workload owns a model family, its loss and its data. The runtimes only ever call the
+methods below, so a user's own ``nn.Module`` and dataset plug in through a factory named in
+the config (``workload.factory = "package.module:factory"``) without editing this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training or evaluation batch."""
+
+    inputs: torch.Tensor
+    """Model inputs (for the GPT: int64 byte ids, shape [batch, seq_len])."""
+    targets: torch.Tensor
+    """Targets aligned with ``inputs``."""
+    tokens: int
+    """Tokens (or examples) in this batch: the unit of the token-weighted merge."""
+
+
+@runtime_checkable
+class DataStream(Protocol):
+    """A deterministic, seekable stream of training batches for one learner's shard."""
+
+    position: int
+    """Number of batches consumed so far; ``seek(position)`` resumes exactly there."""
+
+    def next_batch(self) -> Batch:
+        """Return the batch at ``position`` and advance by one."""
+        ...
+
+    def seek(self, position: int) -> None:
+        """Resume at ``position`` (a value previously read from ``position``)."""
+        ...
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """A model family, its loss, and its data split into learner shards plus a held-out set."""
+
+    name: str
+    """Short name used in reports."""
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A freshly initialised model; the same seed gives the same parameters."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean loss of ``model`` on ``batch`` (a scalar with grad; nats per byte for text)."""
+        ...
+
+    def train_stream(self, shard: int, num_shards: int, seed: int) -> DataStream:
+        """Learner ``shard``'s stream, one of ``num_shards`` disjoint shards."""
+        ...
+
+    def eval_batches(self) -> list[Batch]:
+        """The fixed held-out evaluation batches (disjoint from every training shard)."""
+        ...
+
+    def is_embedding_like(self, name: str) -> bool:
+        """Whether parameter ``name`` is merged by weighted mean instead of RDA."""
+        ...
