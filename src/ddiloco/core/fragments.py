@@ -94,35 +94,37 @@ def pack_sizes(sizes: Sequence[int], num_bins: int) -> list[list[int]]:
     return bins
 
 
-def _split_rows(spec: TensorSpec, target: int) -> list[Piece]:
-    """Split a tensor into near-equal row ranges of at most ~target elements each."""
-    shape = spec.shape if spec.shape else (1,)
-    rows = shape[0]
-    row_numel = math.prod(shape[1:])
-    chunks = min(rows, max(1, math.ceil(spec.numel / max(target, 1))))
-    pieces = []
-    for c in range(chunks):
-        lo, hi = c * rows // chunks, (c + 1) * rows // chunks
-        pieces.append(Piece(spec.name, lo, hi, (hi - lo, *shape[1:])))
-    assert sum(p.numel for p in pieces) == rows * row_numel
-    return pieces
-
-
 def _whole(spec: TensorSpec) -> Piece:
     rows = spec.shape[0] if spec.shape else 1
     return Piece(spec.name, 0, rows, spec.shape)
 
 
-def balanced_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentLayout:
-    """Balanced-tensor greedy packing; tensors larger than sum/P are first split by rows."""
-    total = sum(s.numel for s in specs)
-    target = math.ceil(total / num_fragments)
-    pieces: list[Piece] = []
-    for s in specs:
-        pieces.extend(_split_rows(s, target) if s.numel > target and s.shape else [_whole(s)])
+def _halve(pc: Piece) -> list[Piece]:
+    mid = pc.row_start + (pc.row_end - pc.row_start) // 2
+    rest = pc.shape[1:]
+    return [Piece(pc.name, pc.row_start, mid, (mid - pc.row_start, *rest)), Piece(pc.name, mid, pc.row_end, (pc.row_end - mid, *rest))]
+
+
+def _pack(pieces: list[Piece], num_fragments: int) -> FragmentLayout:
     bins = pack_sizes([p.numel for p in pieces], num_fragments)
     # Keep model order inside a fragment so payloads are laid out predictably.
     return FragmentLayout(tuple(tuple(pieces[i] for i in sorted(b)) for b in bins))
+
+
+def balanced_layout(specs: Sequence[TensorSpec], num_fragments: int, max_ratio: float = 1.25) -> FragmentLayout:
+    """Balanced-tensor greedy packing of whole tensors; while the largest fragment exceeds
+    ``max_ratio`` x the mean, the largest multi-row piece is halved by rows and the pieces are
+    packed again, so tensors are split only as much as balance needs."""
+    pieces = [_whole(s) for s in specs]
+    layout = _pack(pieces, num_fragments)
+    while imbalance(layout) > max_ratio:
+        splittable = [i for i, pc in enumerate(pieces) if pc.row_end - pc.row_start > 1 and len(pc.shape) >= 1]
+        if not splittable:
+            break
+        i = max(splittable, key=lambda j: (pieces[j].numel, -j))
+        pieces[i : i + 1] = _halve(pieces[i])
+        layout = _pack(pieces, num_fragments)
+    return layout
 
 
 _LAYER = re.compile(r"^(.*?\.\d+)\.")

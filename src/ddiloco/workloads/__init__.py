@@ -1,0 +1,1 @@
+"""Workloads: a byte-level GPT on Shakespeare, a synthetic task, and the plug-in contract."""

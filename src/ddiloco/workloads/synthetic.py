@@ -1,0 +1,174 @@
+"""A fast synthetic workload for tests: a small MLP student regresses a fixed random teacher.
+
+Inputs are Gaussian vectors, targets the outputs of a fixed random teacher MLP plus a little
+noise. Data is infinite: batch ``k`` of shard ``s`` is drawn from a generator seeded by
+``(seed, num_shards, s, k)``, so streams are seekable in O(1) and shards never share a batch.
+The student's first layer is called ``embed`` and is reported as embedding-like, so both
+merge paths (weighted mean and RDA) see traffic. A "token" is one example.
+
+Options (``workload.options``): ``d_in`` (16), ``hidden`` (64), ``d_out`` (8),
+``noise`` (0.01, target noise std), ``teacher_seed`` (1234).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddiloco.errors import ConfigError, DataError
+from ddiloco.workloads.base import Batch
+from ddiloco.workloads.config import WorkloadConfig
+
+_EVAL_KEY = (0, 0, 0)  # num_shards = 0: a key prefix that no training stream uses
+
+
+@dataclass(frozen=True)
+class SyntheticOptions:
+    """Shape of the synthetic task, from ``workload.options``."""
+
+    d_in: int = 16
+    """Input features."""
+    hidden: int = 64
+    """Student (and teacher) hidden width."""
+    d_out: int = 8
+    """Regression targets."""
+    noise: float = 0.01
+    """Standard deviation of Gaussian noise added to the teacher's outputs."""
+    teacher_seed: int = 1234
+    """Seed of the fixed teacher network."""
+
+    @classmethod
+    def from_dict(cls, options: dict[str, object]) -> SyntheticOptions:
+        """Parse ``workload.options``, rejecting unknown keys and bad values."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"workload.options {unknown} unknown to the synthetic workload; "
+                f"allowed: {sorted(known)}"
+            )
+        opts = cls(**options)  # type: ignore[arg-type]
+        for name in ("d_in", "hidden", "d_out"):
+            value = getattr(opts, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"workload.options.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(opts.noise, (int, float)) or opts.noise < 0:
+            raise ConfigError(f"workload.options.noise must be a number >= 0, got {opts.noise!r}")
+        return opts
+
+
+class Student(nn.Module):
+    """embed -> tanh -> hidden -> tanh -> head."""
+
+    def __init__(self, opts: SyntheticOptions) -> None:
+        super().__init__()
+        self.embed = nn.Linear(opts.d_in, opts.hidden)
+        self.hidden = nn.Linear(opts.hidden, opts.hidden)
+        self.head = nn.Linear(opts.hidden, opts.d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Uniform(+-1/sqrt(fan_in)) weights (PyTorch's default scale), zero biases."""
+        for layer in (self.embed, self.hidden, self.head):
+            bound = layer.in_features**-0.5
+            layer.weight.uniform_(-bound, bound, generator=generator)
+            layer.bias.zero_()
+
+
+def _generator(*key: int) -> torch.Generator:
+    """A torch generator seeded by mixing the integers in ``key``."""
+    seed = int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+    return torch.Generator().manual_seed(seed)
+
+
+class SyntheticStream:
+    """Seekable stream: batch ``k`` comes from a generator seeded by ``key + (k,)``."""
+
+    def __init__(self, task: SyntheticWorkload, key: tuple[int, ...]) -> None:
+        self.position = 0
+        self._task, self._key = task, key
+
+    def next_batch(self) -> Batch:
+        """The batch at ``position``; advances ``position`` by one."""
+        batch = self._task.make_batch(_generator(*self._key, self.position))
+        self.position += 1
+        return batch
+
+    def seek(self, position: int) -> None:
+        """Resume at ``position`` batches into the stream."""
+        if position < 0:
+            raise DataError(f"cannot seek a data stream to position {position}; positions are >= 0")
+        self.position = int(position)
+
+
+class SyntheticWorkload:
+    """Teacher-student regression (mean squared error); see the module docstring."""
+
+    name = "synthetic"
+
+    def __init__(self, cfg: WorkloadConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.opts = SyntheticOptions.from_dict(cfg.options)
+        # The teacher is a wider-scaled student, so its outputs vary by O(1) over the inputs.
+        self.teacher = Student(self.opts)
+        self.teacher.init_weights(_generator(self.opts.teacher_seed))
+        with torch.no_grad():
+            for p in self.teacher.parameters():
+                p.mul_(2.0)
+        self.teacher.requires_grad_(False)
+        self._eval: list[Batch] | None = None
+
+    def make_batch(self, generator: torch.Generator) -> Batch:
+        """One batch of ``batch_size`` examples drawn from ``generator``."""
+        n, o = self.cfg.batch_size, self.opts
+        x = torch.randn(n, o.d_in, generator=generator)
+        with torch.no_grad():
+            y = self.teacher(x) + o.noise * torch.randn(n, o.d_out, generator=generator)
+        return Batch(inputs=x, targets=y, tokens=n)
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A fresh student initialised from ``seed`` (without touching the global RNG)."""
+        with torch.device("meta"):
+            model = Student(self.opts)
+        model = model.to_empty(device="cpu")
+        model.init_weights(torch.Generator().manual_seed(seed))
+        return model
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean squared error."""
+        return F.mse_loss(model(batch.inputs), batch.targets)
+
+    def train_stream(self, shard: int, num_shards: int, seed: int) -> SyntheticStream:
+        """Shard ``shard``'s infinite stream, distinct for every (seed, num_shards, shard)."""
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise ConfigError(
+                f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards"
+            )
+        if seed < 0:
+            raise ConfigError(f"data seed must be >= 0, got {seed}")
+        return SyntheticStream(self, (seed, num_shards, shard))
+
+    def eval_batches(self) -> list[Batch]:
+        """``eval_batches`` fixed batches from a key no training stream uses."""
+        if self._eval is None:
+            n = self.cfg.eval_batches
+            self._eval = [self.make_batch(_generator(*_EVAL_KEY, k)) for k in range(n)]
+        return list(self._eval)
+
+    def is_embedding_like(self, name: str) -> bool:
+        """The ``embed`` layer's weight is merged by weighted mean, the rest by RDA."""
+        parts = name.split(".")
+        return len(parts) >= 2 and parts[-2] == "embed" and parts[-1] == "weight"
+
+
+def make_workload(cfg: WorkloadConfig) -> SyntheticWorkload:
+    """Factory for ``workload.factory = "ddiloco.workloads.synthetic:make_workload"``."""
+    return SyntheticWorkload(cfg)

@@ -1,0 +1,126 @@
+"""Wire encodings: error bounds, edge cases and sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch
+
+from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, decode, encode, encoded_nbytes
+from ddiloco.errors import ConfigError
+
+torch.set_num_threads(1)
+
+
+def _sample(numel: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Mixed magnitudes across blocks so the per-block scales matter.
+    return torch.randn(numel, generator=g) * torch.logspace(-4, 2, numel)
+
+
+def _blockwise_absmax(t: torch.Tensor) -> torch.Tensor:
+    """Per-value absmax of the block the value belongs to."""
+    flat = t.reshape(-1)
+    pad = -flat.numel() % BLOCK_SIZE
+    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK_SIZE)
+    return blocks.abs().amax(1).repeat_interleave(BLOCK_SIZE)[: flat.numel()]
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (BLOCK_SIZE,), (3, BLOCK_SIZE + 1), (1,), ()])
+def test_fp32_is_exact(shape: tuple[int, ...]) -> None:
+    t = _sample(math.prod(shape)).reshape(shape)
+    assert torch.equal(decode(encode(t, "fp32")), t)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (3, BLOCK_SIZE + 1)])
+def test_bf16_relative_error(shape: tuple[int, ...]) -> None:
+    t = _sample(math.prod(shape)).reshape(shape)
+    out = decode(encode(t, "bf16"))
+    assert out.shape == t.shape and out.dtype == torch.float32
+    assert ((out - t).abs() <= t.abs() * 2.0**-8).all()
+
+
+@pytest.mark.parametrize("encoding,qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (BLOCK_SIZE,), (3, BLOCK_SIZE + 1), (1,), (5,), ()])
+def test_int_blockwise_error_bound(encoding: str, qmax: int, shape: tuple[int, ...]) -> None:
+    t = _sample(math.prod(shape), seed=len(shape)).reshape(shape)
+    out = decode(encode(t, encoding))
+    assert out.shape == t.shape and out.dtype == torch.float32
+    bound = _blockwise_absmax(t) / qmax / 2
+    err = (out - t).abs().reshape(-1)
+    assert (err <= bound * (1 + 1e-5) + 1e-12).all()
+    # The block maximum is represented exactly (up to float rounding).
+    i = t.reshape(-1).abs().argmax()
+    assert torch.isclose(out.reshape(-1)[i], t.reshape(-1)[i], rtol=1e-6)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_zero_and_mixed_zero_blocks(encoding: str) -> None:
+    z = torch.zeros(3, 100)
+    assert torch.equal(decode(encode(z, encoding)), z)
+    t = torch.cat([torch.zeros(BLOCK_SIZE), torch.ones(BLOCK_SIZE + 3)])  # one all-zero block
+    assert torch.equal(decode(encode(t, encoding)), t)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_other_dtypes_and_empty(encoding: str) -> None:
+    t = torch.linspace(-1, 1, 301, dtype=torch.float64).to(torch.bfloat16)
+    e = encode(t, encoding)
+    assert e.dtype == torch.bfloat16 and e.shape == (301,)
+    assert decode(e).dtype == torch.float32
+    empty = torch.empty(0, 4)
+    assert decode(encode(empty, encoding)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_non_finite_stays_non_finite(encoding: str) -> None:
+    for bad in (float("nan"), float("inf")):
+        t = torch.ones(300)
+        t[5] = bad
+        out = decode(encode(t, encoding))
+        assert not torch.isfinite(out[5])
+        assert torch.isfinite(out[BLOCK_SIZE * 2 :]).all()  # other blocks unaffected
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("numel", [0, 1, 2, 127, 128, 129, 1000, 65537])
+def test_nbytes_matches_cost_model(encoding: str, numel: int) -> None:
+    assert encode(torch.ones(numel), encoding).nbytes == encoded_nbytes(numel, encoding)
+
+
+def test_nbytes_ratios() -> None:
+    n = 1 << 20
+    fp32 = encoded_nbytes(n, "fp32")
+    assert fp32 / encoded_nbytes(n, "bf16") == 2
+    assert 3.8 < fp32 / encoded_nbytes(n, "int8") <= 4
+    assert 7.5 < fp32 / encoded_nbytes(n, "int4") <= 8
+
+
+def test_encode_is_a_snapshot() -> None:
+    t = torch.ones(10)
+    e = encode(t, "fp32")
+    t.add_(1)
+    assert torch.equal(decode(e), torch.ones(10))
+
+
+def test_unknown_encoding() -> None:
+    with pytest.raises(ConfigError, match="allowed: fp32, bf16, int8, int4"):
+        encode(torch.ones(3), "fp8")
+    with pytest.raises(ConfigError, match="unknown encoding"):
+        encoded_nbytes(3, "int2")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=0, max_size=300),
+    encoding=st.sampled_from(["int8", "int4"]),
+)
+def test_int_bound_property(values: list[float], encoding: str) -> None:
+    t = torch.tensor(values, dtype=torch.float32)
+    out = decode(encode(t, encoding))
+    qmax = 127 if encoding == "int8" else 7
+    bound = _blockwise_absmax(t) / qmax / 2
+    assert ((out - t).abs() <= bound * (1 + 1e-5) + 1e-30).all()

@@ -1,0 +1,76 @@
+"""The learner's state machine: counters, apply policy, lock-step sending and blocking."""
+
+import dataclasses
+
+import torch
+
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.learner import LearnerCore
+from ddiloco.core.messages import FragmentUpdate
+
+CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1)
+
+
+def update(p, version, reason="merged", tokens=0.0, live=1):
+    return FragmentUpdate(0, p, version, [torch.zeros(1)], tokens, live, 0, reason)
+
+
+def test_counters_grow_and_reset_per_fragment_on_receipt():
+    core = LearnerCore(CFG, 0, 2)
+    for _ in range(3):
+        assert core.on_step(100) == []  # 'continue' learners send only when asked
+    ans = core.answer(1)
+    assert (ans.base_version, ans.steps, ans.tokens, ans.step) == (0, 3, 300, 3)
+    assert core.on_update(update(1, 1)) == 0.0
+    assert core.steps == [3, 0] and core.tokens == [300, 0] and core.base_version == [0, 1]
+
+
+def test_versions_never_go_backwards_and_blend_applies_to_merges_only():
+    core = LearnerCore(dataclasses.replace(CFG, alpha=0.5), 0, 2)
+    assert core.on_update(update(0, 3)) == 0.5
+    core.on_step(10)
+    assert core.on_update(update(0, 2)) is None  # older than the base: dropped
+    assert core.steps[0] == 1
+    assert core.on_update(update(0, 4, reason="join")) == 0.0  # a fetch always overwrites
+
+
+def test_lr_position_extrapolates_from_the_global_token_count():
+    core = LearnerCore(CFG, 0, 2)
+    core.on_update(update(0, 1, tokens=5000.0, live=4))
+    core.on_step(100)
+    assert core.lr_tokens() == 5000.0 + 4 * 100
+
+
+def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
+    cfg = dataclasses.replace(CFG, late_fragment="wait", syncer_timeout_s=10.0)
+    core = LearnerCore(cfg, 0, 2)
+    sent = []
+    for _ in range(4):
+        due = core.on_step(1)
+        for p in due:
+            core.answer(p)  # the runtime sends it at once
+        sent.append(due)
+    assert sent == [[], [1], [], [0]]  # offsets floor(p*H/P) = 0, 2; step 4 = 0 mod 4
+    # fragment 1 sent at step 2, tau = 1: at step 4 the learner must wait for it
+    assert core.blocking_fragments(now=100.0) == [1]
+    assert core.block_deadline() == 110.0
+    core.on_step(1)  # (the runtime would not step while blocked; here: time runs out)
+    assert core.blocking_fragments(now=110.0) == [0]  # 1 gave up; 0 (sent at 4) now due
+    core.on_update(update(0, 1))
+    assert core.blocking_fragments(now=111.0) == []
+
+
+def test_continue_never_blocks():
+    core = LearnerCore(CFG, 0, 2)
+    core.on_step(1)
+    core.answer(0)
+    for _ in range(10):
+        core.on_step(1)
+    assert core.blocking_fragments(now=1e9) == []
+
+
+def test_rejoin_clears_counters_and_aligns_lock_step_learners():
+    core = LearnerCore(dataclasses.replace(CFG, late_fragment="wait"), 0, 2)
+    core.on_step(5)
+    core.on_rejoin(global_step=40)
+    assert core.steps == [0, 0] and core.step == 40 and not core.in_flight
