@@ -22,7 +22,7 @@ def cfg_for(method="decoupled", *extra):
 def test_one_learner_h1_mean_lr1_equals_plain_training():
     cfg = cfg_for(
         "diloco", "run.num_learners=1", "run.tokens=1600", "algo.sync_every=1", "algo.merge=mean",
-        "algo.outer_lr=1.0", "algo.outer_momentum=0.0", "sim.latency_s=0.0", "sim.bandwidth_gbps=1e9",
+        "algo.outer_lr=1.0", "algo.outer_momentum=0.0", "sim.latency_s=0.0", "sim.jitter_s=0.0", "sim.bandwidth_gbps=1e9",
     )
     result = simulate(cfg)
     merged_steps = result.tape[-1]["version"]

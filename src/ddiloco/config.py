@@ -72,7 +72,7 @@ class InnerConfig:
 class SimConfig:
     """The virtual-time cost model."""
 
-    step_time_s: float = 0.1
+    step_time_s: float = 1.0
     """Virtual seconds of one inner step of a speed-1 learner."""
     speeds: tuple[float, ...] = ()
     """Per-learner speed factors (1 = nominal, 0.8 = 20% slower); empty: all 1."""
@@ -82,6 +82,9 @@ class SimConfig:
     """Learner <-> syncer bandwidth, gigabits per second."""
     latency_s: float = 0.005
     """One-way message latency."""
+    jitter_s: float = 0.002
+    """Mean of an exponential extra delay on every message (own seeded stream), so equal
+    transfers do not arrive in learner-id order."""
     merge_gbps: float = 8.0
     """Syncer merge throughput, gigabytes of contributions per second."""
 
@@ -133,6 +136,7 @@ class Config:
             ("speed_noise", 0 <= s.speed_noise < 1, "[0, 1)"),
             ("bandwidth_gbps", s.bandwidth_gbps > 0, "> 0"),
             ("latency_s", s.latency_s >= 0, ">= 0"),
+            ("jitter_s", s.jitter_s >= 0, ">= 0"),
             ("merge_gbps", s.merge_gbps > 0, "> 0"),
         ):
             if not ok:

@@ -84,6 +84,7 @@ class Simulation:
         self.horizon = steps * s.step_time_s
         self.chaos: ChaosSchedule = make_schedule(cfg.chaos, m_count, self.horizon, r.seed)
         self.fragment_bytes = [4 * n for n in self.layout.sizes()]
+        self.net = np.random.default_rng([r.seed, 0x7E7])  # network jitter stream
         self.events: list[tuple[float, int, int, str, Any]] = []
         self.seq = itertools.count()
         self.now = 0.0
@@ -97,7 +98,10 @@ class Simulation:
         heapq.heappush(self.events, (t, actor, next(self.seq), kind, data))
 
     def _transfer_s(self, nbytes: int) -> float:
-        return self.cfg.sim.latency_s + nbytes * 8 / (self.cfg.sim.bandwidth_gbps * 1e9)
+        """Latency + jitter + bytes / bandwidth."""
+        s = self.cfg.sim
+        jitter = float(self.net.exponential(s.jitter_s)) if s.jitter_s > 0 else 0.0
+        return s.latency_s + jitter + nbytes * 8 / (s.bandwidth_gbps * 1e9)
 
     def _to_syncer(self, msg: Any, nbytes: int = 64) -> None:
         self._at(self.now + self._transfer_s(nbytes), SYNCER, "syncer_msg", msg)
@@ -110,7 +114,7 @@ class Simulation:
                 merged[o.fragment] = merged.get(o.fragment, 0) + 1
         for o in outs:
             if isinstance(o, FragmentRequest):
-                self._at(self.now + self.cfg.sim.latency_s, o.learner, "learner_msg", o)
+                self._at(self.now + self._transfer_s(64), o.learner, "learner_msg", o)
             else:
                 nbytes = self.fragment_bytes[o.fragment]
                 merge_s = merged.get(o.fragment, 0) * nbytes / (self.cfg.sim.merge_gbps * 1e9)

