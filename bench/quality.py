@@ -117,7 +117,7 @@ def main() -> int:
         "diloco chaos": ("diloco", [*base, *best_over["diloco"], *CHAOS]),
         "hetero K=1": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=1", "algo.grace=false"]),
         "hetero K=1+grace": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=1", "algo.grace=true"]),
-        "hetero K=all": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=0", "algo.grace=false"]),
+        "hetero K=all": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=all", "algo.grace=false"]),
     }
     jobs = []
     for arm, (method, over) in arms.items():

@@ -83,7 +83,7 @@ def test_default_p_keeps_largest_within_1_25_of_mean():
     p = default_num_fragments(specs, sync_every=24)
     assert 1 <= p <= 24
     assert imbalance(balanced_layout(specs, p)) <= 1.25
-    assert make_layout(specs, 0, "balanced", 24).num_fragments == p
+    assert make_layout(specs, None, "balanced", 24).num_fragments == p
 
 
 def test_per_layer_and_strided():

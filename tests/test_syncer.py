@@ -16,7 +16,7 @@ BASE = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=2, quorum=1, grace=Tr
 
 
 def make(cfg=BASE, learners=(0, 1, 2), init=0.0):
-    layout = balanced_layout([TensorSpec("w", (4,))], cfg.num_fragments or 1)
+    layout = balanced_layout([TensorSpec("w", (4,))], cfg.fixed_fragments or 1)
     s = Syncer(cfg, layout, {"w": torch.full((4,), init)})
     for m in learners:
         s.on_join(m, 0.0)
@@ -112,7 +112,7 @@ def test_effective_quorum_counts_only_live_learners_and_liveness_expires():
 
 
 def test_a_learner_that_left_is_not_waited_for():
-    s = make(dataclasses.replace(BASE, quorum=0))
+    s = make(dataclasses.replace(BASE, quorum="all"))
     s.poll(4.0)
     s.on_contribution(contrib(0, 1.0), 4.1)
     s.on_contribution(contrib(1, 1.0), 4.1)
@@ -177,7 +177,7 @@ def test_too_stale_base_is_rejected_and_the_learner_gets_the_current_value():
 
 
 def test_lock_step_round_opens_on_the_first_push_and_waits_for_all_live():
-    cfg = dataclasses.replace(BASE, late_fragment="wait", quorum=0, grace=False, overlap=0)
+    cfg = dataclasses.replace(BASE, late_fragment="wait", quorum="all", grace=False, overlap=0)
     s = make(cfg, learners=(0, 1))
     assert requests(s.poll(10.0)) == []  # no clock-driven requests in lock-step mode
     assert updates(s.on_contribution(contrib(0, 1.0), 1.0)) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,7 +147,7 @@ class Config:
         self.algo.validate()
         self.workload.validate()
         self.chaos.validate(r.num_learners)
-        if self.algo.quorum > r.num_learners:
+        if (self.algo.quorum_size or 0) > r.num_learners:
             import warnings
 
             warnings.warn(f"algo.quorum = {self.algo.quorum} exceeds run.num_learners = {r.num_learners}; the effective quorum is capped at the live learners (the fleet is elastic)", stacklevel=2)
@@ -159,6 +160,13 @@ class Config:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a TOML/CLI value to the annotated field type, or fail naming the key."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {int, str}:
+        # "int or a keyword" fields (num_fragments = "auto", quorum = "all")
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} is not a valid integer or keyword")
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+        return value
     try:
         if tp is bool:
             if isinstance(value, str):

@@ -11,12 +11,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # Synchronous DiLoCo: one fragment, every live learner, no grace, lock-step.
     "diloco": {
         "run": {"method": "diloco"},
-        "algo": {"num_fragments": 1, "quorum": 0, "grace": False, "late_fragment": "wait", "overlap": 0, "alpha": 0.0},
+        "algo": {"num_fragments": 1, "quorum": "all", "grace": False, "late_fragment": "wait", "overlap": 0, "alpha": 0.0},
     },
     # Streaming DiLoCo: staggered fragments with overlap, blend 0.5, every live learner, lock-step.
     "streaming": {
         "run": {"method": "streaming"},
-        "algo": {"quorum": 0, "grace": False, "late_fragment": "wait", "overlap": 2, "alpha": 0.5},
+        "algo": {"quorum": "all", "grace": False, "late_fragment": "wait", "overlap": 2, "alpha": 0.5},
     },
     # Data-parallel: one model, gradients of M x B examples per step (the quality reference).
     "dp": {"run": {"method": "dp"}},

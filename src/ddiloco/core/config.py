@@ -19,9 +19,9 @@ LATE_FRAGMENT = ("continue", "wait")
 class DiLoCoConfig:
     """Decoupled DiLoCo's algorithm settings (the paper's defaults where it gives them)."""
 
-    num_fragments: int = 0
-    """P, the number of parameter fragments; 0 picks the model's default (largest P <= H
-    whose largest fragment is at most 1.25x the mean)."""
+    num_fragments: int | str = "auto"
+    """P, the number of parameter fragments (>= 1), or "auto" for the model's default: the
+    largest P <= H whose largest fragment is at most 1.25x the mean."""
     fragment_strategy: str = "balanced"
     """How tensors are grouped: balanced (greedy bin-packing by size, rows of large tensors
     split when needed), per_layer, or strided (tensor i goes to fragment i mod P)."""
@@ -29,9 +29,9 @@ class DiLoCoConfig:
     """H: inner steps between two outer steps of the same fragment."""
     overlap: int = 2
     """tau: inner steps a fragment may be in flight (0 <= tau < H)."""
-    quorum: int = 1
-    """K: distinct learners whose answers a round needs before it may close; 0 means every
-    live learner. The effective quorum is min(K, live learners)."""
+    quorum: int | str = 1
+    """K: distinct learners whose answers a round needs before it may close (>= 1), or "all"
+    for every live learner. The effective quorum is min(K, live learners)."""
     grace: bool = True
     """Whether the adaptive grace window admits more learners after the quorum is reached."""
     grace_gamma: float = 0.8
@@ -70,11 +70,11 @@ class DiLoCoConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
-        _check(self.num_fragments >= 0, "num_fragments", self.num_fragments, ">= 1, or 0 for the model default")
+        _check(self.num_fragments == "auto" or (_is_int(self.num_fragments) and self.num_fragments >= 1), "num_fragments", self.num_fragments, 'an integer >= 1, or "auto"')
         _check(self.fragment_strategy in FRAGMENT_STRATEGIES, "fragment_strategy", self.fragment_strategy, f"one of {FRAGMENT_STRATEGIES}")
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
         _check(0 <= self.overlap < self.sync_every, "overlap", self.overlap, f"0 <= overlap < sync_every ({self.sync_every})")
-        _check(self.quorum >= 0, "quorum", self.quorum, ">= 1, or 0 for every live learner")
+        _check(self.quorum == "all" or (_is_int(self.quorum) and self.quorum >= 1), "quorum", self.quorum, 'an integer >= 1, or "all" (every live learner)')
         _check(0.0 <= self.grace_gamma <= 1.0, "grace_gamma", self.grace_gamma, "[0, 1]")
         _check(self.max_grace_steps >= 0, "max_grace_steps", self.max_grace_steps, ">= 0")
         _check(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
@@ -89,6 +89,21 @@ class DiLoCoConfig:
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
+
+
+    @property
+    def fixed_fragments(self) -> int | None:
+        """P as a number, or None for the model default."""
+        return None if self.num_fragments == "auto" else int(self.num_fragments)
+
+    @property
+    def quorum_size(self) -> int | None:
+        """K as a number, or None for every live learner."""
+        return None if self.quorum == "all" else int(self.quorum)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:

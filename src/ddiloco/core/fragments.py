@@ -165,8 +165,8 @@ def default_num_fragments(specs: Sequence[TensorSpec], sync_every: int, max_rati
     return 1
 
 
-def make_layout(specs: Sequence[TensorSpec], num_fragments: int, strategy: str, sync_every: int) -> FragmentLayout:
-    """Build the layout a config asks for (num_fragments = 0 picks the default P)."""
+def make_layout(specs: Sequence[TensorSpec], num_fragments: int | None, strategy: str, sync_every: int) -> FragmentLayout:
+    """Build the layout a config asks for (num_fragments = None picks the default P)."""
     if not specs:
         raise ConfigError("the model has no parameters to fragment; check the workload's build_model()")
     if strategy == "per_layer":

@@ -259,9 +259,10 @@ class Syncer:
         return out
 
     def effective_quorum(self, rnd: Round, now: float) -> int:
-        """K_eff = min(K, live learners that were asked); K = 0 means all of them."""
+        """K_eff = min(K, live learners that were asked); K = "all" means all of them."""
         live_asked = len(rnd.asked & set(self.live(now)))
-        return live_asked if self.cfg.quorum == 0 else min(self.cfg.quorum, live_asked)
+        k = self.cfg.quorum_size
+        return live_asked if k is None else min(k, live_asked)
 
     def grace_window(self, t_quorum: float, now: float) -> float:
         """grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, max_grace_steps*t_step)."""

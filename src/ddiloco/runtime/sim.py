@@ -65,7 +65,7 @@ class Simulation:
         a, s, r = cfg.algo, cfg.sim, cfg.run
         torch.use_deterministic_algorithms(True)
         base = workload.build_model(r.seed)
-        self.layout: FragmentLayout = make_layout(specs_of(base.named_parameters()), a.num_fragments, a.fragment_strategy, a.sync_every)
+        self.layout: FragmentLayout = make_layout(specs_of(base.named_parameters()), a.fixed_fragments, a.fragment_strategy, a.sync_every)
         emb = [workload.is_embedding_like(pc.name) for frag in self.layout.fragments for pc in frag]
         self.syncer = Syncer(a, self.layout, dict(base.named_parameters()), emb)
         self.eval_model = copy.deepcopy(base)
@@ -287,7 +287,7 @@ class Simulation:
 
     def _result(self) -> RunResult:
         gp = fleet_goodput([ln.account for ln in self.learners], self.horizon)
-        need = self.cfg.algo.quorum if self.cfg.algo.quorum >= 1 else 1
+        need = self.cfg.algo.quorum_size or 1
         outages = [(o.learner, o.start_s, o.end_s) for o in self.chaos.outages]
         processed = sum(ln.core.tokens_processed for ln in self.learners)
         return RunResult(

