@@ -85,6 +85,76 @@ def _method_in(path: str | None, overrides: list[str]) -> str | None:
     return None
 
 
+def _load(args: argparse.Namespace, default_method: str = "decoupled"):
+    from ddiloco.config import load_config
+    from ddiloco.methods import PRESETS
+
+    overrides = list(getattr(args, "set", None) or [])
+    method = getattr(args, "method", None) or _method_in(args.config, overrides) or default_method
+    if method not in PRESETS or method == "dp":
+        raise DDiLoCoError(f"method {method!r} cannot run on the real runtime; use decoupled, diloco or streaming")
+    return load_config(args.config, [*overrides, f"run.method={method}"], base=PRESETS[method])
+
+
+def cmd_syncer(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.syncer_service import SyncerService
+
+    SyncerService(_load(args), args.bind, args.run_dir, args.shard, args.num_shards).serve()
+    return 0
+
+
+def cmd_learner(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.learner_process import run_learner
+
+    cfg = _load(args)
+    device = ("cuda" if _cuda() else "cpu") if args.device == "auto" else args.device
+    return run_learner(cfg, args.syncer, args.id, args.run_dir, device, args.threads or cfg.run.threads)
+
+
+def cmd_evaluator(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.evaluator import run_evaluator
+
+    return run_evaluator(_load(args), args.syncer, args.run_dir)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from ddiloco.runtime.launcher import Launcher
+
+    overrides = list(args.set or [])
+    if args.chaos:
+        overrides = ["chaos.enabled=true", *overrides]
+    args.set = overrides
+    cfg = _load(args)
+    launcher = Launcher(cfg, args.run_dir or cfg.run.run_dir)
+    console = Console(stderr=True)
+    with Live(console=console, refresh_per_second=2, transient=False) as live:
+        launcher.on_status = lambda st: live.update(progress_table(st))
+        summary = launcher.run()
+    Console().print(summary_table(summary, f"ddiloco train --method {cfg.run.method} (real processes)"))
+    Console().print(f"run folder: {launcher.run_dir}")
+    return 0
+
+
+def progress_table(st: dict):
+    from rich.table import Table
+
+    t = Table(title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, faults injected: {st['faults']}")
+    for col in ("learner", "state", "steps", "steps/s", "loss", "merged back"):
+        t.add_column(col, justify="right")
+    for m, (ls, alive) in enumerate(zip(st["learners"], st["alive"])):
+        rate = 1.0 / ls["step_time_ema"] if ls.get("step_time_ema") else 0.0
+        loss = f"{ls['loss']:.3f}" if ls.get("loss") is not None else "-"
+        t.add_row(str(m), "up" if alive else "down", str(ls.get("steps", 0)), f"{rate:.1f}", loss, str(ls.get("applied", 0)))
+    sy = st["syncer"]
+    if sy:
+        versions = list(sy.get("versions", {}).values())
+        t.caption = f"syncer: live {sy.get('live')}, min/max version {min(versions, default=0)}/{max(versions, default=0)}, merged tokens {sy.get('global_tokens', 0):,.0f}, malformed {sy.get('malformed', 0)}"
+    return t
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo: resilient, low-communication distributed pre-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,10 +163,52 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--method", choices=["dp", "diloco", "streaming", "decoupled"], help="method preset (default: decoupled)")
     sim.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
     sim.set_defaults(func=cmd_simulate)
+    sy = sub.add_parser("syncer", help="run a syncer service (one shard)")
+    sy.add_argument("config", nargs="?", help="TOML config (the same for syncer and learners)")
+    sy.add_argument("--bind", required=True, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555")
+    sy.add_argument("--run-dir", required=True, help="durable state, tape and final model go here; restarting on it resumes")
+    sy.add_argument("--shard", type=int, default=0, help="this shard's index (fragments p with p %% num_shards == shard)")
+    sy.add_argument("--num-shards", type=int, default=1, help="number of syncer shards")
+    sy.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
+    sy.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    sy.set_defaults(func=cmd_syncer)
+    le = sub.add_parser("learner", help="run one learner process")
+    le.add_argument("config", nargs="?")
+    le.add_argument("--syncer", action="append", required=True, help="syncer shard address (repeat for each shard, in shard order)")
+    le.add_argument("--id", type=int, required=True, help="learner id (also picks the data shard: id mod run.num_learners)")
+    le.add_argument("--run-dir", default="runs/latest", help="where status files go")
+    le.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    le.add_argument("--threads", type=int, default=0, help="torch threads (default: run.threads)")
+    le.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
+    le.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    le.set_defaults(func=cmd_learner)
+    ev = sub.add_parser("evaluator", help="evaluate the syncer's global model periodically (low priority)")
+    ev.add_argument("config", nargs="?")
+    ev.add_argument("--syncer", action="append", required=True)
+    ev.add_argument("--run-dir", required=True)
+    ev.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
+    ev.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    ev.set_defaults(func=cmd_evaluator)
+    tr = sub.add_parser("train", help="run a syncer, M learners and an evaluator as local processes")
+    tr.add_argument("config", nargs="?")
+    tr.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
+    tr.add_argument("--chaos", action="store_true", help="turn on the [chaos] section (kills, stragglers, syncer kills)")
+    tr.add_argument("--run-dir", help="run folder (default: run.run_dir)")
+    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    tr.set_defaults(func=cmd_train)
     gp = sub.add_parser("goodput", help="datacenter-scale goodput and bandwidth simulator", add_help=False)
     gp.add_argument("rest", nargs=argparse.REMAINDER)
     gp.set_defaults(func=lambda a: _goodput(a.rest))
     return parser
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
 
 
 def _goodput(argv: list[str]) -> int:

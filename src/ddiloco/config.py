@@ -91,6 +91,38 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """The real distributed runtime's timeouts and intervals (see docs/runtime.md)."""
+
+    heartbeat_interval_s: float = 0.5
+    """How often learners and the syncer send heartbeats to each other."""
+    syncer_liveness_s: float = 5.0
+    """A learner that has not heard the syncer for this long says so once and retries."""
+    backoff_initial_s: float = 0.1
+    """First reconnect / re-join delay after the syncer went silent (doubles each try)."""
+    backoff_max_s: float = 5.0
+    """Upper bound of that delay."""
+    join_timeout_s: float = 10.0
+    """How long a starting learner waits for the global state before training from its own
+    initialisation (the fleet keeps going; its first answers will be rebased)."""
+    snapshot_interval_s: float = 30.0
+    """Seconds between whole-state snapshots of the syncer (versions are durable at once in
+    the per-fragment logs regardless)."""
+    restart_limit: int = 20
+    """Restarts of one learner the local launcher makes before it gives up on it."""
+    restart_delay_s: float = 0.0
+    """Delay before the launcher restarts a learner that exited abnormally."""
+    eval_interval_s: float = 20.0
+    """Seconds between evaluations of the global model by the evaluator process."""
+    duration_s: float = 120.0
+    """Wall-clock length of a ``ddiloco train`` run."""
+    status_interval_s: float = 1.0
+    """How often processes write their status for the progress view."""
+    step_sleep_s: float = 0.0
+    """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs."""
 
@@ -106,6 +138,8 @@ class Config:
     """[sim]"""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """[chaos]"""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """[runtime]"""
 
     def validate(self) -> "Config":
         r = self.run
@@ -144,6 +178,15 @@ class Config:
                 raise ConfigError(f"sim.{name} = {getattr(s, name)!r} is out of range; allowed: {allowed}")
         if s.speeds and (len(s.speeds) != r.num_learners or min(s.speeds) <= 0):
             raise ConfigError(f"sim.speeds = {list(s.speeds)} must list {r.num_learners} positive factors (one per learner) or be empty")
+        rt = self.runtime
+        for name in ("heartbeat_interval_s", "syncer_liveness_s", "backoff_initial_s", "backoff_max_s", "join_timeout_s", "snapshot_interval_s", "eval_interval_s", "duration_s", "status_interval_s"):
+            if not getattr(rt, name) > 0:
+                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
+        for name in ("restart_limit", "restart_delay_s", "step_sleep_s"):
+            if getattr(rt, name) < 0:
+                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: >= 0")
+        if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
+            raise ConfigError(f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = {self.algo.liveness_timeout_s}, or every learner looks dead")
         self.algo.validate()
         self.workload.validate()
         self.chaos.validate(r.num_learners)
@@ -223,7 +266,7 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-SECTIONS = {"run": RunSection, "workload": WorkloadConfig, "algo": DiLoCoConfig, "inner": InnerConfig, "sim": SimConfig, "chaos": ChaosConfig}
+SECTIONS = {"run": RunSection, "workload": WorkloadConfig, "algo": DiLoCoConfig, "inner": InnerConfig, "sim": SimConfig, "chaos": ChaosConfig, "runtime": RuntimeConfig}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, dict[str, Any]] | None = None) -> Config:

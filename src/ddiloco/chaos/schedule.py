@@ -3,7 +3,7 @@ straggles. The same config drives the virtual-time simulator (and later the real
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,6 +27,14 @@ class ChaosConfig:
     and END as fractions of the run; a factor of 2 makes each step take twice as long."""
     learners: tuple[int, ...] = ()
     """Learners that fail (empty: all of them)."""
+    kill_mtbf_s: float = 0.0
+    """Real runtime: SIGKILL each learner at Poisson times with this mean time between kills
+    (0 = use the fixed-downtime schedule above instead); a killed learner restarts at once."""
+    syncer_kills: tuple[float, ...] = ()
+    """Real runtime: SIGKILL the syncer at these fractions of the run (restarted after
+    ``syncer_down_s`` on the same run dir)."""
+    syncer_down_s: float = 2.0
+    """Real runtime: how long a killed syncer stays down."""
 
     def validate(self, num_learners: int) -> None:
         if not 0.0 <= self.downtime_fraction < 1.0:
@@ -37,6 +45,10 @@ class ChaosConfig:
             raise ConfigError(f"chaos.restart_s = {self.restart_s} is out of range; allowed: >= 0")
         for s in self.stragglers:
             parse_straggler(s, num_learners)
+        if self.kill_mtbf_s < 0 or self.syncer_down_s < 0:
+            raise ConfigError("chaos.kill_mtbf_s and chaos.syncer_down_s must be >= 0")
+        if any(not 0.0 < f < 1.0 for f in self.syncer_kills):
+            raise ConfigError(f"chaos.syncer_kills = {list(self.syncer_kills)}: each must be a fraction of the run in (0, 1)")
         for m in self.learners:
             if not 0 <= m < num_learners:
                 raise ConfigError(f"chaos.learners contains {m}; allowed: 0 .. {num_learners - 1}")
@@ -102,6 +114,8 @@ def make_schedule(cfg: ChaosConfig, num_learners: int, horizon_s: float, seed: i
     if not cfg.enabled:
         return ChaosSchedule()
     rng = np.random.default_rng([seed, 0xC4A05])
+    if cfg.kill_mtbf_s > 0:
+        return _poisson_kills(cfg, num_learners, horizon_s, rng)
     outages: list[Outage] = []
     failing = cfg.learners or tuple(range(num_learners))
     n = cfg.failures_per_learner
@@ -121,3 +135,17 @@ def make_schedule(cfg: ChaosConfig, num_learners: int, horizon_s: float, seed: i
             shift += float(d)
     stragglers = tuple(parse_straggler(s, num_learners, horizon_s) for s in cfg.stragglers)
     return ChaosSchedule(tuple(sorted(outages, key=lambda o: (o.start_s, o.learner))), stragglers, cfg.restart_s)
+
+
+def _poisson_kills(cfg: ChaosConfig, num_learners: int, horizon_s: float, rng: np.random.Generator) -> ChaosSchedule:
+    """Kills at Poisson times (mean ``kill_mtbf_s`` per learner), each restarted at once."""
+    from ddiloco.chaos.distributions import poisson_failure_times
+
+    failing = cfg.learners or tuple(range(num_learners))
+    outages = []
+    for m in range(num_learners):
+        times = poisson_failure_times(rng, 1.0 / cfg.kill_mtbf_s, horizon_s)
+        if m in failing:
+            outages += [Outage(m, float(t), float(t)) for t in times]
+    stragglers = tuple(parse_straggler(s, num_learners, horizon_s) for s in cfg.stragglers)
+    return ChaosSchedule(tuple(sorted(outages, key=lambda o: (o.start_s, o.learner))), stragglers, 0.0)

@@ -77,11 +77,14 @@ class Round:
 class Syncer:
     """Global state and round logic of Decoupled DiLoCo (and its lock-step baselines)."""
 
-    def __init__(self, cfg: DiLoCoConfig, layout: FragmentLayout, initial: dict[str, torch.Tensor], embedding_like: Sequence[bool] | None = None) -> None:
+    def __init__(self, cfg: DiLoCoConfig, layout: FragmentLayout, initial: dict[str, torch.Tensor], embedding_like: Sequence[bool] | None = None, owned: Sequence[int] | None = None) -> None:
         from ddiloco.core.fragments import read_fragment
 
         self.cfg = cfg
         self.layout = layout
+        # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
+        self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
+        self.new_versions: list[tuple[int, int]] = []  # (fragment, version) not yet made durable
         self.fragments = []
         for pieces in layout.fragments:
             vals = [v.float() for v in read_fragment(initial, pieces)]
@@ -113,7 +116,7 @@ class Syncer:
         if info is None:
             info = self.learners[learner] = LearnerInfo(now, Ema(self.cfg.ema_decay))
         info.last_heard, info.left = now, False
-        out: list[Outgoing] = [self._update(learner, p, "join", now) for p in range(len(self.fragments))]
+        out: list[Outgoing] = [self._update(learner, p, "join", now) for p in self.owned]
         return out + self.poll(now)
 
     def on_leave(self, learner: int, now: float) -> list[Outgoing]:
@@ -143,8 +146,8 @@ class Syncer:
 
     @property
     def global_tokens(self) -> float:
-        """Tokens merged into the global model (mean over fragments)."""
-        return sum(f.tokens_merged for f in self.fragments) / len(self.fragments)
+        """Tokens merged into the global model (mean over this syncer's fragments)."""
+        return sum(self.fragments[p].tokens_merged for p in self.owned) / max(1, len(self.owned))
 
     # -- contributions ---------------------------------------------------------------------
 
@@ -194,6 +197,8 @@ class Syncer:
             return f"unknown learner {c.learner}: learners must join before contributing"
         if not 0 <= c.fragment < len(self.fragments):
             return f"unknown fragment {c.fragment} (the layout has {len(self.fragments)})"
+        if c.fragment not in self.owned:
+            return f"fragment {c.fragment} is owned by another syncer shard"
         if c.base_version > self.fragments[c.fragment].version or c.base_version < 0:
             return f"base version {c.base_version} was never issued (current {self.fragments[c.fragment].version})"
         return check_counters(c.steps, c.tokens, self.cfg) or check_payload(c, self.layout.fragments[c.fragment])
@@ -251,7 +256,7 @@ class Syncer:
             opened_at = self.next_tick_at
             for p in due_fragments(self.tick, len(self.fragments), self.cfg.sync_every):
                 live = self.live(now)
-                if p in self.rounds or not live:
+                if p in self.rounds or not live or p not in self.owned:
                     continue  # the previous round of p is still open, or nobody to ask
                 rnd = self._open(p, opened_at)
                 out += [FragmentRequest(m, p, rnd.round_id) for m in live]
@@ -306,6 +311,7 @@ class Syncer:
             frag.history.append((frag.version, new_values))
             frag.tokens_merged += sum(c.tokens for c in contribs)
             record.version = frag.version
+            self.new_versions.append((rnd.fragment, frag.version))
             pull_s = (rnd.first_answer_at or now) - rnd.opened_at
             self._awaiting_ack[(rnd.fragment, frag.version)] = (now, pull_s)
         for c, w in zip(contribs, weights):
@@ -370,3 +376,43 @@ class Syncer:
 
     def versions(self) -> list[int]:
         return [f.version for f in self.fragments]
+
+    # -- durable state (the runtime decides where and when to write it) ----------------------
+
+    def fragment_state(self, p: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """Fragment p's current values and outer momentum (tensors) plus its counters (JSON)."""
+        frag = self.fragments[p]
+        tensors = {f"v{i}": v for i, v in enumerate(frag.values)}
+        if frag.outer.buffers is not None:
+            tensors.update({f"m{i}": b for i, b in enumerate(frag.outer.buffers)})
+        return tensors, {"fragment": p, "version": frag.version, "tokens_merged": frag.tokens_merged}
+
+    def load_fragment_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore fragment p from ``fragment_state`` output (older versions are not kept:
+        contributions based on them are answered with the current value)."""
+        p = int(meta["fragment"])
+        frag = self.fragments[p]
+        n = len(self.layout.fragments[p])
+        values = [tensors[f"v{i}"].float().clone() for i in range(n)]
+        frag.version = int(meta["version"])
+        frag.tokens_merged = int(meta["tokens_merged"])
+        frag.history.clear()
+        frag.history.append((frag.version, values))
+        frag.outer.buffers = [tensors[f"m{i}"].float().clone() for i in range(n)] if "m0" in tensors else None
+
+    def meta_state(self) -> dict:
+        """Everything else worth keeping across a restart (JSON-able)."""
+        return {
+            "tick": self.tick,
+            "max_step_seen": self.max_step_seen,
+            "round_ids": self._round_ids,
+            "data_positions": {str(m): i.data_position for m, i in self.learners.items()},
+        }
+
+    def load_meta_state(self, meta: dict) -> None:
+        self.tick = int(meta["tick"])
+        self.max_step_seen = int(meta["max_step_seen"])
+        self._round_ids = int(meta["round_ids"])
+        for m, pos in meta["data_positions"].items():
+            info = self.learners.setdefault(int(m), LearnerInfo(-math.inf, Ema(self.cfg.ema_decay)))
+            info.data_position = int(pos)

@@ -1,0 +1,96 @@
+"""``ddiloco evaluator``: a low-priority, single-thread process that evaluates the syncer's
+latest global model every ``runtime.eval_interval_s`` and appends the loss to the run's metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from ddiloco.config import Config
+from ddiloco.core.fragments import make_layout, specs_of, write_fragment
+from ddiloco.runtime.evaluate import evaluate
+from ddiloco.runtime.protocol import FetchGlobal, GlobalState
+from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.workloads.config import load_workload
+
+
+def fetch_global(syncers: list[str], timeout_s: float = 5.0) -> list[GlobalState] | None:
+    """Ask every syncer shard for its fragments; None if any shard does not answer in time."""
+    ctx = zmq.Context.instance()
+    states = []
+    for addr in syncers:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, f"observer-{os.getpid()}-{time.monotonic_ns()}".encode())
+        s.connect(addr)
+        try:
+            s.send_multipart(encode(FetchGlobal("evaluator")))
+            if not s.poll(int(timeout_s * 1000)):
+                return None
+            while True:
+                msg = decode(s.recv_multipart(copy=False))
+                if isinstance(msg, GlobalState):
+                    states.append(msg)
+                    break
+                if not s.poll(int(timeout_s * 1000)):
+                    return None
+        except WireError:
+            return None
+        finally:
+            s.close(0)
+    return states
+
+
+def load_global(model: torch.nn.Module, layout, states: list[GlobalState]) -> dict[str, int]:
+    """Write the fetched fragments into ``model``; returns the version of every fragment."""
+    params = dict(model.named_parameters())
+    versions: dict[str, int] = {}
+    for st in states:
+        versions.update(st.versions)
+        for p_text in st.versions:
+            p = int(p_text)
+            pieces = layout.fragments[p]
+            write_fragment(params, pieces, [st.tensors[f"{p}.{i}"] for i in range(len(pieces))])
+    return {k: versions[k] for k in sorted(versions, key=int)}
+
+
+def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = False) -> int:
+    torch.set_num_threads(1)
+    try:
+        os.nice(10)  # low priority: never steal a core from a learner
+    except OSError:
+        pass
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(cfg.run.seed)
+    layout = make_layout(specs_of(model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
+    batches = wl.eval_batches()
+    out = Path(run_dir) / "metrics" / "eval.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    next_at = time.monotonic()
+    while not stop["flag"]:
+        if time.monotonic() >= next_at:
+            next_at += cfg.runtime.eval_interval_s
+            states = fetch_global(syncers)
+            if states is not None:
+                versions = load_global(model, layout, states)
+                loss = evaluate(wl, model, batches)
+                rec = {"event": "eval", "time": time.time(), "loss": loss, "merged_tokens": sum(s.global_tokens for s in states) / len(states), "versions": versions}
+                with open(out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            if once:
+                return 0
+        time.sleep(0.1)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(0)

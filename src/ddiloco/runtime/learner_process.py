@@ -1,0 +1,366 @@
+"""``ddiloco learner``: one learner process (or one torchrun group with DDP inside).
+
+The training loop runs on the main thread and never waits on the network (``late_fragment =
+continue``). A background thread owns the ZeroMQ sockets (one DEALER per syncer shard): it
+answers requests from a host-side copy of the parameters and counters taken at step
+boundaries, queues received fragments for the training loop to apply between inner steps,
+heartbeats, and re-joins with backoff when a syncer goes silent or restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from ddiloco.config import Config
+from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, specs_of, write_fragment
+from ddiloco.core.learner import LearnerCore
+from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+from ddiloco.errors import DDiLoCoError
+from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
+from ddiloco.runtime.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
+from ddiloco.runtime.syncer_service import _atomic_json, learner_identity, param_spec
+from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.workloads.config import load_workload
+
+
+@dataclass
+class HostCopy:
+    """Parameters and counters as of the last step boundary (read by the comm thread)."""
+
+    params: dict[str, torch.Tensor]
+    base_version: list[int]
+    steps: list[int]
+    tokens: list[int]
+    step: int = 0
+    data_position: int = 0
+
+
+@dataclass
+class ShardLink:
+    """One connection to a syncer shard and what we know of it."""
+
+    address: str
+    sock: Any
+    epoch: float | None = None
+    last_heard: float = 0.0
+    joined: bool = False
+    warned: bool = False
+    next_join: float = 0.0
+    backoff: float = 0.1
+    owned: list[int] = field(default_factory=list)
+
+
+class Learner:
+    """A learner process: model, optimizer, data, protocol state, and its comm thread."""
+
+    def __init__(self, cfg: Config, syncers: list[str], learner_id: int, run_dir: str | Path, device: str = "cpu", threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.cfg, self.id, self.run_dir = cfg, learner_id, Path(run_dir)
+        self.device = torch.device(device)
+        self.wl = load_workload(cfg.workload)
+        self.model = self.wl.build_model(cfg.run.seed).to(self.device)
+        self.spec = param_spec(self.model)
+        self.layout: FragmentLayout = make_layout(specs_of(self.model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
+        self.params = dict(self.model.named_parameters())
+        self.opt = make_optimizer(self.model, cfg.inner)
+        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments)
+        self.stream = self.wl.train_stream(learner_id % cfg.run.num_learners, cfg.run.num_learners, cfg.run.seed)
+        P = self.layout.num_fragments
+        self.host = HostCopy({n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}, [0] * P, [0] * P, [0] * P)
+        self.lock = threading.Lock()
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.syncers = syncers
+        self.joined = threading.Event()
+        self.data_position: int | None = None
+        self.fatal: str | None = None
+        self.peer_requests: queue.Queue = queue.Queue()
+        self.stats = {"steps": 0, "tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "loss": None, "applied": 0, "answered": 0, "started": time.time(), "first_step_at": None}
+        self._step_ema: float = 0.0
+
+    # -- comm thread -------------------------------------------------------------------------
+
+    def _links(self) -> list[ShardLink]:
+        ctx = zmq.Context.instance()
+        links = []
+        rt = self.cfg.runtime
+        for addr in self.syncers:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, learner_identity(self.id))
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
+            s.setsockopt(zmq.SNDHWM, 64)
+            s.setsockopt(zmq.RECONNECT_IVL, int(rt.backoff_initial_s * 1000))
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, int(rt.backoff_max_s * 1000))
+            s.connect(addr)
+            links.append(ShardLink(addr, s, backoff=rt.backoff_initial_s))
+        return links
+
+    def _send(self, link: ShardLink, msg: Any) -> bool:
+        try:
+            link.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False  # not connected or queue full: the protocol retries, training goes on
+
+    def _join_message(self) -> Join:
+        with self.lock:
+            bases = list(self.host.base_version) if self.joined.is_set() else []
+        return Join(self.id, self.spec, bases, os.getpid(), str(self.device))
+
+    def comm_loop(self) -> None:
+        rt = self.cfg.runtime
+        links = self._links()
+        by_sock = {l.sock: l for l in links}
+        poller = zmq.Poller()
+        for l in links:
+            poller.register(l.sock, zmq.POLLIN)
+        last_hb = 0.0
+        started = time.monotonic()
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(5):
+                link = by_sock[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._on_message(link, decode(frames))
+                    except WireError as e:
+                        print(f"learner {self.id}: dropped a malformed message from {link.address}: {e}", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            while True:
+                try:
+                    msg = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                for link in self._route(links, msg):
+                    self._send(link, msg)
+            if now - last_hb >= rt.heartbeat_interval_s:
+                last_hb = now
+                hb = Heartbeat(self.id, self.core.step, self._step_ema)
+                for link in links:
+                    if link.joined:
+                        self._send(link, hb)
+            for link in links:
+                silent = now - (link.last_heard or started)
+                if link.joined and silent > rt.syncer_liveness_s:
+                    link.joined = False
+                    link.next_join = now
+                    if not link.warned:
+                        link.warned = True
+                        print(f"learner {self.id}: syncer {link.address} unreachable for {silent:.1f} s; training on and retrying with backoff", file=sys.stderr, flush=True)
+                if not link.joined and now >= link.next_join:
+                    self._send(link, self._join_message())
+                    link.next_join = now + link.backoff
+                    link.backoff = min(link.backoff * 2, rt.backoff_max_s)
+        for link in links:
+            if link.joined:
+                try:
+                    link.sock.send_multipart(encode(Leave(self.id)), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+            link.sock.close(linger=200)
+
+    def _route(self, links: list[ShardLink], msg: Any) -> list[ShardLink]:
+        frag = getattr(msg, "fragment", None)
+        if frag is None:
+            return [links[0]] if isinstance(msg, (PeerStateRequest, PeerState)) else links
+        return [links[frag % len(links)]]
+
+    def _on_message(self, link: ShardLink, msg: Any) -> None:
+        link.last_heard = time.monotonic()
+        if link.warned and link.joined:
+            link.warned = False
+        if isinstance(msg, SyncerHeartbeat):
+            if link.epoch is not None and msg.epoch != link.epoch and link.joined:
+                link.joined = False  # the syncer restarted: register again (keeping our progress)
+                link.next_join = 0.0
+            elif link.epoch is None and not link.joined:
+                link.next_join = 0.0
+        elif isinstance(msg, JoinReply):
+            if not msg.accepted:
+                self.fatal = msg.reason
+                self.stop.set()
+                return
+            link.epoch, link.joined, link.owned = msg.epoch, True, msg.owned
+            link.backoff = self.cfg.runtime.backoff_initial_s
+            if self.data_position is None:
+                self.data_position = msg.data_position
+        elif isinstance(msg, FragmentRequest):
+            self._answer(link, msg.fragment)
+        elif isinstance(msg, FragmentUpdate):
+            self.inbox.put(msg)
+        elif isinstance(msg, PeerStateRequest):
+            self.peer_requests.put(msg.learner)
+        elif isinstance(msg, PeerState):
+            self.inbox.put(msg)
+
+    def _answer(self, link: ShardLink, p: int) -> None:
+        """Answer from the host copy: training is never paused for it."""
+        pieces = self.layout.fragments[p]
+        with self.lock:
+            values = read_fragment(self.host.params, pieces)
+            c = Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
+        self._send(link, c)
+        self.stats["answered"] += 1
+
+    # -- training thread ---------------------------------------------------------------------
+
+    def _snapshot(self) -> None:
+        with self.lock:
+            for n, p in self.params.items():
+                self.host.params[n].copy_(p.detach(), non_blocking=False)
+            self.host.base_version[:] = self.core.base_version
+            self.host.steps[:] = self.core.steps
+            self.host.tokens[:] = self.core.tokens
+            self.host.step = self.core.step
+            self.host.data_position = self.stream.position
+
+    def _apply_inbox(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, PeerState):
+                if msg.source >= 0 and msg.tensors:
+                    self._load_peer_state(msg)
+                continue
+            alpha = self.core.on_update(msg)
+            if alpha is None:
+                continue
+            write_fragment(self.params, self.layout.fragments[msg.fragment], [v.to(self.device) for v in msg.values], alpha)
+            self.stats["applied"] += 1
+            self.outbox.put(Ack(self.id, msg.fragment, msg.version))
+
+    def _load_peer_state(self, msg: PeerState) -> None:
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in msg.tensors.items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = t.to(self.device) if name != "step" else t
+        try:
+            self.opt.load_state_dict({"state": state, "param_groups": msg.param_groups})
+        except (ValueError, KeyError, RuntimeError) as e:
+            print(f"learner {self.id}: ignored peer optimizer state from learner {msg.source}: {e}", file=sys.stderr, flush=True)
+
+    def _serve_peer_requests(self) -> None:
+        while True:
+            try:
+                who = self.peer_requests.get_nowait()
+            except queue.Empty:
+                return
+            sd = self.opt.state_dict()
+            tensors = {f"{i}.{k}": v.detach().cpu().clone() for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+            self.outbox.put(PeerState(who, self.id, sd["param_groups"], tensors))
+
+    def _wait_for_join(self) -> None:
+        """Take the global state before training (bounded: a dead syncer must not stall us)."""
+        deadline = time.monotonic() + self.cfg.runtime.join_timeout_s
+        P = self.layout.num_fragments
+        got: set[int] = set()
+        while time.monotonic() < deadline and not self.stop.is_set() and len(got) < P:
+            try:
+                msg = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(msg, FragmentUpdate):
+                got.add(msg.fragment)
+            self.inbox.put(msg) if isinstance(msg, PeerState) else self._apply_one(msg)
+        if self.data_position:
+            self.stream.seek(self.data_position)
+        if len(got) < P:
+            print(f"learner {self.id}: got {len(got)}/{P} global fragments within {self.cfg.runtime.join_timeout_s:.0f} s; training on from what it has", file=sys.stderr, flush=True)
+
+    def _apply_one(self, msg: FragmentUpdate) -> None:
+        self.inbox.put(msg)
+        self._apply_inbox()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop.set())
+        comm = threading.Thread(target=self.comm_loop, name="ddiloco-comm", daemon=True)
+        comm.start()
+        self._wait_for_join()
+        self.outbox.put(PeerStateRequest(self.id))
+        self.joined.set()
+        self._snapshot()
+        rt = self.cfg.runtime
+        last_status = 0.0
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            batch = self.stream.next_batch()
+            batch = type(batch)(batch.inputs.to(self.device), batch.targets.to(self.device), batch.tokens)
+            self.model.train()
+            loss = self.wl.loss(self.model, batch)
+            inner_step(self.model, self.opt, loss, lr_at(self.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner), self.cfg.inner.grad_clip)
+            if rt.step_sleep_s:
+                time.sleep(rt.step_sleep_s)
+            sends = self.core.on_step(batch.tokens)
+            self._apply_inbox()
+            self._snapshot()
+            for p in sends:  # lock-step baselines push on their own schedule
+                self.core.answer(p)
+                self._answer_to_outbox(p)
+            dt = time.perf_counter() - t0
+            self._block_if_lock_step()
+            self._serve_peer_requests()
+            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
+            s = self.stats
+            s["steps"] += 1
+            s["tokens"] += batch.tokens
+            s["compute_s"] += dt
+            s["loss"] = float(loss.detach())
+            if s["first_step_at"] is None:
+                s["first_step_at"] = time.time()
+            if time.monotonic() - last_status >= rt.status_interval_s:
+                last_status = time.monotonic()
+                self.write_status()
+        self.write_status()
+        comm.join(timeout=2.0)
+        if self.fatal:
+            print(f"error: learner {self.id} refused by the syncer: {self.fatal}", file=sys.stderr, flush=True)
+            return 3
+        return 0
+
+    def _answer_to_outbox(self, p: int) -> None:
+        pieces = self.layout.fragments[p]
+        with self.lock:
+            values = read_fragment(self.host.params, pieces)
+            c = Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
+        self.outbox.put(c)
+
+    def _block_if_lock_step(self) -> None:
+        t0 = time.perf_counter()
+        while not self.stop.is_set() and self.core.blocking_fragments(time.time()):
+            try:
+                msg = self.inbox.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            self.inbox.put(msg)
+            self._apply_inbox()
+            self._snapshot()
+        self.stats["blocked_s"] += time.perf_counter() - t0 if self.cfg.algo.late_fragment == "wait" else 0.0
+
+    def write_status(self) -> None:
+        _atomic_json(self.run_dir / "status" / f"learner-{self.id}.json", {"learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
+
+
+def run_learner(cfg: Config, syncers: list[str], learner_id: int, run_dir: str, device: str, threads: int) -> int:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DDiLoCoError(f"--device {device} requested but CUDA is not available here; use --device cpu")
+    return Learner(cfg, syncers, learner_id, run_dir, device, threads).run()

@@ -1,0 +1,103 @@
+"""Messages that exist only in the real runtime (membership, liveness, recovery, observation).
+
+The algorithm's own messages (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate)
+live in ``ddiloco.core.messages``; ``wire.py`` encodes both kinds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Join:
+    """Learner -> syncer: register (or re-register after a restart of either side)."""
+
+    learner: int
+    """Learner id."""
+    params: list[list]
+    """[name, shape] of every model parameter, in order (checked against the syncer's layout)."""
+    base_versions: list[int] = field(default_factory=list)
+    """Versions of each fragment the learner holds (empty for a fresh process)."""
+    pid: int = 0
+    """Process id (for logs)."""
+    device: str = "cpu"
+    """Where the learner computes."""
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    """Syncer -> learner: accepted (then FragmentUpdates follow) or refused with a reason."""
+
+    accepted: bool
+    """Whether the learner may take part."""
+    reason: str
+    """Why not (empty when accepted)."""
+    epoch: float
+    """The syncer incarnation (its start time): a new epoch means the syncer restarted."""
+    data_position: int
+    """Where this learner's data shard resumes (recorded with its last merged contribution)."""
+    owned: list[int]
+    """Fragments this syncer shard owns."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Learner -> syncer: clean departure; stop counting me as live now."""
+
+    learner: int
+    """Learner id."""
+
+
+@dataclass(frozen=True)
+class SyncerHeartbeat:
+    """Syncer -> learner: I am alive (liveness of the syncer, seen from a learner)."""
+
+    epoch: float
+    """Syncer incarnation."""
+    shard: int
+    """Which shard sent it."""
+
+
+@dataclass(frozen=True)
+class PeerStateRequest:
+    """Rejoining learner -> syncer -> a live peer: please send your inner-optimizer state."""
+
+    learner: int
+    """The learner that needs the state."""
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """Peer -> syncer -> rejoining learner: an inner-optimizer state to warm up from."""
+
+    learner: int
+    """Addressee (the rejoining learner)."""
+    source: int
+    """The peer that sent it (-1: no live peer; the state is empty)."""
+    param_groups: list[dict]
+    """The optimizer's param_groups (hyper-parameters and parameter indices)."""
+    tensors: dict[str, torch.Tensor]
+    """Per-parameter state tensors named 'INDEX.KEY' (e.g. '3.exp_avg')."""
+
+
+@dataclass(frozen=True)
+class FetchGlobal:
+    """Observer (evaluator, launcher) -> syncer: send me the global model."""
+
+    requester: str
+    """Who asks (for logs)."""
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """Syncer -> observer: this shard's fragments of the global model."""
+
+    versions: dict[str, int]
+    """Version of each owned fragment (keys are fragment indices as strings)."""
+    global_tokens: float
+    """Tokens merged so far."""
+    tensors: dict[str, torch.Tensor]
+    """Pieces named 'FRAGMENT.PIECE'."""
