@@ -1,0 +1,58 @@
+"""Datacenter-scale goodput and bandwidth simulator.
+
+Compares data-parallel (non-elastic and elastic) training with Decoupled DiLoCo on fleets of
+hundreds of thousands to millions of chips under Poisson chip failures, and sizes the
+cross-site bandwidth each training method needs. See docs/goodput.md.
+
+    >>> from ddiloco.goodput import simulate_grid, default_strategies
+    >>> cells = simulate_grid([1_200_000], default_strategies([8]))
+"""
+
+from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement, required_bandwidth
+from ddiloco.goodput.calibrate import (
+    PAPER_DDILOCO,
+    PAPER_DP,
+    PAPER_ELASTIC,
+    Calibration,
+    calibrate,
+    models_from,
+)
+from ddiloco.goodput.config import CALIBRATED, CostModel, FailureModel, SimConfig, Strategy
+from ddiloco.goodput.simulate import (
+    PAPER_CHIPS,
+    Cell,
+    Stat,
+    default_strategies,
+    lookup,
+    simulate_grid,
+)
+from ddiloco.goodput.strategies import CATEGORIES, Outcome, run_strategy
+from ddiloco.goodput.timeline import FleetTimeline, make_timeline
+
+__all__ = [
+    "CALIBRATED",
+    "CATEGORIES",
+    "PAPER_CHIPS",
+    "PAPER_DDILOCO",
+    "PAPER_DP",
+    "PAPER_ELASTIC",
+    "BandwidthConfig",
+    "Calibration",
+    "Cell",
+    "CostModel",
+    "FailureModel",
+    "FleetTimeline",
+    "Outcome",
+    "Requirement",
+    "SimConfig",
+    "Stat",
+    "Strategy",
+    "calibrate",
+    "default_strategies",
+    "lookup",
+    "make_timeline",
+    "models_from",
+    "required_bandwidth",
+    "run_strategy",
+    "simulate_grid",
+]

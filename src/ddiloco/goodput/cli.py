@@ -1,0 +1,240 @@
+"""``ddiloco goodput``: the goodput grid, ``bandwidth`` and ``calibrate`` subcommands.
+
+    ddiloco goodput [grid options]           goodput/uptime table over fleet sizes and strategies
+    ddiloco goodput bandwidth [options]      cross-site bandwidth per training method
+    ddiloco goodput calibrate [options]      least-squares fit to the paper's DP rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from ddiloco.chaos import parse_distribution, parse_duration
+from ddiloco.errors import ConfigError
+from ddiloco.goodput.bandwidth import BITS_PER_VALUE, BandwidthConfig, required_bandwidth
+from ddiloco.goodput.calibrate import (
+    PAPER_DDILOCO,
+    PAPER_DP,
+    PAPER_ELASTIC,
+    calibrate,
+    models_from,
+)
+from ddiloco.goodput.config import (
+    CALIBRATED,
+    CostModel,
+    FailureModel,
+    SimConfig,
+    Strategy,
+)
+from ddiloco.goodput.simulate import (
+    DEFAULT_LEARNERS,
+    PAPER_CHIPS,
+    simulate_grid,
+)
+
+SUBCOMMANDS = ("grid", "bandwidth", "calibrate")
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
+
+
+def parse_count(text: str, field: str) -> int:
+    """``150k``, ``1.2M``, ``2400000`` -> int; ConfigError naming ``field`` otherwise."""
+    m = re.fullmatch(r"\s*([-+]?[0-9.]+(?:e[0-9]+)?)\s*([kKmM]?)\s*", text)
+    if m is None:
+        raise ConfigError(f"{field} = {text!r}: expected a count such as 150000, 150k or 1.2M")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+    if value != int(value) or value < 1:
+        raise ConfigError(f"{field} = {text!r}: must be an integer >= 1")
+    return int(value)
+
+
+def parse_list(text: str, field: str) -> list[int]:
+    return [parse_count(x, field) for x in text.split(",") if x.strip()]
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("failure model (defaults: the documented calibration)")
+    g.add_argument("--mtbi", default="1y", help="mean time between interruptions per chip")
+    g.add_argument("--slice-chips", default=None, help="chips per slice (default 256)")
+    g.add_argument("--repair", default=None, help="slice repair time, e.g. exponential:2h")
+    g.add_argument("--restart", default=None, help="non-elastic restart time distribution")
+    g.add_argument("--downscale", default=None, help="elastic downscale pause distribution")
+    g.add_argument("--upscale", default=None, help="elastic upscale pause distribution")
+    g.add_argument("--step", default=None, help="step time (lost on failure), e.g. 2s")
+    g.add_argument("--checkpoint", default=None, help="non-elastic checkpoint interval")
+    g.add_argument("--speed-cv", type=float, default=0.0, help="per-chip speed variance (cv)")
+    s = p.add_argument_group("simulation")
+    s.add_argument("--seeds", type=int, default=20, help="seeds per cell (CI over seeds)")
+    s.add_argument("--seed", type=int, default=0, help="first seed")
+    s.add_argument("--measure-repairs", type=float, default=20.0,
+                   help="measured window in mean repair times")
+    s.add_argument("--warmup-repairs", type=float, default=5.0,
+                   help="discarded warm-up in mean repair times")
+
+
+def models_from_args(a: argparse.Namespace) -> tuple[FailureModel, CostModel, SimConfig]:
+    """Failure, cost and simulation configs from CLI options over the calibrated defaults."""
+    failure, costs = models_from(CALIBRATED)
+    f_kw: dict = {"mtbi_s": parse_duration(a.mtbi, "mtbi"), "speed_cv": a.speed_cv}
+    if a.slice_chips is not None:
+        f_kw["slice_chips"] = parse_count(a.slice_chips, "slice_chips")
+    if a.repair is not None:
+        f_kw["repair"] = parse_distribution(a.repair, "repair")
+    c_kw: dict = {}
+    for name in ("restart", "downscale", "upscale"):
+        if getattr(a, name) is not None:
+            c_kw[name] = parse_distribution(getattr(a, name), name)
+    if a.step is not None:
+        c_kw["step_s"] = parse_duration(a.step, "step")
+    if a.checkpoint is not None:
+        c_kw["checkpoint_s"] = parse_duration(a.checkpoint, "checkpoint")
+    failure = FailureModel(**{**_fields(failure), **f_kw})
+    costs = CostModel(**{**_fields(costs), **c_kw})
+    sim = SimConfig(seeds=a.seeds, seed=a.seed, measure_repairs=a.measure_repairs,
+                    warmup_repairs=a.warmup_repairs)
+    return failure, costs, sim
+
+
+def _fields(obj: object) -> dict:
+    return {k: getattr(obj, k) for k in obj.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+def config_json(failure: FailureModel, costs: CostModel, sim: SimConfig) -> dict:
+    """The configs, with distributions written as parseable strings."""
+    return {"failure": {"mtbi_s": failure.mtbi_s, "slice_chips": failure.slice_chips,
+                        "repair": failure.repair.spec(), "speed_cv": failure.speed_cv},
+            "costs": {"restart": costs.restart.spec(), "downscale": costs.downscale.spec(),
+                      "upscale": costs.upscale.spec(), "step_s": costs.step_s,
+                      "checkpoint_s": costs.checkpoint_s},
+            "sim": asdict(sim)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddiloco goodput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    g = sub.add_parser("grid", help="goodput and uptime over fleet sizes (the default)")
+    g.add_argument("--chips", default=",".join(str(n) for n in PAPER_CHIPS),
+                   help="fleet sizes, e.g. 150k,300k,1.2M")
+    g.add_argument("--learners", default=",".join(map(str, DEFAULT_LEARNERS)),
+                   help="Decoupled DiLoCo learner counts M")
+    g.add_argument("--quorum", type=int, default=1, help="quorum K (capped at M; paper: 1)")
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG of goodput vs chips")
+    _add_model_options(g)
+
+    b = sub.add_parser("bandwidth", help="cross-site bandwidth per training method")
+    d = BandwidthConfig()
+    b.add_argument("--params", default=f"{d.params:g}", help="model parameters, e.g. 5e9")
+    b.add_argument("--step-time", default=f"{d.step_s}s", help="inner step time")
+    b.add_argument("--sites", type=int, default=d.sites, help="sites / learners")
+    b.add_argument("--fragments", "-P", type=int, default=d.fragments, help="fragments P")
+    b.add_argument("--sync-every", "-H", type=int, default=d.sync_every, help="H")
+    b.add_argument("--overlap", "--tau", type=int, default=d.overlap, help="tau (steps)")
+    b.add_argument("--encoding", default=d.encoding, choices=list(BITS_PER_VALUE))
+    b.add_argument("--dp-encoding", default=d.dp_encoding, choices=list(BITS_PER_VALUE))
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    c = sub.add_parser("calibrate", help="fit the model to the paper's data-parallel rows")
+    c.add_argument("--fit-seeds", type=int, default=4, help="seeds per cell in the objective")
+    c.add_argument("--check-seeds", type=int, default=20, help="seeds for the residuals")
+    c.add_argument("--max-evals", type=int, default=250, help="objective evaluations")
+    c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ddiloco goodput``; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0] not in SUBCOMMANDS and args[0] not in ("-h", "--help")):
+        args.insert(0, "grid")  # the grid is the default subcommand
+    try:
+        a = build_parser().parse_args(args)
+        if a.command == "bandwidth":
+            return _bandwidth(a)
+        if a.command == "calibrate":
+            return _calibrate(a)
+        if a.command == "grid":
+            return _grid(a)
+        build_parser().print_help()
+        return 0
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _grid(a: argparse.Namespace) -> int:
+    from ddiloco.goodput.report import grid_rows, print_table
+
+    failure, costs, sim = models_from_args(a)
+    chips = parse_list(a.chips, "chips")
+    learners = parse_list(a.learners, "learners")
+    if a.quorum < 1:
+        raise ConfigError(f"quorum (K) = {a.quorum}: must be an integer >= 1")
+    for m in learners:
+        if a.quorum > m:
+            raise ConfigError(f"quorum (K) = {a.quorum}: must be in [1, M = {m}]")
+    strategies = [Strategy("dp"), Strategy("elastic")] + [
+        Strategy("decoupled", m, a.quorum) for m in learners]
+    t0 = time.perf_counter()
+    cells = simulate_grid(chips, strategies, failure, costs, sim)
+    seconds = time.perf_counter() - t0
+    if a.plot:
+        from ddiloco.goodput.plot import plot_goodput
+        paper = {"DP": PAPER_DP, "elastic DP": PAPER_ELASTIC,
+                 "DDiLoCo M=8": {n: v for (m, n), v in PAPER_DDILOCO.items() if m == 8}}
+        plot_goodput(cells, a.plot, paper=paper)
+    if a.json:
+        print(json.dumps({"config": config_json(failure, costs, sim), "seconds": seconds,
+                          "cells": [c.to_json() for c in cells]}, indent=2))
+        return 0
+    for metric in ("goodput", "uptime"):
+        header, rows = grid_rows(cells, metric)
+        print_table(f"{metric} % (mean ± 95% CI over {sim.seeds} seeds, MTBI "
+                    f"{failure.mtbi_s / 86400 / 365.25:g} y)", header, rows)
+    print(f"{len(cells)} cells x {sim.seeds} seeds in {seconds:.2f} s")
+    return 0
+
+
+def _bandwidth(a: argparse.Namespace) -> int:
+    from ddiloco.goodput.report import bandwidth_rows, bandwidth_title, print_table
+
+    try:
+        params = float(a.params)
+    except ValueError:
+        raise ConfigError(f"params = {a.params!r}: expected a number such as 5e9") from None
+    cfg = BandwidthConfig(params=params, step_s=parse_duration(a.step_time, "step_time"),
+                          sites=a.sites, fragments=a.fragments, sync_every=a.sync_every,
+                          overlap=a.overlap, encoding=a.encoding, dp_encoding=a.dp_encoding)
+    reqs = required_bandwidth(cfg)
+    if a.json:
+        print(json.dumps({"config": asdict(cfg), "methods": [r.to_json() for r in reqs]},
+                         indent=2))
+        return 0
+    print_table(bandwidth_title(cfg), *bandwidth_rows(reqs))
+    return 0
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    from ddiloco.goodput.report import calibration_rows, print_table
+
+    for name in ("fit_seeds", "check_seeds", "max_evals"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"{name} = {getattr(a, name)}: must be >= 1")
+    cal = calibrate(fit_seeds=a.fit_seeds, check_seeds=a.check_seeds, max_evals=a.max_evals)
+    if a.json:
+        print(json.dumps({"params": cal.params, "sse": cal.sse, "evals": cal.evals,
+                          "seconds": cal.seconds, "within_3_points": cal.within3,
+                          "max_abs_residual": cal.max_abs,
+                          "residuals": [{**asdict(r), "residual": r.residual}
+                                        for r in cal.residuals]}, indent=2))
+        return 0
+    print_table(f"calibration: {cal.params}", *calibration_rows(cal))
+    print(f"{cal.within3}/10 cells within 3 points, max |residual| {cal.max_abs:.1f}; "
+          f"{cal.evals} evaluations in {cal.seconds:.1f} s")
+    return 0

@@ -1,0 +1,220 @@
+"""The real runtime on loopback: one shared cluster (syncer + 2 learners as processes) on
+separate loopback addresses, a small synthetic model. Tests assert progress, never timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from ddiloco.runtime.launcher import free_port
+
+SYNCER_HOST = "127.0.0.2"
+SETTINGS = [
+    "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "--set", "run.num_learners=2", "--set", "algo.sync_every=8",
+    "--set", "runtime.step_sleep_s=0.02", "--set", "runtime.heartbeat_interval_s=0.1",
+    "--set", "algo.liveness_timeout_s=1.0", "--set", "runtime.syncer_liveness_s=1.0",
+    "--set", "runtime.status_interval_s=0.2", "--set", "runtime.snapshot_interval_s=2.0",
+    "--set", "runtime.backoff_max_s=0.5", "--set", "runtime.join_timeout_s=5.0",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+class Cluster:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.port = free_port(SYNCER_HOST)
+        self.addr = f"tcp://{SYNCER_HOST}:{self.port}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = self.run_dir / f"{name}.log"
+        self.logs[name] = log
+        p = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV)
+        self.procs[name] = p
+        return p
+
+    def start_syncer(self) -> subprocess.Popen:
+        return self.start("syncer", "syncer", "--bind", self.addr, "--run-dir", str(self.run_dir))
+
+    def start_learner(self, m: int) -> subprocess.Popen:
+        # each learner connects from its own loopback address (source;destination)
+        src = f"tcp://127.0.0.{3 + m}:0;{SYNCER_HOST}:{self.port}"
+        return self.start(f"learner-{m}", "learner", "--syncer", src, "--id", str(m), "--run-dir", str(self.run_dir), "--device", "cpu")
+
+    def learner(self, m: int) -> dict:
+        return read(self.run_dir / "status" / f"learner-{m}.json")
+
+    def syncer(self) -> dict:
+        return read(self.run_dir / "status" / "syncer-0.json")
+
+    def tape(self) -> list[dict]:
+        path = self.run_dir / "state" / "tape.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written right now
+        return out
+
+    def versions(self) -> list[int]:
+        return list(self.syncer().get("versions", {}).values())
+
+    def kill(self, name: str) -> None:
+        p = self.procs[name]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    c.start_syncer()
+    wait_for(lambda: c.syncer(), 60, "the syncer to come up")
+    for m in (0, 1):
+        c.start_learner(m)
+    wait_for(lambda: all(c.learner(m).get("steps", 0) > 5 for m in (0, 1)), 60, "both learners to train")
+    wait_for(lambda: min(c.versions()) > 0, 60, "every fragment to be merged once")
+    yield c
+    c.stop()
+
+
+def merged_learners(rounds: list[dict]) -> set[int]:
+    return {m["learner"] for r in rounds if r.get("event") == "round" for m in r["merged"] if m["weight"] > 0}
+
+
+def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluster):
+    from ddiloco.core.messages import Contribution
+    from ddiloco.runtime.wire import encode
+
+    before = cluster.syncer()
+    steps = [cluster.learner(m)["steps"] for m in (0, 1)]
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, b"intruder")
+    s.connect(cluster.addr)
+    s.send_multipart([b"not json at all", b"\x00\x01"])
+    s.send_multipart([b'{"v": 1, "type": "Heartbeat", "fields": {"learner": "x"}, "tensors": []}'])
+    s.send_multipart(encode(Contribution(7, 0, 0, [torch.zeros(1)], 1, 10)))  # unknown learner id
+    wait_for(lambda: cluster.syncer().get("malformed", 0) >= before.get("malformed", 0) + 2, 20, "malformed count")
+    wait_for(lambda: cluster.syncer().get("unknown_sender", 0) >= before.get("unknown_sender", 0) + 1, 20, "unknown sender count")
+    s.close()
+    assert cluster.procs["syncer"].poll() is None
+    wait_for(lambda: all(cluster.learner(m)["steps"] > steps[m] + 5 for m in (0, 1)), 30, "training to go on")
+
+
+def test_killed_learner_is_left_out_then_rejoins_and_contributes(cluster):
+    cluster.kill("learner-1")
+    killed_at = time.time()
+    steps0, versions = cluster.learner(0)["steps"], cluster.versions()
+    # the survivor and the global model keep advancing
+    wait_for(lambda: cluster.learner(0)["steps"] > steps0 + 20, 30, "the survivor to keep training")
+    wait_for(lambda: sum(cluster.versions()) > sum(versions) + 8, 30, "versions to keep advancing")
+    expired = killed_at + 1.0 + 0.5  # liveness timeout, plus slack for the last answers in flight
+
+    def rounds_after() -> list[dict]:
+        return [r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > expired]
+
+    after = wait_for(lambda: len(rounds_after()) >= 8 and rounds_after(), 30, "rounds after the liveness timeout")
+    assert 1 not in merged_learners(after) and 0 in merged_learners(after)
+    restarted_at = time.time()
+    cluster.start_learner(1)
+    wait_for(lambda: 1 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > restarted_at]), 60, "the restarted learner to contribute again")
+
+
+def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
+    from ddiloco.config import load_config
+    from ddiloco.core.fragments import make_layout, specs_of
+    from ddiloco.core.syncer import Syncer
+    from ddiloco.runtime.evaluator import fetch_global
+    from ddiloco.runtime.persist import SyncerStore
+    from ddiloco.workloads.config import load_workload
+
+    cluster.kill("syncer")
+    steps = [cluster.learner(m)["steps"] for m in (0, 1)]
+    # learners train on while the syncer is away
+    wait_for(lambda: all(cluster.learner(m)["steps"] > steps[m] + 10 for m in (0, 1)), 30, "learners to train while the syncer is down")
+    overrides = [a for a in SETTINGS if a != "--set"]
+    cfg = load_config(None, overrides)
+    model = load_workload(cfg.workload).build_model(cfg.run.seed)
+    layout = make_layout(specs_of(model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
+    persisted = Syncer(cfg.algo, layout, dict(model.named_parameters()))
+    assert SyncerStore(cluster.run_dir, fsync=False).restore(persisted)
+    durable = persisted.versions()
+    cluster.start_syncer()
+    state = wait_for(lambda: fetch_global([cluster.addr], timeout_s=2.0), 60, "the restarted syncer to answer")[0]
+    same = 0
+    for p_text, v in state.versions.items():
+        p = int(p_text)
+        assert v >= durable[p]  # versions never go backwards
+        if v == durable[p]:
+            same += 1
+            for i, t in enumerate(persisted.fragments[p].values):
+                assert torch.equal(state.tensors[f"{p}.{i}"], t)
+    assert same > 0
+    wait_for(lambda: sum(cluster.versions()) > sum(durable) + 4, 60, "merges to resume after the restart")
+    assert all(cluster.procs[f"learner-{m}"].poll() is None for m in (0, 1))
+
+
+def test_port_in_use_fails_at_start_naming_the_port(cluster):
+    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", cluster.addr, "--run-dir", str(cluster.run_dir / "other"), *SETTINGS], capture_output=True, text=True, env=ENV, timeout=60)
+    assert out.returncode == 2
+    assert f"cannot bind the syncer to {cluster.addr}" in out.stderr and "port" in out.stderr
+
+
+def test_mismatched_model_is_refused_naming_the_first_tensor(cluster):
+    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", cluster.addr, "--id", "5", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS, "--set", "workload.options={hidden = 32}"], capture_output=True, text=True, env=ENV, timeout=60)
+    assert out.returncode == 3
+    assert "does not match the syncer's fragment layout" in out.stderr and "embed.weight (32, 16)" in out.stderr
+
+
+def test_unreachable_syncer_learner_says_so_once_and_trains_on(tmp_path):
+    port = free_port("127.0.0.5")
+    p = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"tcp://127.0.0.5:{port}", "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", *SETTINGS, "--set", "runtime.join_timeout_s=1.0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        wait_for(lambda: read(tmp_path / "status" / "learner-0.json").get("steps", 0) > 20, 60, "the lone learner to train")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=15)
+    lines = [l for l in err.splitlines() if "global fragments" in l or "unreachable" in l]
+    assert len(lines) == 1, err
