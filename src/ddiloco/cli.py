@@ -107,6 +107,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
     from ddiloco.runtime.learner_process import run_learner
 
     cfg = _load(args)
+    if not args.syncer and not args.standalone:
+        raise DDiLoCoError("ddiloco learner needs --syncer tcp://HOST:PORT (one per shard), or --standalone to train alone")
     device = ("cuda" if _cuda() else "cpu") if args.device == "auto" else args.device
     return run_learner(cfg, args.syncer, args.id, args.run_dir, device, args.threads or cfg.run.threads)
 
@@ -174,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy.set_defaults(func=cmd_syncer)
     le = sub.add_parser("learner", help="run one learner process")
     le.add_argument("config", nargs="?")
-    le.add_argument("--syncer", action="append", required=True, help="syncer shard address (repeat for each shard, in shard order)")
+    le.add_argument("--syncer", action="append", default=[], help="syncer shard address (repeat for each shard, in shard order)")
+    le.add_argument("--standalone", action="store_true", help="train without any syncer (the 'syncing off' reference)")
     le.add_argument("--id", type=int, required=True, help="learner id (also picks the data shard: id mod run.num_learners)")
     le.add_argument("--run-dir", default="runs/latest", help="where status files go")
     le.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")

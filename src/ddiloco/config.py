@@ -120,6 +120,8 @@ class RuntimeConfig:
     """How often processes write their status for the progress view."""
     step_sleep_s: float = 0.0
     """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
+    step_log: bool = False
+    """Learners write every inner step's end time and duration to metrics/steps-ID-PID.csv."""
 
 
 @dataclass(frozen=True)

@@ -68,15 +68,35 @@ class Learner:
     def __init__(self, cfg: Config, syncers: list[str], learner_id: int, run_dir: str | Path, device: str = "cpu", threads: int = 1) -> None:
         torch.set_num_threads(threads)
         self.cfg, self.id, self.run_dir = cfg, learner_id, Path(run_dir)
+        # A torchrun group is one learner: ranks run DDP inside it; rank 0 talks to the syncer.
+        self.rank, self.world = 0, 1
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            if device.startswith("cuda"):
+                device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+                torch.cuda.set_device(torch.device(device))
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            if cfg.algo.late_fragment == "wait":
+                raise DDiLoCoError("a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step baselines with one process per learner")
         self.device = torch.device(device)
+        (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.wl = load_workload(cfg.workload)
         self.model = self.wl.build_model(cfg.run.seed).to(self.device)
         self.spec = param_spec(self.model)
         self.layout: FragmentLayout = make_layout(specs_of(self.model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
         self.params = dict(self.model.named_parameters())
         self.opt = make_optimizer(self.model, cfg.inner)
+        self.trained = self.model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.trained = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments)
-        self.stream = self.wl.train_stream(learner_id % cfg.run.num_learners, cfg.run.num_learners, cfg.run.seed)
+        M = cfg.run.num_learners
+        # Each rank reads its own slice of the learner's shard.
+        self.stream = self.wl.train_stream((learner_id % M) * self.world + self.rank, M * self.world, cfg.run.seed)
         P = self.layout.num_fragments
         self.host = HostCopy({n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}, [0] * P, [0] * P, [0] * P)
         self.lock = threading.Lock()
@@ -246,7 +266,8 @@ class Learner:
                 continue
             write_fragment(self.params, self.layout.fragments[msg.fragment], [v.to(self.device) for v in msg.values], alpha)
             self.stats["applied"] += 1
-            self.outbox.put(Ack(self.id, msg.fragment, msg.version))
+            if self.rank == 0:
+                self.outbox.put(Ack(self.id, msg.fragment, msg.version))
 
     def _load_peer_state(self, msg: PeerState) -> None:
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -294,23 +315,27 @@ class Learner:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop.set())
         comm = threading.Thread(target=self.comm_loop, name="ddiloco-comm", daemon=True)
-        comm.start()
-        self._wait_for_join()
-        self.outbox.put(PeerStateRequest(self.id))
+        if self.syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
+            comm.start()
+            self._wait_for_join()
+            self.outbox.put(PeerStateRequest(self.id))
+        self._share_inbox(initial=True)
         self.joined.set()
         self._snapshot()
         rt = self.cfg.runtime
         last_status = 0.0
-        while not self.stop.is_set():
+        step_log = open(self.run_dir / "metrics" / f"steps-{self.id}-{os.getpid()}.csv", "w") if rt.step_log and self.rank == 0 else None
+        while not self._should_stop():
             t0 = time.perf_counter()
             batch = self.stream.next_batch()
-            batch = type(batch)(batch.inputs.to(self.device), batch.targets.to(self.device), batch.tokens)
-            self.model.train()
-            loss = self.wl.loss(self.model, batch)
+            batch = type(batch)(batch.inputs.to(self.device), batch.targets.to(self.device), batch.tokens * self.world)
+            self.trained.train()
+            loss = self.wl.loss(self.trained, batch)
             inner_step(self.model, self.opt, loss, lr_at(self.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner), self.cfg.inner.grad_clip)
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)
             sends = self.core.on_step(batch.tokens)
+            self._share_inbox()
             self._apply_inbox()
             self._snapshot()
             for p in sends:  # lock-step baselines push on their own schedule
@@ -327,15 +352,66 @@ class Learner:
             s["loss"] = float(loss.detach())
             if s["first_step_at"] is None:
                 s["first_step_at"] = time.time()
-            if time.monotonic() - last_status >= rt.status_interval_s:
+            if step_log is not None:
+                step_log.write(f"{time.time():.6f},{dt:.6f}\n")
+            if time.monotonic() - last_status >= rt.status_interval_s and self.rank == 0:
                 last_status = time.monotonic()
                 self.write_status()
+                if step_log is not None:
+                    step_log.flush()
         self.write_status()
-        comm.join(timeout=2.0)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        if step_log is not None:
+            step_log.close()
+        if comm.is_alive():
+            comm.join(timeout=2.0)
         if self.fatal:
             print(f"error: learner {self.id} refused by the syncer: {self.fatal}", file=sys.stderr, flush=True)
             return 3
         return 0
+
+    def _should_stop(self) -> bool:
+        """Ranks of one learner stop at the same step: rank 0's decision is shared."""
+        if self.world == 1:
+            return self.stop.is_set()
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.stop.is_set() else 0], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _share_inbox(self, initial: bool = False) -> None:
+        """Rank 0 broadcasts the fragments (and peer state) it received, so every rank applies
+        the same ones at the same step. Inside a learner a collective is fine: it is one
+        failure domain."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        msgs: list = []
+        if self.rank == 0:
+            while True:
+                try:
+                    msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+        box = [msgs, (self.data_position, list(self.core.base_version)) if initial else None]
+        dist.broadcast_object_list(box, src=0)
+        if initial:
+            # rank 0 applied the global state it fetched on join: every rank starts from it
+            with torch.no_grad():
+                for prm in self.model.parameters():
+                    dist.broadcast(prm.data, src=0)
+            if self.rank != 0:
+                position, bases = box[1]
+                self.core.base_version[:] = bases
+                if position:
+                    self.stream.seek(position)
+        for m in box[0]:
+            self.inbox.put(m)
 
     def _answer_to_outbox(self, p: int) -> None:
         pieces = self.layout.fragments[p]
@@ -357,7 +433,9 @@ class Learner:
         self.stats["blocked_s"] += time.perf_counter() - t0 if self.cfg.algo.late_fragment == "wait" else 0.0
 
     def write_status(self) -> None:
-        _atomic_json(self.run_dir / "status" / f"learner-{self.id}.json", {"learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
+        name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
+        checksum = float(sum(p.detach().double().sum() for p in self.model.parameters()))
+        _atomic_json(self.run_dir / "status" / f"{name}.json", {"rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
 
 
 def run_learner(cfg: Config, syncers: list[str], learner_id: int, run_dir: str, device: str, threads: int) -> int:

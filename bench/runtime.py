@@ -1,0 +1,312 @@
+"""Runtime benchmark: the real processes over ZeroMQ on this machine (loopback).
+
+    python bench/runtime.py            # everything (~17 min; run nothing else meanwhile)
+    python bench/runtime.py --quick    # shortened phases (a smoke test, not a result)
+
+Model and data of the quality benchmark (byte-level GPT, Shakespeare), 2 learners at one
+thread each unless a row says otherwise. Writes docs/results/runtime.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+GPT = ["--set", "runtime.step_log=true", "--set", "runtime.status_interval_s=0.5", "--set", "run.num_learners=2", "--set", "run.tokens=100000000"]
+
+
+def sets(*pairs: str) -> list[str]:
+    return [x for p in pairs for x in ("--set", p)]
+
+
+class Cluster:
+    """Syncer + learners as processes (the bench's own small supervisor)."""
+
+    def __init__(self, run_dir: Path, extra: list[str]) -> None:
+        from ddiloco.runtime.launcher import free_port
+
+        self.run_dir, self.extra = run_dir, extra
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.spawned: dict[str, float] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        log = open(self.run_dir / f"{name}.log", "ab")
+        self.spawned[name] = time.time()
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *self.extra], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+
+    def syncer(self) -> None:
+        self.start("syncer", "syncer", "--bind", self.addr, "--run-dir", str(self.run_dir))
+
+    def learner(self, m: int, standalone: bool = False) -> None:
+        target = ["--standalone"] if standalone else ["--syncer", self.addr]
+        self.start(f"learner-{m}", "learner", *target, "--id", str(m), "--run-dir", str(self.run_dir), "--device", "cpu")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(sig)
+        p.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            if self.procs[name].poll() is None:
+                self.kill(name, signal.SIGTERM)
+
+    def status(self, name: str) -> dict:
+        try:
+            return json.loads((self.run_dir / "status" / f"{name}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def steps(self, m: int) -> list[tuple[float, float]]:
+        out = []
+        for f in sorted((self.run_dir / "metrics").glob(f"steps-{m}-*.csv")):
+            for line in f.read_text().splitlines():
+                try:
+                    t, d = line.split(",")
+                    out.append((float(t), float(d)))
+                except ValueError:
+                    pass
+        return sorted(out)
+
+    def tape(self) -> list[dict]:
+        path = self.run_dir / "state" / "tape.jsonl"
+        out = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+
+def wait_until(pred, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def rate(steps: list[tuple[float, float]], t0: float, t1: float) -> float:
+    n = sum(1 for t, _ in steps if t0 <= t < t1)
+    return n / (t1 - t0)
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+
+def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict:
+    """Rows 1-3 and 7: steps/s with syncing on vs off; survivor stall after a SIGKILL;
+    restart to first merged contribution; syncer restart to resumed merges."""
+    out: dict = {}
+    # syncing off: two standalone learners
+    off = Cluster(work / "off", GPT)
+    (off.run_dir).mkdir(parents=True)
+    for m in (0, 1):
+        off.learner(m, standalone=True)
+    wait_until(lambda: all(off.status(f"learner-{m}").get("steps", 0) > 5 for m in (0, 1)), 120)
+    t0 = time.time()
+    time.sleep(phase_s)
+    off_rates = [rate(off.steps(m), t0, time.time()) for m in (0, 1)]
+    off.stop()
+    # syncing on: syncer + two learners, the same measurement window
+    on = Cluster(work / "on", GPT)
+    on.run_dir.mkdir(parents=True)
+    on.syncer()
+    wait_until(lambda: on.status("syncer-0"), 120)
+    for m in (0, 1):
+        on.learner(m)
+    wait_until(lambda: all(on.status(f"learner-{m}").get("steps", 0) > 5 for m in (0, 1)), 120)
+    t0 = time.time()
+    time.sleep(phase_s)
+    on_rates = [rate(on.steps(m), t0, time.time()) for m in (0, 1)]
+    out["steps_per_s_sync_off"] = off_rates
+    out["steps_per_s_sync_on"] = on_rates
+    out["throughput_ratio"] = statistics.fmean(a / b for a, b in zip(on_rates, off_rates))
+    # survivor stall: previous minute's p99 vs the longest step in the 5 s after a SIGKILL
+    time.sleep(max(0.0, pre_kill_s - phase_s))
+    killed_at = time.time()
+    on.kill("learner-1")
+    before = [d for t, d in on.steps(0) if killed_at - 60 <= t < killed_at]
+    time.sleep(5.0)  # the restart is delayed 5 s
+    after = [d for t, d in on.steps(0) if killed_at <= t < killed_at + 5]
+    out["survivor_p99_prev_min_s"] = p99(before)
+    out["survivor_longest_after_kill_s"] = max(after) if after else float("nan")
+    out["survivor_steps_in_5s_after_kill"] = len(after)
+    # restarted learner: process start -> first merged contribution
+    on.learner(1)
+    spawn = on.spawned["learner-1"]
+
+    def first_merge() -> float | None:
+        for r in on.tape():
+            if r.get("event") == "round" and r["closed_at"] > spawn and any(m["learner"] == 1 and m["weight"] > 0 for m in r["merged"]):
+                return r["closed_at"]
+        return None
+
+    wait_until(lambda: first_merge() is not None, 120)
+    fm = first_merge()
+    out["restart_to_first_merge_s"] = (fm - spawn) if fm else float("nan")
+    first_step = on.status("learner-1").get("first_step_at")
+    out["restart_to_first_step_s"] = (first_step - spawn) if first_step else float("nan")
+    # syncer restart: SIGKILL, start again at once, time until merges resume
+    time.sleep(5.0)
+    on.kill("syncer")
+    on.syncer()
+    spawn = on.spawned["syncer"]
+
+    def resumed() -> float | None:
+        for r in on.tape():
+            if r.get("event") == "round" and r["closed_at"] > spawn and r["merged"] and r["version"] > 0:
+                return r["closed_at"]
+        return None
+
+    wait_until(lambda: resumed() is not None, 120)
+    rs = resumed()
+    out["syncer_restart_to_merges_s"] = (rs - spawn) if rs else float("nan")
+    on.stop()
+    return out
+
+
+def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
+    """Row 4: goodput under Poisson SIGKILLs of every learner (restarted at once)."""
+    from ddiloco.config import load_config
+    from ddiloco.runtime.launcher import Launcher
+
+    overrides = [a for a in GPT if a != "--set"] + ["chaos.enabled=true", f"chaos.kill_mtbf_s={mtbf_s}", f"runtime.duration_s={duration_s}", "runtime.eval_interval_s=60", "run.method=decoupled"]
+    cfg = load_config(None, overrides)
+    launcher = Launcher(cfg, work / "chaos")
+    summary = launcher.run()
+    kills = [f for f in launcher.faults if f["kind"] == "sigkill"]
+    restart = statistics.fmean(summary["restart_latencies_s"]) if summary["restart_latencies_s"] else float("nan")
+    step_s = statistics.fmean([d for m in range(2) for _, d in Cluster(work / "chaos", []).steps(m)] or [float("nan")])
+    H = cfg.algo.sync_every
+    T = summary["wall_s"] * cfg.run.num_learners
+    target = 1 - len(kills) * (restart + H / 2 * step_s) / T - 0.02
+    return {"duration_s": summary["wall_s"], "kills": len(kills), "mean_restart_s": restart, "mean_step_s": step_s,
+            "goodput": summary["goodput"], "down": summary["down"], "restarting": summary["restarting"], "target": target,
+            "eval_loss": summary["eval_loss"], "tokens_processed": summary["tokens_processed"], "tokens_merged": summary["tokens_merged"],
+            "learners_per_merge": summary["learners_per_merge"], "faults": [{"t": f["t"], "kind": f["kind"], "target": f["target"]} for f in launcher.faults]}
+
+
+def sleep_fleet(work: Path, duration_s: float) -> dict:
+    """Row 5: 4 learners with a sleep-based synthetic step: merges/s and syncer CPU share."""
+    from ddiloco.config import load_config
+    from ddiloco.runtime.launcher import Launcher
+
+    cfg = load_config(None, ["workload.factory=ddiloco.workloads.synthetic:make_workload", "run.num_learners=4", "runtime.step_sleep_s=0.1", f"runtime.duration_s={duration_s}", "runtime.eval_interval_s=30", "algo.sync_every=24"])
+    launcher = Launcher(cfg, work / "sleep")
+    summary = launcher.run()
+    st = json.loads((work / "sleep" / "status" / "syncer-0.json").read_text())
+    return {"learners": 4, "duration_s": summary["wall_s"], "merges": st["merges"], "merges_per_s": st["merges"] / st["wall_s"],
+            "syncer_cpu_share": st["cpu_s"] / st["wall_s"], "learners_per_merge": summary["learners_per_merge"]}
+
+
+def merge_throughput(numel: int = 4_000_000, contributions: int = 4, repeats: int = 5) -> dict:
+    """Row 6: GB/s of contributions merged by the core on one core, next to a memcpy."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ddiloco.core.config import DiLoCoConfig
+    from ddiloco.core.fragments import TensorSpec, balanced_layout
+    from ddiloco.core.messages import Contribution, Heartbeat
+    from ddiloco.core.syncer import Syncer
+
+    cfg = DiLoCoConfig(num_fragments=1, quorum="all", grace=False, late_fragment="wait", overlap=0)
+    layout = balanced_layout([TensorSpec("w", (numel // 1000, 1000))], 1)
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(numel // 1000, 1000, generator=g)
+    values = [init + 0.01 * torch.randn(init.shape, generator=g) for _ in range(contributions)]
+    times = []
+    for r in range(repeats):
+        s = Syncer(cfg, layout, {"w": init})
+        for m in range(contributions):
+            s.on_join(m, 0.0)
+            s.on_heartbeat(Heartbeat(m, 0, 1.0), 0.0)
+        t0 = time.perf_counter()
+        for m in range(contributions):
+            s.on_contribution(Contribution(m, 0, 0, [values[m]], 10, 1000), 1.0)
+        times.append(time.perf_counter() - t0)
+        assert s.versions() == [1]
+    nbytes = contributions * numel * 4
+    src, dst = torch.randn(numel), torch.empty(numel)
+    copies = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
+    return {"fragment_mb": numel * 4 / 1e6, "contributions": contributions, "merge_gb_per_s": nbytes / min(times) / 1e9,
+            "memcpy_gb_per_s": numel * 4 / min(copies) / 1e9, "note": "merge includes validation, anchoring, RDA and the outer step"}
+
+
+def to_markdown(rep: dict) -> str:
+    t, c, s, m = rep["throughput"], rep["chaos"], rep["sleep_fleet"], rep["merge"]
+    ratio_ok = t["throughput_ratio"] >= 0.95
+    stall_limit = t["survivor_p99_prev_min_s"] + 0.05
+    rows = [
+        ("learner steps/s with syncing on / off (same run)", f"{t['throughput_ratio']:.3f} (on {', '.join(f'{x:.2f}' for x in t['steps_per_s_sync_on'])}; off {', '.join(f'{x:.2f}' for x in t['steps_per_s_sync_off'])})", ">= 0.95", ratio_ok),
+        ("survivor's longest step in the 5 s after a SIGKILL", f"{t['survivor_longest_after_kill_s'] * 1000:.0f} ms ({t['survivor_steps_in_5s_after_kill']} steps)", f"<= p99 {t['survivor_p99_prev_min_s'] * 1000:.0f} ms + 50 ms = {stall_limit * 1000:.0f} ms", t["survivor_longest_after_kill_s"] <= stall_limit),
+        ("restarted learner: process start -> first merged contribution", f"{t['restart_to_first_merge_s']:.1f} s (first step at {t['restart_to_first_step_s']:.1f} s)", "<= 10 s", t["restart_to_first_merge_s"] <= 10),
+        (f"goodput, {c['duration_s'] / 60:.0f}-min chaos run, {c['kills']} SIGKILLs (restart {c['mean_restart_s']:.1f} s)", f"{c['goodput']:.1%}", f">= {c['target']:.1%}; vs 90%", c["goodput"] >= c["target"]),
+        ("4 sleep-step learners: merges/s, syncer CPU share", f"{s['merges_per_s']:.1f}/s, {s['syncer_cpu_share']:.1%}", "reported", None),
+        ("syncer merge throughput, one core", f"{m['merge_gb_per_s']:.2f} GB/s (memcpy {m['memcpy_gb_per_s']:.2f} GB/s)", "reported", None),
+        ("syncer restart -> merges resume", f"{t['syncer_restart_to_merges_s']:.1f} s", "reported", None),
+    ]
+    lines = ["# Runtime benchmark: real processes over ZeroMQ (loopback)", "",
+             f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs). GPT on Shakespeare, 2 learners at one thread each unless a row says otherwise.", "",
+             "| measure | measured | target | met |", "|---|---|---|---|"]
+    for name, val, target, ok in rows:
+        lines.append(f"| {name} | {val} | {target} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
+    lines += ["", "## Fault timeline of the chaos run", "", "| t (s) | fault | target |", "|---|---|---|"]
+    lines += [f"| {f['t']:.1f} | {f['kind']} | {f['target']} |" for f in c["faults"]]
+    lines += ["", f"Chaos run: eval loss {c['eval_loss']:.4f}, tokens processed {c['tokens_processed']:,}, merged {c['tokens_merged']:,.0f}, mean learners per merge {c['learners_per_merge']:.2f}, down {c['down']:.1%}, restarting {c['restarting']:.1%}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    args = ap.parse_args()
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
+    phase, pre_kill, chaos_s, mtbf, sleep_s = (20, 25, 90, 30, 20) if args.quick else (60, 70, 600, 120, 60)
+    rep = {"merge": merge_throughput()}
+    print(json.dumps(rep["merge"]), flush=True)
+    rep["throughput"] = throughput_and_faults(work, phase, pre_kill)
+    print(json.dumps(rep["throughput"]), flush=True)
+    rep["sleep_fleet"] = sleep_fleet(work, sleep_s)
+    print(json.dumps(rep["sleep_fleet"]), flush=True)
+    rep["chaos"] = chaos_goodput(work, chaos_s, mtbf)
+    print(json.dumps({k: v for k, v in rep["chaos"].items() if k != "faults"}), flush=True)
+    rep.update({"command": "python bench/runtime.py" + (" --quick" if args.quick else ""), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "wall_s": time.time() - started, "work_dir": str(work)})
+    out = Path(args.out)
+    name = "runtime-quick" if args.quick else "runtime"
+    (out / f"{name}.json").write_text(json.dumps(rep, indent=2))
+    (out / f"{name}.md").write_text(to_markdown(rep))
+    print(to_markdown(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
