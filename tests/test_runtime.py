@@ -218,3 +218,23 @@ def test_unreachable_syncer_learner_says_so_once_and_trains_on(tmp_path):
         _, err = p.communicate(timeout=15)
     lines = [l for l in err.splitlines() if "global fragments" in l or "unreachable" in l]
     assert len(lines) == 1, err
+
+
+def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster):
+    """One learner = a 2-rank torchrun group with DDP inside; rank 0 talks to the syncer."""
+    log = cluster.run_dir / "torchrun.log"
+    joined_at = time.time()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco.cli",
+         "learner", "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    try:
+        wait_for(lambda: 2 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > joined_at]), 120, "the torchrun learner to contribute")
+        wait_for(lambda: cluster.learner(2).get("applied", 0) > 5, 60, "merged fragments to come back to the group")
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=60)
+    r0, r1 = cluster.learner(2), read(cluster.run_dir / "status" / "learner-2.rank1.json")
+    assert r0["world"] == r1["world"] == 2
+    assert r0["steps"] == r1["steps"] and r0["steps"] > 0
+    assert r0["param_checksum"] == r1["param_checksum"], log.read_text()[-2000:]

@@ -251,12 +251,16 @@ class Learner:
             self.host.step = self.core.step
             self.host.data_position = self.stream.position
 
-    def _apply_inbox(self) -> None:
+    def _drain(self) -> list:
+        msgs = []
         while True:
             try:
-                msg = self.inbox.get_nowait()
+                msgs.append(self.inbox.get_nowait())
             except queue.Empty:
-                return
+                return msgs
+
+    def _apply_inbox(self, msgs: list | None = None) -> None:
+        for msg in self._drain() if msgs is None else msgs:
             if isinstance(msg, PeerState):
                 if msg.source >= 0 and msg.tensors:
                     self._load_peer_state(msg)
@@ -319,7 +323,7 @@ class Learner:
             comm.start()
             self._wait_for_join()
             self.outbox.put(PeerStateRequest(self.id))
-        self._share_inbox(initial=True)
+        self._apply_inbox(self._share_inbox(initial=True) or [])
         self.joined.set()
         self._snapshot()
         rt = self.cfg.runtime
@@ -335,8 +339,7 @@ class Learner:
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)
             sends = self.core.on_step(batch.tokens)
-            self._share_inbox()
-            self._apply_inbox()
+            self._apply_inbox(self._share_inbox())
             self._snapshot()
             for p in sends:  # lock-step baselines push on their own schedule
                 self.core.answer(p)
@@ -383,22 +386,16 @@ class Learner:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def _share_inbox(self, initial: bool = False) -> None:
+    def _share_inbox(self, initial: bool = False) -> list | None:
         """Rank 0 broadcasts the fragments (and peer state) it received, so every rank applies
         the same ones at the same step. Inside a learner a collective is fine: it is one
         failure domain."""
         if self.world == 1:
-            return
+            return None  # a single process applies straight from its inbox
         import torch.distributed as dist
 
-        msgs: list = []
-        if self.rank == 0:
-            while True:
-                try:
-                    msgs.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
-        box = [msgs, (self.data_position, list(self.core.base_version)) if initial else None]
+        msgs: list = self._drain() if self.rank == 0 else []
+        box = [msgs, (self.data_position, dict(vars(self.core))) if initial else None]
         dist.broadcast_object_list(box, src=0)
         if initial:
             # rank 0 applied the global state it fetched on join: every rank starts from it
@@ -406,12 +403,11 @@ class Learner:
                 for prm in self.model.parameters():
                     dist.broadcast(prm.data, src=0)
             if self.rank != 0:
-                position, bases = box[1]
-                self.core.base_version[:] = bases
+                position, core_state = box[1]
+                vars(self.core).update(core_state)  # counters, base versions, LR position
                 if position:
                     self.stream.seek(position)
-        for m in box[0]:
-            self.inbox.put(m)
+        return box[0]
 
     def _answer_to_outbox(self, p: int) -> None:
         pieces = self.layout.fragments[p]
