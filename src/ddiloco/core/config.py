@@ -53,6 +53,9 @@ class DiLoCoConfig:
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9
     """Outer momentum (Nesterov)."""
+    outer_lr_decay_tokens: float = 0.0
+    """If > 0, the outer LR follows a cosine from outer_lr down to 10% of it over this many
+    globally merged tokens (like the inner schedule); 0 keeps it constant (DiLoCo's choice)."""
     alpha: float = 0.0
     """Blend on receipt: local = alpha*local + (1-alpha)*global; 0 overwrites (the default)."""
     late_fragment: str = "continue"
@@ -84,6 +87,7 @@ class DiLoCoConfig:
         _check(self.merge in MERGES, "merge", self.merge, f"one of {MERGES}")
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "> 0")
         _check(0.0 <= self.outer_momentum < 1.0, "outer_momentum", self.outer_momentum, "[0, 1)")
+        _check(self.outer_lr_decay_tokens >= 0, "outer_lr_decay_tokens", self.outer_lr_decay_tokens, ">= 0")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
         _check(self.late_fragment in LATE_FRAGMENT, "late_fragment", self.late_fragment, f"one of {LATE_FRAGMENT}")
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")

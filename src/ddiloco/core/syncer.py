@@ -263,6 +263,14 @@ class Syncer:
             self.next_tick_at += t_step
         return out
 
+    def outer_lr(self) -> float:
+        """The outer LR now: constant, or a cosine over the merged tokens (outer_lr_decay_tokens)."""
+        total = self.cfg.outer_lr_decay_tokens
+        if total <= 0:
+            return self.cfg.outer_lr
+        frac = min(1.0, self.global_tokens / total)
+        return self.cfg.outer_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
     def effective_quorum(self, rnd: Round, now: float) -> int:
         """K_eff = min(K, live learners that were asked); K = "all" means all of them."""
         live_asked = len(rnd.asked & set(self.live(now)))
@@ -306,6 +314,7 @@ class Syncer:
         if contribs and sum(weights) > 0:
             deltas = [self._delta(c, frag) for c in contribs]
             merged = merge_deltas(deltas, weights, self._emb[rnd.fragment], self.cfg.merge)
+            frag.outer.lr = self.outer_lr()
             new_values = frag.outer.step(frag.values, merged)
             frag.version += 1
             frag.history.append((frag.version, new_values))
