@@ -238,3 +238,28 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
     assert r0["world"] == r1["world"] == 2
     assert r0["steps"] == r1["steps"] and r0["steps"] > 0
     assert r0["param_checksum"] == r1["param_checksum"], log.read_text()[-2000:]
+
+
+def test_syncer_sharded_by_fragment(tmp_path):
+    """Two syncer shards own disjoint fragments; one learner talks to both."""
+    from ddiloco.runtime.evaluator import fetch_global
+
+    host = "127.0.0.6"
+    addrs = [f"tcp://{host}:{free_port(host)}" for _ in range(2)]
+    procs = []
+    try:
+        for i, a in enumerate(addrs):
+            procs.append(subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", a, "--run-dir", str(tmp_path), "--shard", str(i), "--num-shards", "2", *SETTINGS], stdout=open(tmp_path / f"s{i}.log", "ab"), stderr=subprocess.STDOUT, env=ENV))
+        wait_for(lambda: all((tmp_path / "status" / f"syncer-{i}.json").exists() for i in (0, 1)), 60, "both shards up")
+        procs.append(subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "learner", *[x for a in addrs for x in ("--syncer", a)], "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", *SETTINGS], stdout=open(tmp_path / "l.log", "ab"), stderr=subprocess.STDOUT, env=ENV))
+        shard_versions = lambda i: read(tmp_path / "status" / f"syncer-{i}.json").get("versions", {})
+        wait_for(lambda: all(shard_versions(i) and min(shard_versions(i).values()) > 1 for i in (0, 1)), 60, "every fragment of both shards to be merged")
+        states = fetch_global(addrs)
+        owned = [set(map(int, s.versions)) for s in states]
+        assert owned[0] == {p for p in range(8) if p % 2 == 0} and owned[1] == {p for p in range(8) if p % 2 == 1}
+        assert (tmp_path / "state" / "shard-0").is_dir() and (tmp_path / "state" / "shard-1").is_dir()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)

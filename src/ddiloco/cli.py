@@ -221,6 +221,9 @@ def _goodput(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["goodput"]:  # its own parser owns every option after the word
+        return _goodput(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():

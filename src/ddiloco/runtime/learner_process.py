@@ -231,13 +231,15 @@ class Learner:
             self.inbox.put(msg)
 
     def _answer(self, link: ShardLink, p: int) -> None:
-        """Answer from the host copy: training is never paused for it."""
-        pieces = self.layout.fragments[p]
-        with self.lock:
-            values = read_fragment(self.host.params, pieces)
-            c = Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
-        self._send(link, c)
+        """Answer a request from the host copy: training is never paused for it."""
+        self._send(link, self._contribution(p))
         self.stats["answered"] += 1
+
+    def _contribution(self, p: int) -> Contribution:
+        """Fragment p's values and counters as of the last step boundary."""
+        with self.lock:
+            values = read_fragment(self.host.params, self.layout.fragments[p])
+            return Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
 
     # -- training thread ---------------------------------------------------------------------
 
@@ -343,7 +345,7 @@ class Learner:
             self._snapshot()
             for p in sends:  # lock-step baselines push on their own schedule
                 self.core.answer(p)
-                self._answer_to_outbox(p)
+                self.outbox.put(self._contribution(p))
             dt = time.perf_counter() - t0
             self._block_if_lock_step()
             self._serve_peer_requests()
@@ -408,13 +410,6 @@ class Learner:
                 if position:
                     self.stream.seek(position)
         return box[0]
-
-    def _answer_to_outbox(self, p: int) -> None:
-        pieces = self.layout.fragments[p]
-        with self.lock:
-            values = read_fragment(self.host.params, pieces)
-            c = Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
-        self.outbox.put(c)
 
     def _block_if_lock_step(self) -> None:
         t0 = time.perf_counter()
