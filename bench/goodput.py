@@ -281,7 +281,7 @@ def main() -> int:
 
     md.append("## Sensitivity (1.2M chips, all else at the calibration)\n")
     names = [s.name for s in SENS_STRATEGIES]
-    knob = None
+    knob, rows = None, []
     for row in sens:
         if row["knob"] != knob:
             if knob is not None:

@@ -177,7 +177,7 @@ def summarise(by_arm: dict[str, list[dict]], sweep: list[dict], best_over: dict,
     check("Decoupled chaos eval loss <= 1.04 L_dp", ch["eval_loss"], 1.04 * l_dp)
     need = 1 - ch["downtime"] - 0.04
     checks.append({"what": "Decoupled chaos goodput >= 1 - realised downtime - 0.04", "value": ch["goodput"], "limit": need, "met": ch["goodput"] >= need})
-    k1, kg, kall = arms["hetero K=1"], arms["hetero K=1+grace"], arms["hetero K=all"]
+    k1, kg = arms["hetero K=1"], arms["hetero K=1+grace"]
     checks.append({"what": "hetero: K=1+grace keeps full goodput (>= K=1's)", "value": kg["goodput"], "limit": k1["goodput"], "met": kg["goodput"] >= k1["goodput"] - 1e-9})
     checks.append({"what": "hetero: K=1+grace recovers the quality K=1 loses (loss < K=1's)", "value": kg["eval_loss"], "limit": k1["eval_loss"], "met": kg["eval_loss"] < k1["eval_loss"]})
     return {

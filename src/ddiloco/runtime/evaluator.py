@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -91,6 +90,3 @@ def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = Fa
         time.sleep(0.1)
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(0)

@@ -160,8 +160,8 @@ class Launcher:
                     if self.learners[m].alive():
                         self.learners[m].signal(signal.SIGKILL)
                         self.learners[m].popen.wait()
-                        self._on_learner_death(m, now, t0, scheduled_back=t0 + max(back, t), kind="sigkill")
-                        pending_restarts.append((t0 + max(back, t) + rt.restart_delay_s * 0, m))
+                        self._on_learner_death(m, now, t0, kind="sigkill")
+                        pending_restarts.append((t0 + max(back, t), m))  # back when its outage ends
                 while syncer_kills and syncer_kills[0] <= t:
                     syncer_kills.pop(0)
                     self.syncer.signal(signal.SIGKILL)
@@ -176,7 +176,7 @@ class Launcher:
                 for m, p in enumerate(self.learners):
                     if p.popen is not None and not p.alive() and not any(mm == m for _, mm in pending_restarts):
                         code = p.popen.returncode
-                        self._on_learner_death(m, now, t0, scheduled_back=now + rt.restart_delay_s, kind=f"exit {code}")
+                        self._on_learner_death(m, now, t0, kind=f"exit {code}")
                         if code == 3:
                             raise DDiLoCoError(f"learner {m} was refused by the syncer; see {logs / p.name}.log")
                         if p.restarts >= rt.restart_limit:
@@ -235,7 +235,7 @@ class Launcher:
                     p.log.close()
         return self.finish(end - t0)
 
-    def _on_learner_death(self, m: int, now: float, t0: float, scheduled_back: float, kind: str) -> None:
+    def _on_learner_death(self, m: int, now: float, t0: float, kind: str) -> None:
         st = self._bank(m)
         b = self.books[m]
         b.failures += 1

@@ -9,7 +9,6 @@ heartbeats, and re-joins with backoff when a syncer goes silent or restarts.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal

@@ -21,7 +21,7 @@ import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import make_layout, specs_of
-from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.persist import SyncerStore
