@@ -115,6 +115,8 @@ def cluster(tmp_path_factory):
         c.start_learner(m)
     wait_for(lambda: all(c.learner(m).get("steps", 0) > 5 for m in (0, 1)), 60, "both learners to train")
     wait_for(lambda: min(c.versions()) > 0, 60, "every fragment to be merged once")
+    for m in (0, 1):  # the join fetch delivered every fragment (no timeout fallback)
+        assert "global fragments within" not in c.logs[f"learner-{m}"].read_text()
     yield c
     c.stop()
 
@@ -263,3 +265,44 @@ def test_syncer_sharded_by_fragment(tmp_path):
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=30)
+
+
+def _ip(*args: str) -> bool:
+    return subprocess.run(["ip", *args], capture_output=True).returncode == 0
+
+
+def test_across_network_namespaces(tmp_path):
+    """Syncer and learner on two hosts of our own: network namespaces joined by a veth pair
+    (skipped where the machine does not allow namespaces)."""
+    import shutil
+
+    tag = f"{os.getpid() % 100000}"
+    ns_s, ns_l = f"dds{tag}", f"ddl{tag}"
+    if shutil.which("ip") is None or os.geteuid() != 0 or not _ip("netns", "add", ns_s):
+        pytest.skip("network namespaces are not available here")
+    procs = []
+    try:
+        assert _ip("netns", "add", ns_l)
+        assert _ip("link", "add", f"vs{tag}", "type", "veth", "peer", "name", f"vl{tag}")
+        assert _ip("link", "set", f"vs{tag}", "netns", ns_s) and _ip("link", "set", f"vl{tag}", "netns", ns_l)
+        for ns, dev, addr in ((ns_s, f"vs{tag}", "10.231.7.1/30"), (ns_l, f"vl{tag}", "10.231.7.2/30")):
+            assert _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            assert _ip("-n", ns, "link", "set", dev, "up") and _ip("-n", ns, "link", "set", "lo", "up")
+        addr = "tcp://10.231.7.1:5601"
+        run = lambda ns, *args, name: subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS], stdout=open(tmp_path / f"{name}.log", "ab"), stderr=subprocess.STDOUT, env=ENV)
+        procs.append(run(ns_s, "syncer", "--bind", addr, "--run-dir", str(tmp_path), name="syncer"))
+        wait_for(lambda: read(tmp_path / "status" / "syncer-0.json"), 60, "the syncer in its namespace")
+        procs.append(run(ns_l, "learner", "--syncer", addr, "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", name="learner"))
+        versions = lambda: read(tmp_path / "status" / "syncer-0.json").get("versions", {}).values()
+        wait_for(lambda: min(versions(), default=0) >= 2, 60, "merges of contributions that crossed the veth pair")
+        wait_for(lambda: read(tmp_path / "status" / "learner-0.json").get("applied", 0) > 8 + 8, 60, "merged versions to come back")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        _ip("netns", "del", ns_s)
+        _ip("netns", "del", ns_l)

@@ -299,22 +299,22 @@ class Learner:
         deadline = time.monotonic() + self.cfg.runtime.join_timeout_s
         P = self.layout.num_fragments
         got: set[int] = set()
+        later: list = []  # peer state is applied once training starts
         while time.monotonic() < deadline and not self.stop.is_set() and len(got) < P:
             try:
-                msg = self.inbox.get(timeout=0.05)
+                msgs = [self.inbox.get(timeout=0.05), *self._drain()]
             except queue.Empty:
                 continue
-            if isinstance(msg, FragmentUpdate):
-                got.add(msg.fragment)
-            self.inbox.put(msg) if isinstance(msg, PeerState) else self._apply_one(msg)
+            updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
+            later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
+            got.update(m.fragment for m in updates)
+            self._apply_inbox(updates)
+        for m in later:
+            self.inbox.put(m)
         if self.data_position:
             self.stream.seek(self.data_position)
         if len(got) < P:
             print(f"learner {self.id}: got {len(got)}/{P} global fragments within {self.cfg.runtime.join_timeout_s:.0f} s; training on from what it has", file=sys.stderr, flush=True)
-
-    def _apply_one(self, msg: FragmentUpdate) -> None:
-        self.inbox.put(msg)
-        self._apply_inbox()
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
