@@ -301,6 +301,7 @@ def main() -> int:
     rep.update({"command": "python bench/runtime.py" + (" --quick" if args.quick else ""), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "wall_s": time.time() - started, "work_dir": str(work)})
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     name = "runtime-quick" if args.quick else "runtime"
     (out / f"{name}.json").write_text(json.dumps(rep, indent=2))
     (out / f"{name}.md").write_text(to_markdown(rep))
