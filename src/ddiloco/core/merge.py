@@ -29,12 +29,6 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
-def _unit(x: torch.Tensor) -> torch.Tensor:
-    """x / |x|, with unit(0) = 0."""
-    n = torch.linalg.vector_norm(x)
-    return x / n if n > 0 else torch.zeros_like(x)
-
-
 def weighted_rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """Weighted radial-directional averaging of one tensor.
 
@@ -45,11 +39,14 @@ def weighted_rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     ws = _normalised(weights)
     if len(deltas) == 1:
         return deltas[0].float().clone()
-    radius = sum(w * float(torch.linalg.vector_norm(d.float())) for d, w in zip(deltas, ws))
+    norms = [float(torch.linalg.vector_norm(d.float())) for d in deltas]
+    radius = sum(w * n for w, n in zip(ws, norms))
     direction = torch.zeros_like(deltas[0], dtype=torch.float32)
-    for d, w in zip(deltas, ws):
-        direction.add_(_unit(d.float()), alpha=w)
-    return _unit(direction) * radius
+    for d, w, n in zip(deltas, ws, norms):
+        if n > 0:  # unit(0) = 0
+            direction.add_(d.float(), alpha=w / n)  # in place: no temporary per learner
+    dn = float(torch.linalg.vector_norm(direction))
+    return direction.mul_(radius / dn) if dn > 0 else direction
 
 
 def merge_deltas(

@@ -28,10 +28,11 @@ class OuterNesterov:
             else:
                 for b, g in zip(self.buffers, grads):
                     b.mul_(self.momentum).add_(g)
-            updates = [g + self.momentum * b for g, b in zip(grads, self.buffers)]
+            # the same operations as torch.optim.SGD(nesterov=True), without extra temporaries
+            updates = [torch.add(g, b, alpha=self.momentum) for g, b in zip(grads, self.buffers)]
         else:
             updates = list(grads)
-        return [p - self.lr * u for p, u in zip(params, updates)]
+        return [torch.add(p, u, alpha=-self.lr) for p, u in zip(params, updates)]
 
     def state_dict(self) -> dict[str, Any]:
         return {

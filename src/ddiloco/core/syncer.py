@@ -65,6 +65,7 @@ class Round:
     opened_at: float
     asked: set[int]
     pending: dict[int, Contribution] = field(default_factory=dict)
+    deltas: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # anchored on arrival
     arrived_at: dict[int, float] = field(default_factory=dict)
     first_answer_at: float | None = None
     quorum_at: float | None = None
@@ -161,6 +162,7 @@ class Syncer:
     def on_contribution(self, c: Contribution, now: float) -> list[Outgoing]:
         """Validate and queue a contribution; may open (lock-step) or close a round."""
         out: list[Outgoing] = []
+        delta: list[torch.Tensor] = []
         reason = self._invalid(c)
         if reason is None:
             frag = self.fragments[c.fragment]
@@ -170,7 +172,10 @@ class Syncer:
                 # Send the current value so the learner rebases instead of retrying forever.
                 out.append(self._update(c.learner, c.fragment, "stale", now))
             else:
-                reason = check_delta_norm(self._delta(c, frag), self.cfg)
+                # The fragment only changes when its round closes, so the anchored delta
+                # computed now is the one the merge will use.
+                delta = self._delta(c, frag)
+                reason = check_delta_norm(delta, self.cfg)
         if reason is not None:
             self._reject(c.learner, c.fragment, reason, now)
             return out + self.poll(now)
@@ -184,6 +189,7 @@ class Syncer:
                 return out + self.poll(now)
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
         rnd.pending[c.learner] = c  # at most one per (learner, fragment): newer replaces older
+        rnd.deltas[c.learner] = delta
         rnd.arrived_at[c.learner] = now
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
@@ -312,7 +318,7 @@ class Syncer:
         weights = [token_weight(c.tokens, c.steps) for c in contribs]
         record = RoundRecord(rnd.fragment, rnd.round_id, rnd.opened_at, now, frag.version, quorum=self.effective_quorum(rnd, now), grace_s=rnd.grace_s, close_reason=reason, rejected=rnd.rejected)
         if contribs and sum(weights) > 0:
-            deltas = [self._delta(c, frag) for c in contribs]
+            deltas = [rnd.deltas[c.learner] for c in contribs]
             merged = merge_deltas(deltas, weights, self._emb[rnd.fragment], self.cfg.merge)
             frag.outer.lr = self.outer_lr()
             new_values = frag.outer.step(frag.values, merged)
