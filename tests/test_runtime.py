@@ -306,3 +306,26 @@ def test_across_network_namespaces(tmp_path):
                 p.kill()
         _ip("netns", "del", ns_s)
         _ip("netns", "del", ns_l)
+
+
+def test_train_launcher_with_chaos_writes_the_run_folder(tmp_path):
+    """`ddiloco train --chaos`: learners are SIGKILLed and restarted, faults are logged, and the
+    run ends with the simulator's summary table and run folder."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "train", "--chaos", "--run-dir", str(run_dir), *SETTINGS,
+         "--set", "runtime.duration_s=16", "--set", "chaos.kill_mtbf_s=6", "--set", "runtime.eval_interval_s=4",
+         "--set", 'chaos.stragglers=["1:2.0:0.2:0.6"]'],
+        capture_output=True, text=True, env=ENV, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for label in ("eval loss", "tokens processed", "goodput", "rounds per fragment", "grace admissions"):
+        assert label in out.stdout
+    for name in ("config.toml", "metrics.jsonl", "tape.jsonl", "eval_loss.png", "summary.json", "final/model.safetensors", "metrics/faults.jsonl"):
+        assert (run_dir / name).is_file(), name
+    faults = [json.loads(l) for l in (run_dir / "metrics" / "faults.jsonl").read_text().splitlines()]
+    kills = [f for f in faults if f["kind"] == "sigkill"]
+    restarts = [f for f in faults if f["kind"] == "restart"]
+    assert kills and len(restarts) >= len(kills) - 2  # a kill near the end may not be back yet
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failures"] == len(kills) and 0 < summary["goodput"] < 1
+    assert summary["restart_latencies_s"]
