@@ -101,6 +101,13 @@ class Learner:
         self.lock = threading.Lock()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
+        # The training thread wakes the comm thread through an inproc pair when it queues a
+        # message, so the comm thread can sleep in poll instead of spinning on a short timeout.
+        ctx = zmq.Context.instance()
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(f"inproc://ddiloco-wake-{id(self)}")
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(f"inproc://ddiloco-wake-{id(self)}")
         self.stop = threading.Event()
         self.syncers = syncers
         self.joined = threading.Event()
@@ -147,10 +154,15 @@ class Learner:
         poller = zmq.Poller()
         for l in links:
             poller.register(l.sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         last_hb = 0.0
         started = time.monotonic()
         while not self.stop.is_set():
-            for sock, _ in poller.poll(5):
+            for sock, _ in poller.poll(int(rt.heartbeat_interval_s * 1000 / 2)):
+                if sock is self._wake_rx:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                    continue
                 link = by_sock[sock]
                 while True:
                     try:
@@ -194,6 +206,15 @@ class Learner:
                 except zmq.Again:
                     pass
             link.sock.close(linger=200)
+        self._wake_rx.close(linger=0)
+
+    def _post(self, msg: Any) -> None:
+        """Queue a message for the comm thread and wake it (training thread only)."""
+        self.outbox.put(msg)
+        try:
+            self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already pending
 
     def _route(self, links: list[ShardLink], msg: Any) -> list[ShardLink]:
         frag = getattr(msg, "fragment", None)
@@ -272,7 +293,7 @@ class Learner:
             write_fragment(self.params, self.layout.fragments[msg.fragment], [v.to(self.device) for v in msg.values], alpha)
             self.stats["applied"] += 1
             if self.rank == 0:
-                self.outbox.put(Ack(self.id, msg.fragment, msg.version))
+                self._post(Ack(self.id, msg.fragment, msg.version))
 
     def _load_peer_state(self, msg: PeerState) -> None:
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -292,7 +313,7 @@ class Learner:
                 return
             sd = self.opt.state_dict()
             tensors = {f"{i}.{k}": v.detach().cpu().clone() for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
-            self.outbox.put(PeerState(who, self.id, sd["param_groups"], tensors))
+            self._post(PeerState(who, self.id, sd["param_groups"], tensors))
 
     def _wait_for_join(self) -> None:
         """Take the global state before training (bounded: a dead syncer must not stall us)."""
@@ -323,7 +344,7 @@ class Learner:
         if self.syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
             comm.start()
             self._wait_for_join()
-            self.outbox.put(PeerStateRequest(self.id))
+            self._post(PeerStateRequest(self.id))
         self._apply_inbox(self._share_inbox(initial=True) or [])
         self.joined.set()
         self._snapshot()
@@ -344,7 +365,7 @@ class Learner:
             self._snapshot()
             for p in sends:  # lock-step baselines push on their own schedule
                 self.core.answer(p)
-                self.outbox.put(self._contribution(p))
+                self._post(self._contribution(p))
             dt = time.perf_counter() - t0
             self._block_if_lock_step()
             self._serve_peer_requests()
@@ -372,6 +393,7 @@ class Learner:
             step_log.close()
         if comm.is_alive():
             comm.join(timeout=2.0)
+        self._wake_tx.close(linger=0)
         if self.fatal:
             print(f"error: learner {self.id} refused by the syncer: {self.fatal}", file=sys.stderr, flush=True)
             return 3
