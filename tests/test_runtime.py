@@ -227,8 +227,8 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
     log = cluster.run_dir / "torchrun.log"
     joined_at = time.time()
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco.cli",
-         "learner", "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco.learner",
+         "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     try:
         wait_for(lambda: 2 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > joined_at]), 120, "the torchrun learner to contribute")
