@@ -25,7 +25,7 @@ SUMMARY_ROWS = [
     ("mean learners per merge", "learners_per_merge", "{:.2f}"),
     ("grace admissions", "grace_admissions", "{:.0f}"),
     ("rejected / late answers", "rejected", "{:.0f}"),
-    ("virtual time (s)", "virtual_time_s", "{:.1f}"),
+    ("run length (s; virtual in simulate)", "virtual_time_s", "{:.1f}"),
 ]
 
 

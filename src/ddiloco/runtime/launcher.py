@@ -290,6 +290,8 @@ class Launcher:
         tape = [json.loads(line) for line in (self.run_dir / "state" / "tape.jsonl").read_text().splitlines() if line.strip()] if (self.run_dir / "state" / "tape.jsonl").exists() else []
         evals = [json.loads(l) for l in (self.run_dir / "metrics" / "eval.jsonl").read_text().splitlines()] if (self.run_dir / "metrics" / "eval.jsonl").exists() else []
         evals.append({"time": time.time(), "loss": final_loss, "final": True})
+        for e in evals:
+            e["time"] -= self._t0  # seconds since the learners started, like the fault log's "t"
         alloc = elapsed * len(self.books)
         compute = sum(b.compute_s for b in self.books)
         down = sum(b.down_s for b in self.books)

@@ -42,9 +42,10 @@ def plot_eval_loss(result: RunResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([e["time"] for e in result.evals], [e["loss"] for e in result.evals], marker="o", label=result.method)
     for e in result.log:
-        if e.get("event") == "fail":
-            ax.axvline(e["time"], color="red", alpha=0.25, lw=1)
-    ax.set_xlabel("virtual time (s)")
+        # simulator: {"event": "fail", "time"}; real runtime: {"event": "fault", "kind": "sigkill", "t"}
+        if e.get("event") == "fail" or (e.get("event") == "fault" and e.get("kind") != "restart"):
+            ax.axvline(e.get("t", e["time"]), color="red", alpha=0.25, lw=1)
+    ax.set_xlabel("time since start (s; virtual in simulate)")
     ax.set_ylabel("eval loss (nats/byte)")
     ax.set_title(f"{result.method}: global model eval loss (red: learner failures)")
     ax.grid(alpha=0.3)
