@@ -26,19 +26,13 @@ from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.accounting import Goodput, uptime
 from ddiloco.runtime.result import RunResult, summarise_tape
+from ddiloco.runtime.status import read_status
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 @dataclass
@@ -115,7 +109,7 @@ class Launcher:
         while time.time() < deadline:
             if not self.syncer.alive():
                 raise DDiLoCoError(f"the syncer exited at start; see {self.run_dir / 'logs' / 'syncer.log'}")
-            st = _read_json(status)
+            st = read_status(status)
             if st and st.get("pid") == self.syncer.popen.pid:
                 return
             time.sleep(0.1)
@@ -123,7 +117,7 @@ class Launcher:
 
     def _bank(self, m: int) -> dict | None:
         """Add a finished incarnation's figures (from its last status) to the learner's book."""
-        st = _read_json(self.run_dir / "status" / f"learner-{m}.json")
+        st = read_status(self.run_dir / "status" / f"learner-{m}.json")
         pid = self.learners[m].popen.pid if self.learners[m].popen else None
         if st and st.get("pid") == pid:
             b = self.books[m]
@@ -253,7 +247,7 @@ class Launcher:
         for m, b in enumerate(self.books):
             if b.restart_spawned is None:
                 continue
-            st = _read_json(self.run_dir / "status" / f"learner-{m}.json")
+            st = read_status(self.run_dir / "status" / f"learner-{m}.json")
             if st and st.get("pid") == self.learners[m].popen.pid and st.get("first_step_at"):
                 b.restarting_s += st["first_step_at"] - b.restart_spawned
                 b.restart_latencies.append(st["first_step_at"] - b.restart_spawned)
@@ -271,8 +265,8 @@ class Launcher:
                 p.stopped = want_stop
 
     def status(self, t0: float) -> dict:
-        learners = [_read_json(self.run_dir / "status" / f"learner-{m}.json") or {} for m in range(len(self.learners))]
-        return {"t": time.time() - t0, "T": self.cfg.runtime.duration_s, "syncer": _read_json(self.run_dir / "status" / "syncer-0.json") or {},
+        learners = [read_status(self.run_dir / "status" / f"learner-{m}.json") or {} for m in range(len(self.learners))]
+        return {"t": time.time() - t0, "T": self.cfg.runtime.duration_s, "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
                 "learners": learners, "alive": [p.alive() for p in self.learners], "faults": len(self.faults)}
 
     def finish(self, elapsed: float) -> dict:
@@ -296,7 +290,7 @@ class Launcher:
         compute = sum(b.compute_s for b in self.books)
         down = sum(b.down_s for b in self.books)
         restarting = sum(b.restarting_s for b in self.books)
-        syncer_status = _read_json(self.run_dir / "status" / "syncer-0.json") or {}
+        syncer_status = read_status(self.run_dir / "status" / "syncer-0.json") or {}
         P = len(syncer_status.get("versions", {})) or 1
         outages = [(m, a, min(b, elapsed)) for m, bk in enumerate(self.books) for a, b in bk.outages]
         need = self.cfg.algo.quorum_size or 1

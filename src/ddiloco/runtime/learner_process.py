@@ -28,8 +28,8 @@ from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
-from ddiloco.runtime.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
-from ddiloco.runtime.syncer_service import _atomic_json, learner_identity, param_spec
+from ddiloco.runtime.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, learner_identity, param_spec
+from ddiloco.runtime.status import write_status
 from ddiloco.runtime.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
 
@@ -447,7 +447,7 @@ class Learner:
     def write_status(self) -> None:
         name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
         checksum = float(sum(p.detach().double().sum() for p in self.model.parameters()))
-        _atomic_json(self.run_dir / "status" / f"{name}.json", {"rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
+        write_status(self.run_dir / "status" / f"{name}.json", {"rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
 
 
 def run_learner(cfg: Config, syncers: list[str], learner_id: int, run_dir: str, device: str, threads: int) -> int:

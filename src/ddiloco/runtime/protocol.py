@@ -7,8 +7,19 @@ live in ``ddiloco.core.messages``; ``wire.py`` encodes both kinds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+
+def learner_identity(learner: int) -> bytes:
+    """The ZeroMQ identity of a learner (a restarted process takes over the same one)."""
+    return b"learner-%d" % learner
+
+
+def param_spec(model: torch.nn.Module) -> list[list[Any]]:
+    """[name, shape] of every parameter, as sent in Join and checked by the syncer."""
+    return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ dropped; nothing a peer sends can crash the service.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,19 +24,12 @@ from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.persist import SyncerStore
-from ddiloco.runtime.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
+from ddiloco.runtime.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, param_spec
+from ddiloco.runtime.status import write_status
 from ddiloco.runtime.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
 
 LEARNER_MESSAGES = (Heartbeat, Contribution, Ack, Leave, PeerStateRequest, PeerState)
-
-
-def learner_identity(learner: int) -> bytes:
-    return b"learner-%d" % learner
-
-
-def param_spec(model: torch.nn.Module) -> list[list[Any]]:
-    return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
 def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None:
@@ -242,7 +234,7 @@ class SyncerService:
             "live": self.core.live(now), "global_tokens": self.core.global_tokens,
             "cpu_s": time.process_time(), "wall_s": now - self.started, **self.counts,
         }
-        _atomic_json(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
+        write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
 
     def shutdown(self) -> None:
         """Close open rounds, make everything durable, write the final model, close the socket."""
@@ -265,9 +257,3 @@ class SyncerService:
         save_file({k: v.contiguous() for k, v in full.items() if self.num_shards == 1 or k in owned_names}, str(path))
         return path
 
-
-def _atomic_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
