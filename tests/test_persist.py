@@ -10,8 +10,8 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Contribution
 from ddiloco.core.syncer import Syncer
-from ddiloco.runtime import persist
-from ddiloco.runtime.persist import StateError, SyncerStore
+from ddiloco.service import store as persist
+from ddiloco.service.store import StateError, SyncerStore
 
 torch.set_num_threads(1)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from ddiloco.runtime.launcher import free_port
+from ddiloco.service.launcher import free_port
 
 SYNCER_HOST = "127.0.0.2"
 SETTINGS = [
@@ -127,7 +127,7 @@ def merged_learners(rounds: list[dict]) -> set[int]:
 
 def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluster):
     from ddiloco.core.messages import Contribution
-    from ddiloco.runtime.wire import encode
+    from ddiloco.service.wire import encode
 
     before = cluster.syncer()
     steps = [cluster.learner(m)["steps"] for m in (0, 1)]
@@ -168,8 +168,8 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     from ddiloco.config import load_config
     from ddiloco.core.fragments import make_layout, specs_of
     from ddiloco.core.syncer import Syncer
-    from ddiloco.runtime.evaluator import fetch_global
-    from ddiloco.runtime.persist import SyncerStore
+    from ddiloco.service.evaluator import fetch_global
+    from ddiloco.service.store import SyncerStore
     from ddiloco.workloads.config import load_workload
 
     cluster.kill("syncer")
@@ -227,7 +227,7 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
     log = cluster.run_dir / "torchrun.log"
     joined_at = time.time()
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco.learner",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco", "learner",
          "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     try:
@@ -244,7 +244,7 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
 
 def test_syncer_sharded_by_fragment(tmp_path):
     """Two syncer shards own disjoint fragments; one learner talks to both."""
-    from ddiloco.runtime.evaluator import fetch_global
+    from ddiloco.service.evaluator import fetch_global
 
     host = "127.0.0.6"
     addrs = [f"tcp://{host}:{free_port(host)}" for _ in range(2)]

@@ -8,8 +8,8 @@ import torch
 from ddiloco.chaos.schedule import ChaosConfig, make_schedule
 from ddiloco.config import load_config
 from ddiloco.methods import PRESETS
-from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
-from ddiloco.runtime.run import simulate
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.sim.run import simulate
 from ddiloco.workloads.config import load_workload
 
 SYNTH = ["workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.batch_size=16", "run.eval_points=2"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-from ddiloco.runtime.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
-from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.service.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
+from ddiloco.service.wire import WireError, decode, encode
 
 MESSAGES = [
     Heartbeat(1, 20, 0.125),

@@ -49,8 +49,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from ddiloco.config import load_config
     from ddiloco.methods import PRESETS
-    from ddiloco.runtime.rundir import write_run_dir
-    from ddiloco.runtime.run import simulate
+    from ddiloco.report.rundir import write_run_dir
+    from ddiloco.sim.run import simulate
 
     overrides = list(args.set or [])
     method = args.method or _method_in(args.config, overrides) or "decoupled"
@@ -98,14 +98,14 @@ def _load(args: argparse.Namespace, default_method: str = "decoupled"):
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.syncer_service import SyncerService
+    from ddiloco.service.syncer import SyncerService
 
     SyncerService(_load(args), args.bind, args.run_dir, args.shard, args.num_shards).serve()
     return 0
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.learner_process import run_learner
+    from ddiloco.service.learner import run_learner
 
     cfg = _load(args)
     if not args.syncer and not args.standalone:
@@ -115,7 +115,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluator(args: argparse.Namespace) -> int:
-    from ddiloco.runtime.evaluator import run_evaluator
+    from ddiloco.service.evaluator import run_evaluator
 
     return run_evaluator(_load(args), args.syncer, args.run_dir)
 
@@ -124,7 +124,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from ddiloco.runtime.launcher import Launcher
+    from ddiloco.service.launcher import Launcher
 
     overrides = list(args.set or [])
     if args.chaos:

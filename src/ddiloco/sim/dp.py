@@ -8,10 +8,10 @@ from typing import Callable
 import torch
 
 from ddiloco.config import Config
-from ddiloco.runtime.accounting import Goodput
-from ddiloco.runtime.evaluate import evaluate
-from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
-from ddiloco.runtime.result import RunResult
+from ddiloco.report.accounting import Goodput
+from ddiloco.training.evaluate import evaluate
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.report.result import RunResult
 from ddiloco.workloads.base import Workload
 
 

@@ -23,10 +23,10 @@ from ddiloco.core.fragments import make_layout, specs_of
 from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.persist import SyncerStore
-from ddiloco.runtime.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, param_spec
-from ddiloco.runtime.status import write_status
-from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.service.store import SyncerStore
+from ddiloco.service.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, param_spec
+from ddiloco.service.status import write_status
+from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
 
 LEARNER_MESSAGES = (Heartbeat, Contribution, Ack, Leave, PeerStateRequest, PeerState)

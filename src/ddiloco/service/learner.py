@@ -27,10 +27,10 @@ from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, s
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
-from ddiloco.runtime.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, learner_identity, param_spec
-from ddiloco.runtime.status import write_status
-from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.service.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, learner_identity, param_spec
+from ddiloco.service.status import write_status
+from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from ddiloco.config import Config
-from ddiloco.runtime.result import RunResult
+from ddiloco.report.result import RunResult
 from ddiloco.workloads.base import Workload
 from ddiloco.workloads.config import load_workload
 
@@ -17,9 +17,9 @@ def simulate(cfg: Config, workload: Workload | None = None, on_progress: Callabl
     torch.set_num_threads(cfg.run.threads)
     wl = workload if workload is not None else load_workload(cfg.workload)
     if cfg.run.method == "dp":
-        from ddiloco.runtime.dp import run_data_parallel
+        from ddiloco.sim.dp import run_data_parallel
 
         return run_data_parallel(cfg, wl, on_progress)
-    from ddiloco.runtime.sim import Simulation
+    from ddiloco.sim.simulation import Simulation
 
     return Simulation(cfg, wl, on_progress).run()

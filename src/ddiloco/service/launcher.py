@@ -24,9 +24,9 @@ import tomli_w
 from ddiloco.chaos.schedule import make_schedule
 from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.accounting import Goodput, uptime
-from ddiloco.runtime.result import RunResult, summarise_tape
-from ddiloco.runtime.status import read_status
+from ddiloco.report.accounting import Goodput, uptime
+from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.service.status import read_status
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +88,7 @@ class Launcher:
         self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
         self.addr = f"tcp://{host}:{free_port(host)}"
         self.on_status = on_status
-        py = [sys.executable, "-m", "ddiloco.cli"]
+        py = [sys.executable, "-m", "ddiloco"]
         rd = str(self.run_dir)
         self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, str(self.cfg_path)])
         self.learners = [Proc(f"learner-{m}", [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, str(self.cfg_path)]) for m in range(cfg.run.num_learners)]
@@ -273,8 +273,8 @@ class Launcher:
         """Final evaluation of the global model and the run folder."""
         from safetensors.torch import load_file
 
-        from ddiloco.runtime.evaluate import evaluate
-        from ddiloco.runtime.rundir import write_run_dir
+        from ddiloco.training.evaluate import evaluate
+        from ddiloco.report.rundir import write_run_dir
         from ddiloco.workloads.config import load_workload
 
         wl = load_workload(self.cfg.workload)

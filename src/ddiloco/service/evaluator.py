@@ -14,9 +14,9 @@ import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import make_layout, specs_of, write_fragment
-from ddiloco.runtime.evaluate import evaluate
-from ddiloco.runtime.protocol import FetchGlobal, GlobalState
-from ddiloco.runtime.wire import WireError, decode, encode
+from ddiloco.training.evaluate import evaluate
+from ddiloco.service.protocol import FetchGlobal, GlobalState
+from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
 
 

@@ -25,10 +25,10 @@ from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, s
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
-from ddiloco.runtime.accounting import TimeAccount, fleet_goodput, uptime
-from ddiloco.runtime.evaluate import evaluate
-from ddiloco.runtime.inner import inner_step, lr_at, make_optimizer
-from ddiloco.runtime.result import RunResult, summarise_tape
+from ddiloco.report.accounting import TimeAccount, fleet_goodput, uptime
+from ddiloco.training.evaluate import evaluate
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.report.result import RunResult, summarise_tape
 from ddiloco.workloads.base import DataStream, Workload
 
 SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)

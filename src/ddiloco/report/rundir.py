@@ -9,7 +9,7 @@ import tomli_w
 from safetensors.torch import save_file
 
 from ddiloco.config import Config, to_dict
-from ddiloco.runtime.result import RunResult
+from ddiloco.report.result import RunResult
 
 
 def write_run_dir(run_dir: str | Path, cfg: Config, result: RunResult) -> Path:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.runtime.accounting import Goodput
+from ddiloco.report.accounting import Goodput
 
 
 def summarise_tape(tape: list[dict[str, Any]], num_fragments: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-from ddiloco.runtime.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
+from ddiloco.service.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
 
 SCHEMA = 1
 MESSAGES = {cls.__name__: cls for cls in (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Join, JoinReply, Leave, SyncerHeartbeat, PeerStateRequest, PeerState, FetchGlobal, GlobalState)}

@@ -1,1 +1,0 @@
-"""Drivers of the core: the virtual-time simulator (and, later, the real distributed runtime)."""
