@@ -40,7 +40,7 @@ def run_one(job: tuple[str, str, list[str]]) -> dict:
     torch.set_num_threads(1)
     from ddiloco.config import load_config, to_dict
     from ddiloco.methods import PRESETS
-    from ddiloco.runtime.run import simulate
+    from ddiloco.sim.run import simulate
 
     name, method, overrides = job
     cfg = load_config(None, [*overrides, f"run.method={method}", "run.threads=1"], base=PRESETS[method])

@@ -37,7 +37,7 @@ class Cluster:
     """Syncer + learners as processes (the bench's own small supervisor)."""
 
     def __init__(self, run_dir: Path, extra: list[str]) -> None:
-        from ddiloco.runtime.launcher import free_port
+        from ddiloco.service.launcher import free_port
 
         self.run_dir, self.extra = run_dir, extra
         self.addr = f"tcp://127.0.0.1:{free_port()}"
@@ -190,7 +190,7 @@ def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict
 def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
     """Row 4: goodput under Poisson SIGKILLs of every learner (restarted at once)."""
     from ddiloco.config import load_config
-    from ddiloco.runtime.launcher import Launcher
+    from ddiloco.service.launcher import Launcher
 
     overrides = [a for a in GPT if a != "--set"] + ["chaos.enabled=true", f"chaos.kill_mtbf_s={mtbf_s}", f"runtime.duration_s={duration_s}", "runtime.eval_interval_s=60", "run.method=decoupled"]
     cfg = load_config(None, overrides)
@@ -211,7 +211,7 @@ def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
 def sleep_fleet(work: Path, duration_s: float) -> dict:
     """Row 5: 4 learners with a sleep-based synthetic step: merges/s and syncer CPU share."""
     from ddiloco.config import load_config
-    from ddiloco.runtime.launcher import Launcher
+    from ddiloco.service.launcher import Launcher
 
     cfg = load_config(None, ["workload.factory=ddiloco.workloads.synthetic:make_workload", "run.num_learners=4", "runtime.step_sleep_s=0.1", f"runtime.duration_s={duration_s}", "runtime.eval_interval_s=30", "algo.sync_every=24"])
     launcher = Launcher(cfg, work / "sleep")
