@@ -5,7 +5,7 @@ import dataclasses
 import torch
 
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.learner import LearnerCore
+from ddiloco.core.learner import LearnerCore, Receipt
 from ddiloco.core.messages import FragmentUpdate
 
 CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1)
@@ -19,19 +19,19 @@ def test_counters_grow_and_reset_per_fragment_on_receipt():
     core = LearnerCore(CFG, 0, 2)
     for _ in range(3):
         assert core.on_step(100) == []  # 'continue' learners send only when asked
-    ans = core.answer(1)
-    assert (ans.base_version, ans.steps, ans.tokens, ans.step) == (0, 3, 300, 3)
-    assert core.on_update(update(1, 1)) == 0.0
+    c = core.contribution(1, [torch.ones(1)], data_position=3)
+    assert (c.base_version, c.steps, c.tokens, c.step, c.data_position) == (0, 3, 300, 3, 3)
+    assert core.on_update(update(1, 1)).mode == "overwrite"
     assert core.steps == [3, 0] and core.tokens == [300, 0] and core.base_version == [0, 1]
 
 
 def test_versions_never_go_backwards_and_blend_applies_to_merges_only():
     core = LearnerCore(dataclasses.replace(CFG, alpha=0.5), 0, 2)
-    assert core.on_update(update(0, 3)) == 0.5
+    assert core.on_update(update(0, 3)) == Receipt("blend", 0.5)
     core.on_step(10)
-    assert core.on_update(update(0, 2)) is None  # older than the base: dropped
+    assert core.on_update(update(0, 2)).mode == "ignore"  # older than the base: dropped
     assert core.steps[0] == 1
-    assert core.on_update(update(0, 4, reason="join")) == 0.0  # a fetch always overwrites
+    assert core.on_update(update(0, 4, reason="join")) == Receipt("overwrite")  # a fetch always overwrites
 
 
 def test_lr_position_extrapolates_from_the_global_token_count():
@@ -48,7 +48,7 @@ def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
     for _ in range(4):
         due = core.on_step(1)
         for p in due:
-            core.answer(p)  # the runtime sends it at once
+            core.contribution(p, [torch.zeros(1)], 0)  # the runtime sends it at once
         sent.append(due)
     assert sent == [[], [1], [], [0]]  # offsets floor(p*H/P) = 0, 2; step 4 = 0 mod 4
     # fragment 1 sent at step 2, tau = 1: at step 4 the learner must wait for it
@@ -63,7 +63,7 @@ def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
 def test_continue_never_blocks():
     core = LearnerCore(CFG, 0, 2)
     core.on_step(1)
-    core.answer(0)
+    core.contribution(0, [torch.zeros(1)], 0)
     for _ in range(10):
         core.on_step(1)
     assert core.blocking_fragments(now=1e9) == []
@@ -74,3 +74,20 @@ def test_rejoin_clears_counters_and_aligns_lock_step_learners():
     core.on_step(5)
     core.on_rejoin(global_step=40)
     assert core.steps == [0, 0] and core.step == 40 and not core.in_flight
+
+
+def test_contributions_carry_the_identity_and_increasing_sequence_numbers():
+    core = LearnerCore(CFG, 3, 2, incarnation=77)
+    core.on_step(10)
+    a = core.contribution(0, [torch.zeros(1)], 1)
+    b = core.contribution(0, [torch.zeros(1)], 1)
+    assert a.identity == (3, 77, 0, 0, a.seq) and b.seq > a.seq
+
+
+def test_a_request_forecasts_the_next_fragments_on_the_schedule():
+    core = LearnerCore(DiLoCoConfig(num_fragments=4, sync_every=8), 0, 4)
+    assert core.expected == []  # nothing known before the first request
+    core.on_request(1)
+    assert core.expected == [2, 3]
+    core.on_request(3)
+    assert core.expected == [0, 1]  # wraps around to the next period

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ddiloco.core.merge import merge_deltas, token_weight, weighted_mean, weighted_rda
+from ddiloco.core.merge import CHUNK, Term, delta_norm, merge_fragment, merge_tensor, token_weight, weighted_mean, weighted_rda
 
 
 def test_token_weight_is_tokens_squared_over_steps():
@@ -60,8 +60,40 @@ def test_rda_golden_two_orthogonal():
 def test_merge_deltas_uses_mean_for_embedding_like_pieces():
     a = [torch.tensor([2.0, 0.0]), torch.tensor([2.0, 0.0])]
     b = [torch.tensor([0.0, 4.0]), torch.tensor([0.0, 4.0])]
-    emb, other = merge_deltas([a, b], [1.0, 1.0], [True, False], "rda")
+    terms = lambda deltas: [Term(None, d, float(d.norm())) for d in deltas]  # noqa: E731
+    emb, other = merge_fragment([terms(a), terms(b)], [1.0, 1.0], [True, False], "rda")
     assert torch.allclose(emb, torch.tensor([1.0, 2.0]))
     assert torch.allclose(other, torch.tensor([3 / math.sqrt(2), 3 / math.sqrt(2)]))
-    emb2, other2 = merge_deltas([a, b], [1.0, 1.0], [True, False], "mean")
+    emb2, other2 = merge_fragment([terms(a), terms(b)], [1.0, 1.0], [True, False], "mean")
     assert torch.allclose(other2, torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_anchored_chunked_merge_equals_the_merge_of_materialised_deltas(rda):
+    g = torch.Generator().manual_seed(1)
+    n = 2 * CHUNK + 123  # several chunks and a ragged tail
+    anchors = [torch.randn(n, generator=g) for _ in range(2)]  # two learners share a base, one does not
+    values = [anchors[0] + 0.01 * torch.randn(n, generator=g), anchors[0] + 0.01 * torch.randn(n, generator=g),
+              anchors[1] + 0.01 * torch.randn(n, generator=g)]
+    bases = [anchors[0], anchors[0], anchors[1]]
+    weights = [1.0, 2.0, 0.5]
+    deltas = [a - v for a, v in zip(bases, values)]
+    for a, v, d in zip(bases, values, deltas):
+        assert math.isclose(delta_norm(a, v), float(d.norm()), rel_tol=1e-5)
+    terms = [Term(a, v, delta_norm(a, v)) for a, v in zip(bases, values)]
+    originals = [t.clone() for t in [*anchors, *values]]
+    ours = merge_tensor(terms, weights, rda=rda)
+    ref = weighted_rda(deltas, weights) if rda else weighted_mean(deltas, weights)
+    assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-7)
+    # the reference by hand, for the mean: sum(w d) / sum(w)
+    if not rda:
+        assert torch.allclose(ours, sum(w * d for w, d in zip(weights, deltas)) / sum(weights), atol=1e-6)
+    # inputs are never modified: the syncer keeps them as anchors and payloads
+    assert all(torch.equal(t, o) for t, o in zip([*anchors, *values], originals))
+
+
+def test_non_finite_values_give_a_non_finite_norm():
+    v = torch.zeros(CHUNK + 5)
+    v[CHUNK + 2] = math.nan
+    assert not math.isfinite(delta_norm(torch.zeros_like(v), v))
+    assert not math.isfinite(delta_norm(None, v))

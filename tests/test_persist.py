@@ -8,10 +8,11 @@ import torch
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
-from ddiloco.core.messages import Contribution
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.messages import Contribution, Join
+from ddiloco.core.syncer import Output, Syncer
 from ddiloco.service import store as persist
-from ddiloco.service.store import StateError, SyncerStore
+from ddiloco.service.store import FORMAT, StateError, SyncerStore
+from ddiloco.service.syncer import restore_into, snapshot
 
 torch.set_num_threads(1)
 
@@ -23,66 +24,72 @@ SPECS = [TensorSpec("w", (6, 4)), TensorSpec("b", (5,))]
 def make(specs=SPECS, owned=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     init = {s.name: torch.randn(s.shape, generator=g) for s in specs}
-    return Syncer(CFG, balanced_layout(specs, 2), init, owned=owned)
+    layout = balanced_layout(specs, 2)
+    return Syncer(CFG, layout, init, [False] * sum(len(f) for f in layout.fragments), owned=owned)
 
 
-def merge(s: Syncer, p: int, learner: int, step: int, now: float = 1.0) -> None:
+def merge(s: Syncer, p: int, learner: int, step: int, now: float = 1.0) -> Output:
     """One real round: join if needed, contribute random values, which K = 1 merges at once."""
     if learner not in s.learners:
-        s.on_join(learner, now)
+        s.handle(Join(learner, 0, []), now)
     g = torch.Generator().manual_seed(1000 * step + 10 * p + learner)
     vals = [v + 0.1 * torch.randn(v.shape, generator=g) for v in s.fragments[p].values]
     before = s.fragments[p].version
-    s.on_contribution(Contribution(learner, p, before, vals, steps=4, tokens=100 + step, data_position=step, step=step), now)
-    assert s.fragments[p].version == before + 1
+    c = Contribution(learner=learner, incarnation=0, fragment=p, base_version=before, seq=step, values=vals, steps=4,
+                     tokens=100 + step, data_position=step, step=step)
+    out = s.handle(c, now)
+    assert s.fragments[p].version == before + 1 and out.durable == [p]
+    return out
+
+
+def save(store: SyncerStore, s: Syncer, p: int) -> None:
+    store.append(s.fragment_record(p), s.meta_state())
 
 
 def persist_new(store: SyncerStore, s: Syncer) -> None:
-    """What the service does: drain new_versions, make each durable, then (would) send."""
-    drained, s.new_versions = s.new_versions, []
-    for p, _ in drained:
-        store.append(s, p)
+    """What the service does with new versions; versions already durable are not written again."""
+    for p in s.owned:
+        save(store, s, p)
 
 
 def assert_same(a: Syncer, b: Syncer) -> None:
     assert a.versions() == b.versions()
     assert a.meta_state() == b.meta_state()
     for p in a.owned:
-        ta, ma = a.fragment_state(p)
-        tb, mb = b.fragment_state(p)
-        assert ma == mb and ta.keys() == tb.keys()
-        for k in ta:
-            assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), (p, k)
+        ra, rb = a.fragment_record(p), b.fragment_record(p)
+        assert (ra.fragment, ra.version, ra.tokens_merged) == (rb.fragment, rb.version, rb.tokens_merged)
+        assert (ra.momentum is None) == (rb.momentum is None)
+        for x, y in zip([*ra.values, *(ra.momentum or [])], [*rb.values, *(rb.momentum or [])]):
+            assert x.dtype == y.dtype and torch.equal(x, y), p
 
 
 def restored(tmp_path, **kw) -> tuple[Syncer, SyncerStore, bool]:
     s = make(owned=kw.pop("owned", None))
     store = SyncerStore(tmp_path, fsync=False, **kw)
-    return s, store, store.restore(s)
+    return s, store, restore_into(store, s)
 
 
 def test_real_merges_with_snapshot_in_the_middle_restore_bit_for_bit(tmp_path):
     s, store = make(), SyncerStore(tmp_path)  # fsync on: the real path, still fast
-    assert store.restore(s) is False
-    for step in range(1, 4):
-        merge(s, step % 2, step % 3, step)
+    assert restore_into(store, s) is False
+    tape = []
+    for step in range(1, 8):
+        out = merge(s, step % 2, step % 3, step)
         persist_new(store, s)
-        store.append_tape(s.tape[-1:])
-    store.snapshot(s)
-    for step in range(4, 8):
-        merge(s, step % 2, step % 3, step)
-        persist_new(store, s)
-        store.append_tape(s.tape[-1:])
+        tape += [r.to_json() for r in out.tape]
+        store.append_tape([r.to_json() for r in out.tape])
+        if step == 3:
+            snapshot(store, s)
     assert s.fragments[0].outer.buffers is not None and s.versions() == [3, 4]
     s2, store2, ok = restored(tmp_path)
     assert ok
     assert_same(s, s2)
     assert store2.durable_versions() == {0: 3, 1: 4}
-    assert store2.read_tape() == s.tape
+    assert store2.read_tape() == tape
     # the restored syncer keeps merging from where it was, and a second restart sees that too
     merge(s2, 0, 1, 8)
     persist_new(store2, s2)
-    store2.snapshot(s2)
+    snapshot(store2, s2)
     s3, _, _ = restored(tmp_path)
     assert_same(s2, s3)
 
@@ -91,14 +98,14 @@ def test_snapshot_compacts_logs_and_append_is_idempotent(tmp_path):
     s, store, _ = restored(tmp_path)
     for step in range(1, 4):
         merge(s, 0, 0, step)
-        store.append(s, 0)
-        store.append(s, 0)  # already durable: not written again
+        save(store, s, 0)
+        save(store, s, 0)  # already durable: not written again
     log = tmp_path / "state" / "frag-0.log"
     three = log.stat().st_size
-    store.snapshot(s)
+    snapshot(store, s)
     assert 0 < log.stat().st_size < three / 2  # only the newest record is kept
     assert (tmp_path / "state" / "snapshot.bin").exists() and not (tmp_path / "state" / "snapshot.prev.bin").exists()
-    store.snapshot(s)
+    snapshot(store, s)
     assert (tmp_path / "state" / "snapshot.prev.bin").exists()
     s2, _, _ = restored(tmp_path)
     assert_same(s, s2)
@@ -107,16 +114,16 @@ def test_snapshot_compacts_logs_and_append_is_idempotent(tmp_path):
 def test_torn_tail_is_cut_and_the_previous_version_restored(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
-    store.append(s, 0)
+    save(store, s, 0)
     merge(s, 0, 0, 2)
-    store.append(s, 0)
+    save(store, s, 0)
     at_v2 = make()
-    at_v2.load_fragment_state(*s.fragment_state(0))
+    at_v2.load_fragment_record(s.fragment_record(0))
     at_v2.load_meta_state(s.meta_state())
     log = tmp_path / "state" / "frag-0.log"
     good = log.stat().st_size
     merge(s, 0, 0, 3)
-    store.append(s, 0)
+    save(store, s, 0)
     with open(log, "r+b") as f:
         f.truncate(log.stat().st_size - 7)  # crash mid-write of version 3
     s2, store2, ok = restored(tmp_path)
@@ -124,7 +131,7 @@ def test_torn_tail_is_cut_and_the_previous_version_restored(tmp_path):
     assert_same(at_v2, s2)
     # appending after the cut works and is found again
     merge(s2, 0, 0, 3)
-    store2.append(s2, 0)
+    save(store2, s2, 0)
     s3, _, _ = restored(tmp_path)
     assert_same(s2, s3)
 
@@ -133,7 +140,7 @@ def test_zero_filled_tail_is_torn_but_corruption_in_the_middle_is_an_error(tmp_p
     s, store, _ = restored(tmp_path)
     for step in (1, 2):
         merge(s, 0, 0, step)
-        store.append(s, 0)
+        save(store, s, 0)
     log = tmp_path / "state" / "frag-0.log"
     with open(log, "ab") as f:
         f.write(b"\0" * 64)
@@ -147,8 +154,8 @@ def test_zero_filled_tail_is_torn_but_corruption_in_the_middle_is_an_error(tmp_p
     assert s3.versions()[0] == 1 and log.stat().st_size < size
     merge(s3, 0, 0, 2)
     store3 = SyncerStore(tmp_path, fsync=False)
-    store3.restore(make())
-    store3.append(s3, 0)
+    restore_into(store3, make())
+    save(store3, s3, 0)
     data = bytearray(log.read_bytes())
     data[40] ^= 0xFF  # inside the first of two records
     log.write_bytes(bytes(data))
@@ -160,10 +167,10 @@ def test_corrupt_snapshot_falls_back_to_prev_and_logs(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
     persist_new(store, s)
-    store.snapshot(s)
+    snapshot(store, s)
     merge(s, 1, 1, 2)
     persist_new(store, s)
-    store.snapshot(s)
+    snapshot(store, s)
     snap = tmp_path / "state" / "snapshot.bin"
     data = bytearray(snap.read_bytes())
     data[-3] ^= 0x01
@@ -172,7 +179,7 @@ def test_corrupt_snapshot_falls_back_to_prev_and_logs(tmp_path):
     assert ok
     assert_same(s, s2)  # prev snapshot + the newest record of every log
     # the bad snapshot.bin is replaced, not rotated over the good prev
-    store2.snapshot(s2)
+    snapshot(store2, s2)
     s3, _, _ = restored(tmp_path)
     assert_same(s, s3)
     # both snapshots unreadable: initial values + the logs still hold every merged version
@@ -190,33 +197,33 @@ def test_layout_or_ownership_mismatch_is_one_line_state_error(tmp_path):
     persist_new(store, s)
     other = make([TensorSpec("w", (6, 4)), TensorSpec("bias", (5,))])
     with pytest.raises(StateError) as e:  # logs only, no snapshot yet
-        SyncerStore(tmp_path).restore(other)
+        restore_into(SyncerStore(tmp_path), other)
     assert "'b'" in str(e.value) and "'bias'" in str(e.value) and "--run-dir" in str(e.value) and "\n" not in str(e.value)
-    store.snapshot(s)
+    snapshot(store, s)
     with pytest.raises(StateError, match="different model layout.*fresh --run-dir"):
-        SyncerStore(tmp_path).restore(make([TensorSpec("w", (6, 4)), TensorSpec("b", (7,))]))
+        restore_into(SyncerStore(tmp_path), make([TensorSpec("w", (6, 4)), TensorSpec("b", (7,))]))
     with pytest.raises(StateError, match="owning fragments"):
-        SyncerStore(tmp_path).restore(make(owned=[0]))
+        restore_into(SyncerStore(tmp_path), make(owned=[0]))
 
 
 def test_shards_have_separate_dirs_and_cannot_be_mixed_up(tmp_path):
     syncers = [make(owned=[i]) for i in (0, 1)]
     stores = [SyncerStore(tmp_path, shard=i, num_shards=2, fsync=False) for i in (0, 1)]
     for s, st in zip(syncers, stores):
-        assert st.restore(s) is False
+        assert restore_into(st, s) is False
     merge(syncers[0], 0, 0, 1)
     merge(syncers[1], 1, 0, 2)
     merge(syncers[1], 1, 0, 3)
     for s, st in zip(syncers, stores):
         persist_new(st, s)
-        st.snapshot(s)
+        snapshot(st, s)
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["shard-0", "shard-1"]
     for i in (0, 1):
         s, st, ok = restored(tmp_path, owned=[i], shard=i, num_shards=2)
         assert ok and st.durable_versions() == {i: i + 1}
         assert_same(syncers[i], s)
     with pytest.raises(StateError, match="several syncer shards"):
-        SyncerStore(tmp_path).restore(make())
+        restore_into(SyncerStore(tmp_path), make())
     with pytest.raises(StateError, match="out of range"):
         SyncerStore(tmp_path, shard=2, num_shards=2)
 
@@ -226,7 +233,7 @@ def test_empty_dir_restores_nothing_and_writes_need_restore_first(tmp_path):
     assert ok is False and s.versions() == [0, 0] and store.durable_versions() == {0: 0, 1: 0}
     assert not (tmp_path / "state").exists()  # restore creates nothing
     with pytest.raises(RuntimeError, match="restore"):
-        SyncerStore(tmp_path).append(s, 0)
+        save(SyncerStore(tmp_path), s, 0)
 
 
 def test_tape_torn_last_line_is_dropped(tmp_path):
@@ -265,10 +272,23 @@ def test_frames_round_trip_every_dtype_and_odd_shapes():
 def test_versions_never_go_backwards(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
-    store.append(s, 0)
+    save(store, s, 0)
     ahead = make()
     for step in (1, 2, 3):
         merge(ahead, 0, 0, step)
-    SyncerStore(tmp_path, fsync=False).restore(ahead)  # the dir only holds version 1
+    restore_into(SyncerStore(tmp_path, fsync=False), ahead)  # the dir only holds version 1
     assert ahead.versions()[0] == 3
     assert os.path.getsize(tmp_path / "state" / "frag-0.log") > 0
+
+
+def test_state_of_another_format_is_refused_with_what_to_do(tmp_path):
+    s, store, _ = restored(tmp_path)
+    merge(s, 0, 0, 1)
+    persist_new(store, s)
+    assert (tmp_path / "state" / "FORMAT").read_text() == f'{{"format": {FORMAT}}}'
+    (tmp_path / "state" / "FORMAT").unlink()  # what a store of format 1 looks like
+    with pytest.raises(StateError, match="format 1.*fresh --run-dir"):
+        restored(tmp_path)
+    (tmp_path / "state" / "FORMAT").write_text('{"format": 99}')
+    with pytest.raises(StateError, match="format 99"):
+        restored(tmp_path)

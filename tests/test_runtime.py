@@ -121,6 +121,11 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+def wall(record: dict, key: str) -> float:
+    """A tape time (the syncer's monotonic clock) as wall-clock time."""
+    return record[key] + record["wall_offset"]
+
+
 def merged_learners(rounds: list[dict]) -> set[int]:
     return {m["learner"] for r in rounds if r.get("event") == "round" for m in r["merged"] if m["weight"] > 0}
 
@@ -137,7 +142,8 @@ def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluste
     s.connect(cluster.addr)
     s.send_multipart([b"not json at all", b"\x00\x01"])
     s.send_multipart([b'{"v": 1, "type": "Heartbeat", "fields": {"learner": "x"}, "tensors": []}'])
-    s.send_multipart(encode(Contribution(7, 0, 0, [torch.zeros(1)], 1, 10)))  # unknown learner id
+    s.send_multipart(encode(Contribution(learner=7, incarnation=1, fragment=0, base_version=0, seq=1,
+                                         values=[torch.zeros(1)], steps=1, tokens=10, data_position=0, step=0)))
     wait_for(lambda: cluster.syncer().get("malformed", 0) >= before.get("malformed", 0) + 2, 20, "malformed count")
     wait_for(lambda: cluster.syncer().get("unknown_sender", 0) >= before.get("unknown_sender", 0) + 1, 20, "unknown sender count")
     s.close()
@@ -155,19 +161,20 @@ def test_killed_learner_is_left_out_then_rejoins_and_contributes(cluster):
     expired = killed_at + 1.0 + 0.5  # liveness timeout, plus slack for the last answers in flight
 
     def rounds_after() -> list[dict]:
-        return [r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > expired]
+        return [r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > expired]
 
     after = wait_for(lambda: len(rounds_after()) >= 8 and rounds_after(), 30, "rounds after the liveness timeout")
     assert 1 not in merged_learners(after) and 0 in merged_learners(after)
     restarted_at = time.time()
     cluster.start_learner(1)
-    wait_for(lambda: 1 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > restarted_at]), 60, "the restarted learner to contribute again")
+    wait_for(lambda: 1 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > restarted_at]), 60, "the restarted learner to contribute again")
 
 
 def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     from ddiloco.config import load_config
-    from ddiloco.core.fragments import make_layout, specs_of
     from ddiloco.core.syncer import Syncer
+    from ddiloco.service.syncer import restore_into
+    from ddiloco.training.layout import layout_for
     from ddiloco.service.evaluator import fetch_global
     from ddiloco.service.store import SyncerStore
     from ddiloco.workloads.config import load_workload
@@ -178,10 +185,11 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     wait_for(lambda: all(cluster.learner(m)["steps"] > steps[m] + 10 for m in (0, 1)), 30, "learners to train while the syncer is down")
     overrides = [a for a in SETTINGS if a != "--set"]
     cfg = load_config(None, overrides)
-    model = load_workload(cfg.workload).build_model(cfg.run.seed)
-    layout = make_layout(specs_of(model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
-    persisted = Syncer(cfg.algo, layout, dict(model.named_parameters()))
-    assert SyncerStore(cluster.run_dir, fsync=False).restore(persisted)
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(cfg.run.seed)
+    layout = layout_for(model, wl, cfg.algo)
+    persisted = Syncer(cfg.algo, layout.fragments, dict(model.named_parameters()), layout.embedding_like)
+    assert restore_into(SyncerStore(cluster.run_dir, fsync=False), persisted)
     durable = persisted.versions()
     cluster.start_syncer()
     state = wait_for(lambda: fetch_global([cluster.addr], timeout_s=2.0), 60, "the restarted syncer to answer")[0]
@@ -231,7 +239,7 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
          "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     try:
-        wait_for(lambda: 2 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and r["opened_at"] > joined_at]), 120, "the torchrun learner to contribute")
+        wait_for(lambda: 2 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > joined_at]), 120, "the torchrun learner to contribute")
         wait_for(lambda: cluster.learner(2).get("applied", 0) > 5, 60, "merged fragments to come back to the group")
     finally:
         os.killpg(p.pid, signal.SIGTERM)

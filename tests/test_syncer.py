@@ -1,6 +1,7 @@
 """Scripted timelines for the syncer: quorum, grace, liveness, anchoring, validation."""
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -8,29 +9,82 @@ import torch
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
-from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Join, Leave
+from ddiloco.core.syncer import Output, Syncer
 
 BASE = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=2, quorum=1, grace=True, grace_gamma=0.8,
                     max_grace_steps=1.0, liveness_timeout_s=5.0, merge="mean", outer_lr=1.0, outer_momentum=0.0)
+SEQ = itertools.count(1)
+
+
+class Driver:
+    """The smallest driver: hands events to the core and keeps the tape it returns, as the
+    simulator and the service do."""
+
+    def __init__(self, core: Syncer) -> None:
+        self.core = core
+        self.tape: list[dict] = []
+        self.durable: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def _keep(self, out: Output) -> list:
+        self.tape += [r.to_json() for r in out.tape]
+        self.durable += out.durable
+        return out.messages
+
+    def on_join(self, m, t, incarnation=0, bases=()):
+        return self._keep(self.core.handle(Join(m, incarnation, list(bases)), t))
+
+    def on_heartbeat(self, hb, t):
+        return self._keep(self.core.handle(hb, t))
+
+    def on_contribution(self, c, t):
+        return self._keep(self.core.handle(c, t))
+
+    def on_leave(self, m, t, incarnation=0):
+        return self._keep(self.core.handle(Leave(m, incarnation), t))
+
+    def on_ack(self, ack, t):
+        return self._keep(self.core.handle(ack, t))
+
+    def poll(self, t):
+        return self._keep(self.core.poll(t))
+
+    def flush(self, t):
+        return self._keep(self.core.flush(t))
+
+    def last_rejection(self) -> dict:
+        """The newest rejection: in an open round's list, or on the tape."""
+        for rnd in self.core.rounds.values():
+            if rnd.rejected:
+                return rnd.rejected[-1].to_json()
+        return [e for e in self.tape if e["event"] == "rejected"][-1]
 
 
 def make(cfg=BASE, learners=(0, 1, 2), init=0.0):
     layout = balanced_layout([TensorSpec("w", (4,))], cfg.fixed_fragments or 1)
-    s = Syncer(cfg, layout, {"w": torch.full((4,), init)})
+    s = Driver(Syncer(cfg, layout, {"w": torch.full((4,), init)}, [False]))
     for m in learners:
         s.on_join(m, 0.0)
-        s.on_heartbeat(Heartbeat(m, 0, 1.0), 0.0)
+        s.on_heartbeat(Heartbeat(m, 0, 0, 1.0), 0.0)
     return s
 
 
 def beat(s, t, learners=(0, 1, 2)):
     for m in learners:
-        s.on_heartbeat(Heartbeat(m, 0, 1.0), t)
+        s.on_heartbeat(Heartbeat(m, 0, 0, 1.0), t)
 
 
 def contrib(m, value, tokens=10, steps=1, base=0, p=0, **kw):
-    return Contribution(m, p, base, [torch.full((4,), float(value))], steps, tokens, **kw)
+    return payload(m, [torch.full((4,), float(value))], tokens=tokens, steps=steps, base=base, p=p, **kw)
+
+
+def payload(m, values, tokens=10, steps=1, base=0, p=0, incarnation=0, seq=None, kind="values"):
+    return Contribution(learner=m, incarnation=incarnation, fragment=p, base_version=base,
+                        seq=next(SEQ) if seq is None else seq, values=values, steps=steps, tokens=tokens,
+                        data_position=0, step=0, kind=kind)
 
 
 def requests(outs):
@@ -97,8 +151,8 @@ def test_round_closes_at_once_when_every_live_learner_answered():
 
 def test_effective_quorum_counts_only_live_learners_and_liveness_expires():
     s = make(dataclasses.replace(BASE, quorum=3))
-    s.on_heartbeat(Heartbeat(0, 3, 1.0), 3.0)
-    s.on_heartbeat(Heartbeat(1, 3, 1.0), 3.0)  # learner 2 last heard at 0.0
+    s.on_heartbeat(Heartbeat(0, 0, 3, 1.0), 3.0)
+    s.on_heartbeat(Heartbeat(1, 0, 3, 1.0), 3.0)  # learner 2 last heard at 0.0
     s.poll(4.0)
     s.on_contribution(contrib(0, 1.0), 4.1)
     assert updates(s.on_contribution(contrib(1, 1.0), 4.2)) == []
@@ -138,7 +192,7 @@ def test_stale_contribution_is_anchored_at_its_base_and_does_not_undo_the_latest
     close_round(s, 4.0, [contrib(0, 2.0)])  # version 1 = 2.0
     assert s.versions() == [1]
     # learner 1 kept training from base 0 and made no change: its delta at base 0 is zero
-    s.on_heartbeat(Heartbeat(1, 8, 1.0), 7.0)
+    s.on_heartbeat(Heartbeat(1, 0, 8, 1.0), 7.0)
     close_round(s, 8.0, [contrib(1, 0.0, base=0)])
     assert torch.allclose(s.fragments[0].values[0], torch.full((4,), 2.0))
     rec = s.tape[-1]
@@ -148,7 +202,7 @@ def test_stale_contribution_is_anchored_at_its_base_and_does_not_undo_the_latest
 def test_anchor_current_would_undo_it():
     s = make(dataclasses.replace(BASE, grace=False, anchor="current"))
     close_round(s, 4.0, [contrib(0, 2.0)])
-    s.on_heartbeat(Heartbeat(1, 8, 1.0), 7.0)
+    s.on_heartbeat(Heartbeat(1, 0, 8, 1.0), 7.0)
     close_round(s, 8.0, [contrib(1, 0.0, base=0)])
     assert torch.allclose(s.fragments[0].values[0], torch.zeros(4))
 
@@ -166,14 +220,14 @@ def test_newer_contribution_replaces_the_pending_one():
 def test_too_stale_base_is_rejected_and_the_learner_gets_the_current_value():
     s = make(dataclasses.replace(BASE, grace=False, keep_versions=1))
     close_round(s, 4.0, [contrib(0, 1.0)])
-    s.on_heartbeat(Heartbeat(0, 8, 1.0), 7.0)
+    s.on_heartbeat(Heartbeat(0, 0, 8, 1.0), 7.0)
     close_round(s, 8.0, [contrib(0, 2.0, base=1)])
     assert s.versions() == [2]
-    s.on_heartbeat(Heartbeat(1, 8, 1.0), 11.0)
+    s.on_heartbeat(Heartbeat(1, 0, 8, 1.0), 11.0)
     s.poll(12.0)
     out = s.on_contribution(contrib(1, 7.0, base=0), 12.1)
     assert [(o.learner, o.reason, o.version) for o in out if isinstance(o, FragmentUpdate)] == [(1, "stale", 2)]
-    assert "stale base version 0" in s.rejections[-1].reason
+    assert "stale base version 0" in s.last_rejection()["detail"]
 
 
 def test_lock_step_round_opens_on_the_first_push_and_waits_for_all_live():
@@ -198,8 +252,7 @@ def test_ack_times_the_sync_path_and_shrinks_grace():
     s.poll(4.0)
     s.on_contribution(contrib(0, 1.0), 4.1)
     s.flush(5.1)
-    from ddiloco.core.messages import Ack
-    s.on_ack(Ack(0, 0, 1), 5.5)
+    s.on_ack(Ack(0, 0, 0, 1), 5.5)
     assert s._t_sync.value == pytest.approx(0.1 + 0.4)
     assert s.grace_window(0.1, 6.0) == pytest.approx(0.8 * (2.0 - 0.1 - 0.5))
 
@@ -207,18 +260,19 @@ def test_ack_times_the_sync_path_and_shrinks_grace():
 BAD = [
     ("unknown learner", lambda: contrib(9, 1.0)),
     ("unknown fragment", lambda: contrib(0, 1.0, p=3)),
-    ("shape", lambda: Contribution(0, 0, 0, [torch.zeros(5)], 1, 10)),
-    ("tensors", lambda: Contribution(0, 0, 0, [torch.zeros(4), torch.zeros(4)], 1, 10)),
-    ("dtype", lambda: Contribution(0, 0, 0, [torch.zeros(4, dtype=torch.float64)], 1, 10)),
-    ("non-finite", lambda: Contribution(0, 0, 0, [torch.tensor([0.0, math.nan, 0.0, 0.0])], 1, 10)),
-    ("non-finite", lambda: Contribution(0, 0, 0, [torch.tensor([0.0, math.inf, 0.0, 0.0])], 1, 10)),
+    ("shape", lambda: payload(0, [torch.zeros(5)])),
+    ("tensors", lambda: payload(0, [torch.zeros(4), torch.zeros(4)])),
+    ("dtype", lambda: payload(0, [torch.zeros(4, dtype=torch.float64)])),
+    ("non-finite", lambda: payload(0, [torch.tensor([0.0, math.nan, 0.0, 0.0])])),
+    ("non-finite", lambda: payload(0, [torch.tensor([0.0, math.inf, 0.0, 0.0])])),
     ("negative counters", lambda: contrib(0, 1.0, tokens=-1)),
     ("need at least one step", lambda: contrib(0, 1.0, tokens=10, steps=0)),
     ("max_tokens_per_step", lambda: contrib(0, 1.0, tokens=10**9, steps=1)),
     ("never issued", lambda: contrib(0, 1.0, base=5)),
     ("max_delta_norm", lambda: contrib(0, 1e7)),
-    ("payload kind", lambda: Contribution(0, 0, 0, [torch.zeros(4)], 1, 10, kind="pickle")),
-    ("integers", lambda: Contribution(0, 0, 0, [torch.zeros(4)], 1.5, 10)),
+    ("payload kind", lambda: payload(0, [torch.zeros(4)], kind="pickle")),
+    ("integers", lambda: payload(0, [torch.zeros(4)], steps=1.5)),
+    ("not the registered", lambda: contrib(0, 1.0, incarnation=7)),
 ]
 
 
@@ -229,10 +283,51 @@ def test_bad_contributions_are_rejected_and_leave_the_global_model_unchanged(wha
     before = [v.clone() for v in s.fragments[0].values]
     out = s.on_contribution(make_bad(), 4.1)
     assert updates(out) == []
-    assert what in s.rejections[-1].reason
+    rejection = s.last_rejection()
+    assert what in rejection["detail"]
     assert s.versions() == [0] and torch.equal(s.fragments[0].values[0], before[0])
-    recorded = s.rounds[0].rejected if 0 <= s.rejections[-1].fragment < 1 else [e for e in s.tape if e["event"] == "rejected"]
-    assert recorded[-1]["reason"] == s.rejections[-1].reason
+    recorded = s.rounds[0].rejected if 0 <= rejection["fragment"] < 1 else [e for e in s.tape if e["event"] == "rejected"]
+    assert recorded[-1] == rejection or recorded[-1].to_json() == rejection
     # the round is still usable by a good contribution
     s.on_contribution(contrib(1, 2.0), 4.2)
     assert s.versions() == [1]
+
+
+def test_a_replayed_or_duplicated_contribution_is_merged_once():
+    s = make(dataclasses.replace(BASE, grace=False))
+    c = contrib(0, 2.0)
+    close_round(s, 4.0, [c, c])  # a duplicate right behind the original
+    rounds = lambda: [e for e in s.tape if e["event"] == "round"]  # noqa: E731
+    rejected = lambda: [r["reason"] for e in s.tape for r in (e["rejected"] if e["event"] == "round" else [e])
+                        if e["event"] != "late"]  # noqa: E731
+    assert s.versions() == [1] and len(rounds()[-1]["merged"]) == 1 and rejected() == ["duplicate"]
+    beat(s, 7.0)
+    close_round(s, 8.0, [c])  # a byte-identical replay in a later round
+    assert s.versions() == [1] and rejected() == ["duplicate", "duplicate"]
+    # an older sequence number that arrives late (reordered) is refused too
+    close_round(s, 12.0, [contrib(0, 3.0, seq=c.seq + 100, base=1), contrib(0, 9.0, seq=c.seq + 50, base=1)])
+    assert s.versions() == [2] and torch.allclose(s.fragments[0].values[0], torch.full((4,), 3.0))
+    assert rejected()[-1] == "duplicate"
+
+
+def test_a_restarted_learner_replaces_its_predecessor_and_its_messages_are_dropped():
+    s = make(dataclasses.replace(BASE, grace=False, quorum=2))
+    old = contrib(0, 5.0, incarnation=0)
+    s.on_join(0, 3.0, incarnation=1)  # the process restarted: a fresh join with a new incarnation
+    s.on_join(0, 3.1, incarnation=0)  # a join of the dead process, delayed in the network: ignored
+    assert s.learners[0].incarnation == 1
+    s.poll(4.0)
+    s.on_contribution(old, 4.1)
+    assert s.last_rejection()["reason"] == "stale_incarnation"
+    s.on_contribution(contrib(0, 1.0, incarnation=1), 4.2)
+    s.on_contribution(contrib(1, 3.0), 4.3)
+    assert s.versions() == [1] and torch.allclose(s.fragments[0].values[0], torch.full((4,), 2.0))
+
+
+def test_join_sends_only_the_fragments_the_learner_lacks():
+    layout = balanced_layout([TensorSpec("a", (4,)), TensorSpec("b", (4,))], 2)
+    s = Driver(Syncer(dataclasses.replace(BASE, num_fragments=2), layout, {"a": torch.zeros(4), "b": torch.ones(4)},
+                      [False, False]))
+    assert sorted(o.fragment for o in s.on_join(0, 0.0)) == [0, 1]  # a fresh process needs all
+    assert s.on_join(0, 0.1, bases=[0, 0]) == []  # already holds the current versions
+    assert [o.fragment for o in s.on_join(0, 0.2, bases=[0, 3])] == [1]  # a version it cannot have

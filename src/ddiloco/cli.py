@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 
@@ -98,9 +99,14 @@ def _load(args: argparse.Namespace, default_method: str = "decoupled"):
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    from ddiloco.service.syncer import SyncerService
+    import signal
 
-    SyncerService(_load(args), args.bind, args.run_dir, args.shard, args.num_shards).serve()
+    from ddiloco.service.syncer import bind_syncer
+
+    service = bind_syncer(_load(args), args.bind, args.run_dir, args.shard, args.num_shards)
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
+    signal.signal(signal.SIGINT, lambda *_: service.stop())
+    service.serve()
     return 0
 
 
@@ -221,11 +227,21 @@ def _goodput(argv: list[str]) -> int:
     return goodput_main(argv)
 
 
+def setup_logging(level: int = logging.INFO) -> None:
+    """Every process logs to stderr with a timestamp, its level and where the line comes from."""
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        stream=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["goodput"]:  # its own parser owns every option after the word
         return _goodput(argv[1:])
     args = build_parser().parse_args(argv)
+    setup_logging()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")

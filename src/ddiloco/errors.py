@@ -11,3 +11,10 @@ class ConfigError(DDiLoCoError):
 
 class DataError(DDiLoCoError):
     """A dataset or data package is missing or unusable."""
+
+
+def require(ok: bool, key: str, value: object, allowed: str) -> None:
+    """The one way configs are validated: raise ConfigError naming the key, its value and what
+    is allowed (``error: algo.overlap = 30 is out of range; allowed: 0 <= overlap < 24``)."""
+    if not ok:
+        raise ConfigError(f"{key} = {value!r} is out of range; allowed: {allowed}")

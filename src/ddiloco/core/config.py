@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddiloco.errors import ConfigError
+from ddiloco.errors import require
 
 FRAGMENT_STRATEGIES = ("balanced", "per_layer", "strided")
 MERGES = ("rda", "mean")
@@ -68,9 +68,6 @@ class DiLoCoConfig:
     so one bad counter would dominate a merge."""
     max_delta_norm: float = 1e6
     """Validation bound on the L2 norm of a contribution's outer gradient."""
-    embedding_patterns: tuple[str, ...] = ("emb", "lm_head", "embed")
-    """Substrings of tensor names merged by weighted mean instead of RDA (embedding-like)."""
-
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
         _check(self.num_fragments == "auto" or (_is_int(self.num_fragments) and self.num_fragments >= 1), "num_fragments", self.num_fragments, 'an integer >= 1, or "auto"')
@@ -111,5 +108,4 @@ def _is_int(v: object) -> bool:
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"algo.{field} = {value!r} is out of range; allowed: {allowed}")
+    require(ok, f"algo.{field}", value, allowed)

@@ -7,7 +7,9 @@ so that bins stay balanced.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -68,6 +70,11 @@ class FragmentLayout:
     def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
         """A plain description to compare layouts (e.g. learner vs syncer)."""
         return [(pc.name, pc.row_start, pc.row_end, pc.shape) for frag in self.fragments for pc in frag]
+
+    def digest(self) -> str:
+        """A short hash of the signature and the fragment boundaries: equal digests, equal layouts."""
+        text = json.dumps([[[pc.name, pc.row_start, pc.row_end, list(pc.shape)] for pc in f] for f in self.fragments])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
@@ -213,3 +220,14 @@ def due_fragments(step: int, num_fragments: int, sync_every: int) -> list[int]:
     """Fragments whose round opens at syncer step ``step`` (t mod H = floor(p*H/P))."""
     phase = step % sync_every
     return [p for p in range(num_fragments) if fragment_offset(p, num_fragments, sync_every) == phase]
+
+
+def next_due(p: int, num_fragments: int, sync_every: int, count: int) -> list[int]:
+    """The ``count`` fragments whose rounds open next after fragment p's, in schedule order.
+
+    A learner that was just asked for p expects these requests next, so it can have their
+    values ready at a step boundary instead of copying the whole model every step.
+    """
+    order = sorted(range(num_fragments), key=lambda q: (fragment_offset(q, num_fragments, sync_every), q))
+    i = order.index(p)
+    return [order[(i + k) % num_fragments] for k in range(1, min(count, num_fragments - 1) + 1)]

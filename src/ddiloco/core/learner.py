@@ -1,42 +1,51 @@
 """A learner's side of the protocol as a state machine (no model, no clock, no I/O).
 
-It keeps per-fragment counters and base versions, says when to send which fragment, how to
-apply a received one, and (for the lock-step baselines) when the training loop must wait.
-The runtime owns the model and the optimizer and acts on these decisions.
+It keeps per-fragment counters and base versions, builds every contribution (numbered, with
+the learner's identity), says which fragments will be asked for next, how to apply a received
+one, and (for the lock-step baselines) when the training loop must wait. The driver owns the
+model and the optimizer and acts on these decisions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
+
+import torch
 
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import fragment_offset
-from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.fragments import fragment_offset, next_due
+from ddiloco.core.messages import Contribution, FragmentUpdate, PayloadKind
+
+ApplyMode = Literal["overwrite", "blend", "ignore"]
 
 
 @dataclass(frozen=True)
-class Answer:
-    """Counters to send with fragment p (the runtime adds the values)."""
+class Receipt:
+    """What to do with a received fragment: write ``alpha*local + (1-alpha)*global`` (overwrite
+    is alpha = 0), or ignore it."""
 
-    fragment: int
-    base_version: int
-    steps: int
-    tokens: int
-    step: int
+    mode: ApplyMode
+    alpha: float = 0.0
 
 
 class LearnerCore:
-    """Counters, send schedule, apply policy and blocking of one learner."""
+    """Counters, contributions, request forecast, apply policy and blocking of one learner."""
 
-    def __init__(self, cfg: DiLoCoConfig, learner: int, num_fragments: int) -> None:
+    def __init__(self, cfg: DiLoCoConfig, learner: int, num_fragments: int, incarnation: int = 0) -> None:
         self.cfg = cfg
         self.learner = learner
+        self.incarnation = incarnation
         self.num_fragments = num_fragments
         self.step = 0
         self.steps = [0] * num_fragments
         self.tokens = [0] * num_fragments
         self.base_version = [0] * num_fragments
         self.tokens_processed = 0
+        self.seq = 0
+        # Fragments the syncer is expected to ask for next (learned from its requests).
+        self.expected: list[int] = []
         # Lock-step ('wait') learners: fragment -> step it was sent at, until it comes back.
         self.in_flight: dict[int, int] = {}
         self.blocked_since: dict[int, float] = {}
@@ -63,11 +72,31 @@ class LearnerCore:
         phase = self.step % self.cfg.sync_every
         return phase == fragment_offset(p, self.num_fragments, self.cfg.sync_every) and p not in self.in_flight
 
-    def answer(self, p: int) -> Answer:
-        """Counters to send with fragment p now (in reply to a request, or on schedule)."""
+    def contribution(
+        self, p: int, values: list[torch.Tensor], data_position: int, kind: PayloadKind = "values"
+    ) -> Contribution:
+        """Fragment p's contribution now, from ``values`` taken at this step boundary."""
         if self.cfg.late_fragment == "wait":
             self.in_flight[p] = self.step
-        return Answer(p, self.base_version[p], self.steps[p], self.tokens[p], self.step)
+        self.seq += 1
+        return Contribution(
+            learner=self.learner,
+            incarnation=self.incarnation,
+            fragment=p,
+            base_version=self.base_version[p],
+            seq=self.seq,
+            values=values,
+            steps=self.steps[p],
+            tokens=self.tokens[p],
+            data_position=data_position,
+            step=self.step,
+            kind=kind,
+        )
+
+    def on_request(self, p: int) -> None:
+        """The syncer asked for p: the schedule says which fragments it will ask for next."""
+        per_tick = math.ceil(self.num_fragments / self.cfg.sync_every)
+        self.expected = next_due(p, self.num_fragments, self.cfg.sync_every, per_tick + 1)
 
     def lr_tokens(self) -> float:
         """Position of the inner LR schedule in global tokens: the syncer's merged count plus
@@ -76,15 +105,15 @@ class LearnerCore:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def on_update(self, u: FragmentUpdate) -> float | None:
-        """Accept a global fragment: return the blend alpha to apply, or None to ignore it.
+    def on_update(self, u: FragmentUpdate) -> Receipt:
+        """Accept a global fragment, or ignore it.
 
-        Versions never go backwards: an update older than the learner's base is dropped. A
-        fetch on join always overwrites (the local values may be arbitrary then).
+        Versions never go backwards: an update older than the learner's base is ignored. A
+        fetch on join, or a rebase after a stale answer, always overwrites.
         """
         p = u.fragment
         if u.version < self.base_version[p]:
-            return None
+            return Receipt("ignore")
         self.base_version[p] = u.version
         self.steps[p] = 0
         self.tokens[p] = 0
@@ -93,7 +122,9 @@ class LearnerCore:
         self._global_tokens = max(self._global_tokens, u.global_tokens)
         self._fleet = u.live_learners
         self._own_since_update = 0
-        return 0.0 if u.reason != "merged" else self.cfg.alpha
+        if u.reason != "merged" or self.cfg.alpha == 0.0:
+            return Receipt("overwrite")
+        return Receipt("blend", self.cfg.alpha)
 
     def on_rejoin(self, global_step: int) -> None:
         """After a restart: counters are empty and a lock-step learner aligns to the fleet."""

@@ -1,14 +1,42 @@
-"""The messages between learners and the syncer, as plain dataclasses.
+"""The messages between learners and the syncer, as plain frozen dataclasses.
 
-Runtimes move these (in-process in the simulator, over ZeroMQ in the real runtime); the core
-only ever sees and returns them.
+Drivers move these (in-process in the simulator, over ZeroMQ in the real runtime); the core
+only ever sees and returns them. Every learner message carries the sender's *incarnation*
+(one per process start), so the syncer can tell a restarted learner from its dead
+predecessor's messages still in flight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
+
+PayloadKind = Literal["values", "delta"]
+UpdateReason = Literal["merged", "join", "stale"]
+
+
+@dataclass(frozen=True)
+class Join:
+    """Learner -> syncer: register (a fresh process, or again after either side restarted)."""
+
+    learner: int
+    """Learner id."""
+    incarnation: int
+    """The sending process's incarnation; a larger one replaces the registered one."""
+    base_versions: list[int]
+    """Version of each fragment the learner holds; empty for a fresh process (it needs all)."""
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Learner -> syncer: clean departure; stop counting me as live now."""
+
+    learner: int
+    """Learner id."""
+    incarnation: int
+    """The departing process's incarnation."""
 
 
 @dataclass(frozen=True)
@@ -17,34 +45,57 @@ class Heartbeat:
 
     learner: int
     """Learner id."""
+    incarnation: int
+    """The sending process's incarnation."""
     step: int
     """The learner's inner steps so far."""
     step_time_s: float
     """Duration of the learner's recent inner steps (seconds; 0 if unknown yet)."""
 
 
+class ContributionId(NamedTuple):
+    """What makes a contribution unique: a replay or duplicate has the same identity."""
+
+    learner: int
+    incarnation: int
+    fragment: int
+    base_version: int
+    seq: int
+
+
 @dataclass(frozen=True)
 class Contribution:
-    """Learner -> syncer: my current values of fragment p (or my delta against my base)."""
+    """Learner -> syncer: my current values of fragment p (or my delta against my base).
+
+    Built only by ``LearnerCore.contribution``, which numbers them.
+    """
 
     learner: int
     """Learner id."""
+    incarnation: int
+    """The sending process's incarnation."""
     fragment: int
     """Fragment index p."""
     base_version: int
     """Version of p this learner last received (its anchor)."""
+    seq: int
+    """Per-incarnation sequence number, increasing with every contribution built."""
     values: list[torch.Tensor]
     """One tensor per piece of the fragment: parameter values, or base minus values for 'delta'."""
     steps: int
     """Inner steps since the learner last received p."""
     tokens: int
     """Tokens processed since the learner last received p."""
-    data_position: int = 0
+    data_position: int
     """Batches of its shard consumed so far (recorded so a restart resumes there)."""
-    step: int = 0
+    step: int
     """The learner's inner step count when it answered."""
-    kind: str = "values"
+    kind: PayloadKind = "values"
     """'values' (theta) or 'delta' (local base minus theta, e.g. after lossy encoding)."""
+
+    @property
+    def identity(self) -> ContributionId:
+        return ContributionId(self.learner, self.incarnation, self.fragment, self.base_version, self.seq)
 
 
 @dataclass(frozen=True)
@@ -53,6 +104,8 @@ class Ack:
 
     learner: int
     """Learner id."""
+    incarnation: int
+    """The sending process's incarnation."""
     fragment: int
     """Fragment index."""
     version: int
@@ -89,63 +142,11 @@ class FragmentUpdate:
     """Live learners when sent (lets a learner extrapolate the global token count)."""
     global_step: int = 0
     """Highest learner step the syncer has seen (aligns a rejoining lock-step learner)."""
-    reason: str = "merged"
+    reason: UpdateReason = "merged"
     """Why it was sent: merged, join (a fetch), stale (the learner's base was too old)."""
 
 
-@dataclass
-class Rejection:
-    """A contribution refused before it could touch global state."""
-
-    learner: int
-    """Sender (as claimed)."""
-    fragment: int
-    """Fragment (as claimed)."""
-    reason: str
-    """Why it was refused."""
-    time: float
-    """When (the time the core was given)."""
-
-    def to_json(self) -> dict:
-        return {"event": "rejected", "learner": self.learner, "fragment": self.fragment, "reason": self.reason, "time": self.time}
-
-
-@dataclass
-class RoundRecord:
-    """One closed round, as appended to the event tape."""
-
-    fragment: int
-    """Fragment index."""
-    round_id: int
-    """Round id (increasing over the run)."""
-    opened_at: float
-    """Time the round opened."""
-    closed_at: float
-    """Time it closed."""
-    version: int
-    """Version produced (unchanged when nothing was merged)."""
-    merged: list[dict] = field(default_factory=list)
-    """Per merged learner: learner, base_version, staleness, weight, tokens, steps, in_grace."""
-    quorum: int = 0
-    """Effective quorum K_eff when the round closed."""
-    grace_s: float = 0.0
-    """Length of the grace window granted (0 without one)."""
-    close_reason: str = ""
-    """all_answered, grace_over, quorum (no grace), flush, or no_live_learners."""
-    rejected: list[dict] = field(default_factory=list)
-    """Contributions refused while this round was open, with reasons."""
-
-    def to_json(self) -> dict:
-        return {
-            "event": "round",
-            "fragment": self.fragment,
-            "round": self.round_id,
-            "opened_at": self.opened_at,
-            "closed_at": self.closed_at,
-            "version": self.version,
-            "quorum": self.quorum,
-            "grace_s": self.grace_s,
-            "close_reason": self.close_reason,
-            "merged": self.merged,
-            "rejected": self.rejected,
-        }
+LearnerMessage = Join | Leave | Heartbeat | Contribution | Ack
+"""Everything a learner sends the syncer's core."""
+SyncerMessage = FragmentRequest | FragmentUpdate
+"""Everything the syncer's core sends a learner."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -34,15 +34,10 @@ class OuterNesterov:
             updates = list(grads)
         return [torch.add(p, u, alpha=-self.lr) for p, u in zip(params, updates)]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "lr": self.lr,
-            "momentum": self.momentum,
-            "buffers": None if self.buffers is None else [b.clone() for b in self.buffers],
-        }
+    def state_dict(self) -> dict[str, list[torch.Tensor] | None]:
+        """The momentum buffers (lr and momentum come from the config, not the state)."""
+        return {"buffers": None if self.buffers is None else [b.clone() for b in self.buffers]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lr = float(state["lr"])
-        self.momentum = float(state["momentum"])
+    def load_state_dict(self, state: dict[str, list[torch.Tensor] | None]) -> None:
         bufs = state["buffers"]
-        self.buffers = None if bufs is None else [b.clone() for b in bufs]
+        self.buffers = None if bufs is None else [b.float().clone() for b in bufs]

@@ -1,8 +1,11 @@
-"""The syncer as a state machine: handed messages and the time, it returns messages.
+"""The syncer as a state machine: handed events and the time, it returns what the driver must do.
 
-It holds the global fragments, their versions and outer-optimizer state, opens rounds on a
-step clock (or when a lock-step learner pushes), decides quorum and grace from ``now``, merges
-with token weights and keeps the event tape. It never reads a clock, sleeps or does I/O.
+It holds the global fragments, their recent versions and outer-optimizer state, opens rounds on
+a step clock (or when a lock-step learner pushes), decides quorum and grace from ``now``, merges
+with token weights and takes the outer step. Every call returns an ``Output``: messages to
+send, fragments whose new version must be made durable *before* those messages leave, and the
+records of the event tape. It never reads a clock, sleeps, does I/O or keeps the tape; what it
+does keep is bounded by the number of learners and fragments.
 """
 
 from __future__ import annotations
@@ -11,29 +14,91 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
-from ddiloco.core.fragments import FragmentLayout, due_fragments
-from ddiloco.core.merge import merge_deltas, token_weight
-from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Rejection, RoundRecord
+from ddiloco.core.fragments import FragmentLayout, due_fragments, read_fragment
+from ddiloco.core.merge import Term, delta_norm, merge_fragment, token_weight
+from ddiloco.core.messages import (
+    Ack,
+    Contribution,
+    FragmentRequest,
+    FragmentUpdate,
+    Heartbeat,
+    Join,
+    LearnerMessage,
+    Leave,
+    SyncerMessage,
+    UpdateReason,
+)
 from ddiloco.core.outer import OuterNesterov
-from ddiloco.core.validation import check_counters, check_delta_norm, check_payload
+from ddiloco.core.tape import (
+    MAX_REJECTIONS_PER_ROUND,
+    CloseReason,
+    Late,
+    MergedEntry,
+    RejectReason,
+    Rejection,
+    RoundRecord,
+    TapeRecord,
+)
+from ddiloco.core.validation import check_counters, check_norm, check_payload
 
-Outgoing = FragmentRequest | FragmentUpdate
+
+@dataclass
+class Output:
+    """What the driver must do after a call, in this order: make ``durable`` fragments'
+    current versions durable, keep the ``tape`` records, then send ``messages``."""
+
+    messages: list[SyncerMessage] = field(default_factory=list)
+    """Requests and updates to deliver, each addressed to one learner."""
+    durable: list[int] = field(default_factory=list)
+    """Fragments that got a new version in this call (in order, each at most once)."""
+    tape: list[TapeRecord] = field(default_factory=list)
+    """Event-tape records produced in this call."""
+
+    def extend(self, other: Output) -> Output:
+        self.messages += other.messages
+        self.durable += [p for p in other.durable if p not in self.durable]
+        self.tape += other.tape
+        return self
+
+
+@dataclass(frozen=True)
+class FragmentRecord:
+    """One fragment's durable state: what a restart needs to continue exactly where it was."""
+
+    fragment: int
+    """Fragment index."""
+    version: int
+    """Its version."""
+    tokens_merged: int
+    """Tokens merged into it so far."""
+    values: list[torch.Tensor]
+    """Its global values, one tensor per piece."""
+    momentum: list[torch.Tensor] | None
+    """The outer optimizer's momentum buffers (None before the first outer step)."""
 
 
 @dataclass
 class LearnerInfo:
-    """What the syncer knows of one learner."""
+    """What the syncer knows of one learner id."""
 
+    incarnation: int
+    """The registered process incarnation; messages of any other are not accepted."""
     last_heard: float
+    """When the learner was last heard from (the core's time)."""
     step_time: Ema
+    """EMA of its reported inner-step duration."""
     left: bool = False
+    """Whether it left cleanly (not live until it joins again)."""
     data_position: int = 0
+    """Batches of its shard consumed, as of its last merged contribution."""
+    last_seq: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the highest sequence number accepted from this incarnation."""
 
 
 @dataclass
@@ -41,9 +106,13 @@ class FragmentState:
     """Global values of one fragment, its recent versions and its outer optimizer."""
 
     version: int
-    history: deque  # of (version, values), newest last, at most keep_versions long
+    """Current version (0 = the initial values)."""
+    history: deque[tuple[int, list[torch.Tensor]]]
+    """(version, values), newest last, at most keep_versions + 1 long."""
     outer: OuterNesterov
+    """This fragment's outer optimizer."""
     tokens_merged: int = 0
+    """Tokens merged into this fragment so far."""
 
     @property
     def values(self) -> list[torch.Tensor]:
@@ -57,6 +126,22 @@ class FragmentState:
 
 
 @dataclass
+class Pending:
+    """An accepted contribution waiting in a round: the learner's tensors as received (the only
+    copy the syncer keeps), the anchor they are measured against, and the delta's norms."""
+
+    contribution: Contribution
+    values: list[torch.Tensor]
+    anchor: list[torch.Tensor] | None
+    norms: list[float]
+    arrived_at: float
+
+    def terms(self) -> list[Term]:
+        anchors: Sequence[torch.Tensor | None] = self.anchor or [None] * len(self.norms)
+        return [Term(a, v, n) for a, v, n in zip(anchors, self.values, self.norms)]
+
+
+@dataclass
 class Round:
     """One open round of one fragment."""
 
@@ -64,169 +149,214 @@ class Round:
     fragment: int
     opened_at: float
     asked: set[int]
-    pending: dict[int, Contribution] = field(default_factory=dict)
-    deltas: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # anchored on arrival
-    arrived_at: dict[int, float] = field(default_factory=dict)
+    pending: dict[int, Pending] = field(default_factory=dict)
     first_answer_at: float | None = None
     quorum_at: float | None = None
     grace_until: float | None = None
     grace_s: float = 0.0
     in_grace: set[int] = field(default_factory=set)
-    rejected: list[dict] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+    rejected_total: int = 0
 
 
 class Syncer:
     """Global state and round logic of Decoupled DiLoCo (and its lock-step baselines)."""
 
-    def __init__(self, cfg: DiLoCoConfig, layout: FragmentLayout, initial: dict[str, torch.Tensor], embedding_like: Sequence[bool] | None = None, owned: Sequence[int] | None = None) -> None:
-        from ddiloco.core.fragments import read_fragment
-
+    def __init__(
+        self,
+        cfg: DiLoCoConfig,
+        layout: FragmentLayout,
+        initial: dict[str, torch.Tensor],
+        embedding_like: Sequence[bool],
+        owned: Sequence[int] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.layout = layout
         # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
         self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
-        self.new_versions: list[tuple[int, int]] = []  # (fragment, version) not yet made durable
-        self.fragments = []
+        self.fragments: list[FragmentState] = []
         for pieces in layout.fragments:
             vals = [v.float() for v in read_fragment(initial, pieces)]
-            self.fragments.append(FragmentState(0, deque([(0, vals)], maxlen=cfg.keep_versions + 1), OuterNesterov(cfg.outer_lr, cfg.outer_momentum)))
-        if embedding_like is None:
-            embedding_like = [any(s in pc.name for s in cfg.embedding_patterns) for frag in layout.fragments for pc in frag]
+            history = deque([(0, vals)], maxlen=cfg.keep_versions + 1)
+            self.fragments.append(FragmentState(0, history, OuterNesterov(cfg.outer_lr, cfg.outer_momentum)))
         flat = list(embedding_like)
+        if len(flat) != sum(len(f) for f in layout.fragments):
+            raise ValueError("embedding_like needs one flag per piece of the layout")
         self._emb: list[list[bool]] = []
         for pieces in layout.fragments:
             self._emb.append(flat[: len(pieces)])
             flat = flat[len(pieces) :]
         self.learners: dict[int, LearnerInfo] = {}
         self.rounds: dict[int, Round] = {}
-        self.tape: list[dict] = []
-        self.rejections: list[Rejection] = []
         self.tick = 0
         self.next_tick_at: float | None = None
         self.max_step_seen = 0
         self._round_ids = 0
         self._t_quorum = Ema(cfg.ema_decay)
         self._t_sync = Ema(cfg.ema_decay)
-        self._awaiting_ack: dict[tuple[int, int], tuple[float, float]] = {}  # (p, version) -> (closed_at, pull_s)
+        # Per fragment, the newest version still waiting for its first ack: (version, closed_at, pull_s).
+        self._awaiting_ack: dict[int, tuple[int, float, float]] = {}
 
-    # -- membership and liveness -------------------------------------------------------------
+    # -- events ------------------------------------------------------------------------------
 
-    def on_join(self, learner: int, now: float) -> list[Outgoing]:
-        """A (re)joining learner: mark it live and send it every current global fragment."""
+    def handle(self, event: LearnerMessage, now: float) -> Output:
+        """Take one learner message at time ``now``; return what to do about it (including
+        whatever the advance of time to ``now`` caused)."""
+        out = Output()
+        if isinstance(event, Join):
+            self._on_join(event, now, out)
+        elif isinstance(event, Leave):
+            info = self.learners.get(event.learner)
+            if info is not None and info.incarnation == event.incarnation:
+                info.left = True
+        elif isinstance(event, Heartbeat):
+            self._on_heartbeat(event, now)
+        elif isinstance(event, Contribution):
+            self._on_contribution(event, now, out)
+        elif isinstance(event, Ack):
+            self._on_ack(event, now)
+        else:
+            raise TypeError(f"not a learner message: {type(event).__name__}")
+        return out.extend(self.poll(now))
+
+    def _current(self, learner: int, incarnation: int) -> LearnerInfo | None:
+        """The learner's record if ``incarnation`` is the registered, live-able one."""
         info = self.learners.get(learner)
+        if info is None or info.left or info.incarnation != incarnation:
+            return None
+        return info
+
+    def _on_join(self, j: Join, now: float, out: Output) -> None:
+        """Register (or re-register) and send every owned fragment the learner lacks."""
+        info = self.learners.get(j.learner)
+        if info is not None and j.incarnation < info.incarnation:
+            return  # a message of a process that was already replaced
         if info is None:
-            info = self.learners[learner] = LearnerInfo(now, Ema(self.cfg.ema_decay))
+            info = self.learners[j.learner] = LearnerInfo(j.incarnation, now, Ema(self.cfg.ema_decay))
+        if j.incarnation != info.incarnation:
+            info.incarnation, info.last_seq = j.incarnation, {}
         info.last_heard, info.left = now, False
-        out: list[Outgoing] = [self._update(learner, p, "join", now) for p in self.owned]
-        return out + self.poll(now)
+        have = j.base_versions if len(j.base_versions) == len(self.fragments) else None
+        for p in self.owned:
+            # A learner that already holds the current version (e.g. after a syncer restart)
+            # keeps its local progress on it; everything else is sent.
+            if have is None or have[p] != self.fragments[p].version:
+                out.messages.append(self._update(j.learner, p, "join", now))
 
-    def on_leave(self, learner: int, now: float) -> list[Outgoing]:
-        """A clean leave: the learner stops counting as live at once."""
-        if learner in self.learners:
-            self.learners[learner].left = True
-        return self.poll(now)
-
-    def on_heartbeat(self, hb: Heartbeat, now: float) -> list[Outgoing]:
-        info = self.learners.get(hb.learner)
-        if info is None or info.left:
-            return []  # unknown learners must join first
+    def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
+        info = self._current(hb.learner, hb.incarnation)
+        if info is None:
+            return  # unknown learners must join first
         info.last_heard = now
         if hb.step_time_s > 0:
             info.step_time.update(hb.step_time_s)
         self.max_step_seen = max(self.max_step_seen, hb.step)
-        return self.poll(now)
 
-    def live(self, now: float) -> list[int]:
-        """Learners heard from within the liveness timeout (and not left), sorted."""
-        return sorted(m for m, i in self.learners.items() if not i.left and now - i.last_heard <= self.cfg.liveness_timeout_s)
-
-    def t_step(self, now: float) -> float | None:
-        """Median over live learners of their step-time EMAs (None before any is known)."""
-        times = [self.learners[m].step_time.value for m in self.live(now) if self.learners[m].step_time.value]
-        return statistics.median(times) if times else None
-
-    @property
-    def global_tokens(self) -> float:
-        """Tokens merged into the global model (mean over this syncer's fragments)."""
-        return sum(self.fragments[p].tokens_merged for p in self.owned) / max(1, len(self.owned))
-
-    # -- contributions ---------------------------------------------------------------------
-
-    def on_ack(self, ack: Ack, now: float) -> None:
+    def _on_ack(self, ack: Ack, now: float) -> None:
         """The first ack of a version times the sync path (pull + merge + apply + send)."""
-        key = (ack.fragment, ack.version)
-        if key in self._awaiting_ack:
-            closed_at, pull_s = self._awaiting_ack.pop(key)
-            self._t_sync.update(pull_s + (now - closed_at))
+        waiting = self._awaiting_ack.get(ack.fragment)
+        if waiting is not None and waiting[0] == ack.version and self._current(ack.learner, ack.incarnation):
+            del self._awaiting_ack[ack.fragment]
+            self._t_sync.update(waiting[2] + (now - waiting[1]))
 
-    def on_contribution(self, c: Contribution, now: float) -> list[Outgoing]:
-        """Validate and queue a contribution; may open (lock-step) or close a round."""
-        out: list[Outgoing] = []
-        delta: list[torch.Tensor] = []
-        reason = self._invalid(c)
-        if reason is None:
-            frag = self.fragments[c.fragment]
-            base = frag.at(c.base_version)
-            if base is None:
-                reason = f"stale base version {c.base_version} (current {frag.version}, keeping {self.cfg.keep_versions})"
-                # Send the current value so the learner rebases instead of retrying forever.
-                out.append(self._update(c.learner, c.fragment, "stale", now))
-            else:
-                # The fragment only changes when its round closes, so the anchored delta
-                # computed now is the one the merge will use.
-                delta = self._delta(c, frag)
-                reason = check_delta_norm(delta, self.cfg)
-        if reason is not None:
-            self._reject(c.learner, c.fragment, reason, now)
-            return out + self.poll(now)
-        self.learners[c.learner].last_heard = now
+    def _on_contribution(self, c: Contribution, now: float, out: Output) -> None:
+        """Validate, anchor and queue a contribution; a lock-step push may open a round."""
+        problem = self._invalid(c)
+        if problem is not None:
+            self._reject(c, *problem, now, out)
+            return
+        frag = self.fragments[c.fragment]
+        base = frag.at(c.base_version)
+        if base is None:
+            detail = f"stale base version {c.base_version} (current {frag.version}, keeping {self.cfg.keep_versions})"
+            self._reject(c, "stale_base", detail, now, out)
+            # Send the current value so the learner rebases instead of retrying forever.
+            out.messages.append(self._update(c.learner, c.fragment, "stale", now))
+            return
+        # The fragment only changes when its round closes, so the anchor chosen now is the one
+        # the merge uses; it is a reference to kept values, not a copy.
+        values = c.values
+        anchor: list[torch.Tensor] | None = base if self.cfg.anchor == "base" else frag.values
+        if c.kind == "delta":
+            if self.cfg.anchor == "base":
+                anchor = None  # the payload already is the outer gradient against its base
+            else:  # rebase a delta on the current version (an ablation): rebuild the values
+                values = [b - d for b, d in zip(base, c.values)]
+        anchors: Sequence[torch.Tensor | None] = anchor if anchor is not None else [None] * len(values)
+        norms = [delta_norm(a, v) for a, v in zip(anchors, values)]
+        problem = check_norm(norms, self.cfg)
+        if problem is not None:
+            self._reject(c, *problem, now, out)
+            return
+        info = self.learners[c.learner]
+        info.last_heard = now
         self.max_step_seen = max(self.max_step_seen, c.step)
         rnd = self.rounds.get(c.fragment)
         if rnd is None:
             if self.cfg.late_fragment != "wait":
                 # Missed its round: the learner keeps its progress and contributes it later.
-                self.tape.append({"event": "late", "learner": c.learner, "fragment": c.fragment, "time": now})
-                return out + self.poll(now)
+                out.tape.append(Late(c.learner, c.fragment, now))
+                return
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
-        rnd.pending[c.learner] = c  # at most one per (learner, fragment): newer replaces older
-        rnd.deltas[c.learner] = delta
-        rnd.arrived_at[c.learner] = now
+        info.last_seq[c.fragment] = c.seq
+        rnd.pending[c.learner] = Pending(c, values, anchor, norms, now)  # newer replaces older
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
             rnd.first_answer_at = now
-        return out + self.poll(now)
 
-    def _invalid(self, c: Contribution) -> str | None:
+    def _invalid(self, c: Contribution) -> tuple[RejectReason, str] | None:
         info = self.learners.get(c.learner)
         if info is None or info.left:
-            return f"unknown learner {c.learner}: learners must join before contributing"
+            return "unknown_learner", f"unknown learner {c.learner}: learners must join before contributing"
+        if info.incarnation != c.incarnation:
+            return "stale_incarnation", (
+                f"learner {c.learner} incarnation {c.incarnation} is not the registered {info.incarnation}"
+            )
         if not 0 <= c.fragment < len(self.fragments):
-            return f"unknown fragment {c.fragment} (the layout has {len(self.fragments)})"
+            return "bad_fragment", f"unknown fragment {c.fragment} (the layout has {len(self.fragments)})"
         if c.fragment not in self.owned:
-            return f"fragment {c.fragment} is owned by another syncer shard"
+            return "bad_fragment", f"fragment {c.fragment} is owned by another syncer shard"
+        if c.seq <= info.last_seq.get(c.fragment, -1):
+            return "duplicate", f"contribution {tuple(c.identity)} is a replay or older than one already accepted"
         if c.base_version > self.fragments[c.fragment].version or c.base_version < 0:
-            return f"base version {c.base_version} was never issued (current {self.fragments[c.fragment].version})"
+            return "bad_version", (
+                f"base version {c.base_version} was never issued (current {self.fragments[c.fragment].version})"
+            )
         return check_counters(c.steps, c.tokens, self.cfg) or check_payload(c, self.layout.fragments[c.fragment])
 
-    def _delta(self, c: Contribution, frag: FragmentState) -> list[torch.Tensor]:
-        """Outer gradient Theta[anchor] - theta_m, anchored at the learner's own base version."""
-        base = frag.at(c.base_version)
-        assert base is not None
-        if c.kind == "delta" and self.cfg.anchor == "base":
-            return list(c.values)
-        theta = c.values if c.kind == "values" else [b - d for b, d in zip(base, c.values)]
-        anchor = base if self.cfg.anchor == "base" else frag.values
-        return [a - t for a, t in zip(anchor, theta)]
+    def _reject(self, c: Contribution, reason: RejectReason, detail: str, now: float, out: Output) -> None:
+        r = Rejection(c.learner, c.fragment, reason, detail, now)
+        rnd = self.rounds.get(c.fragment)
+        if rnd is None:
+            out.tape.append(r)
+            return
+        rnd.rejected_total += 1
+        if len(rnd.rejected) < MAX_REJECTIONS_PER_ROUND:
+            rnd.rejected.append(r)
 
-    def _reject(self, learner: int, fragment: int, reason: str, now: float) -> None:
-        r = Rejection(learner, fragment, reason, now)
-        self.rejections.append(r)
-        rnd = self.rounds.get(fragment)
-        if rnd is not None:
-            rnd.rejected.append(r.to_json())
-        else:
-            self.tape.append(r.to_json())
+    # -- membership and liveness -------------------------------------------------------------
+
+    def live(self, now: float) -> list[int]:
+        """Learners heard from within the liveness timeout (and not left), sorted."""
+        timeout = self.cfg.liveness_timeout_s
+        return sorted(m for m, i in self.learners.items() if not i.left and now - i.last_heard <= timeout)
+
+    def t_step(self, now: float) -> float | None:
+        """Median over live learners of their step-time EMAs (None before any is known)."""
+        times = [self.learners[m].step_time.value for m in self.live(now)]
+        known = [t for t in times if t]
+        return statistics.median(known) if known else None
+
+    def data_position(self, learner: int) -> int:
+        """Where the learner's data shard resumes (its last merged contribution's position)."""
+        info = self.learners.get(learner)
+        return 0 if info is None else info.data_position
+
+    @property
+    def global_tokens(self) -> float:
+        """Tokens merged into the global model (mean over this syncer's fragments)."""
+        return sum(self.fragments[p].tokens_merged for p in self.owned) / max(1, len(self.owned))
 
     # -- rounds ------------------------------------------------------------------------------
 
@@ -236,38 +366,41 @@ class Syncer:
         self.rounds[p] = rnd
         return rnd
 
-    def poll(self, now: float) -> list[Outgoing]:
+    def poll(self, now: float) -> Output:
         """Advance the step clock to ``now``, open due rounds, close rounds that may close."""
-        out: list[Outgoing] = []
+        out = Output()
         if self.cfg.late_fragment == "continue":
-            out += self._advance_clock(now)
+            self._advance_clock(now, out)
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
             reason = self._close_reason(rnd, now)
             if reason is not None:
-                out += self._close(rnd, now, reason)
+                self._close(rnd, now, reason, out)
         return out
 
-    def _advance_clock(self, now: float) -> list[Outgoing]:
+    def _advance_clock(self, now: float, out: Output) -> None:
         t_step = self.t_step(now)
         if t_step is None:
-            return []
+            return
         if self.next_tick_at is None:
             self.next_tick_at = now + t_step
         if now - self.next_tick_at > self.cfg.sync_every * t_step:
             self.next_tick_at = now  # long absence: resume the schedule, don't replay it
-        out: list[Outgoing] = []
-        while self.next_tick_at <= now:
+        # Bounded by construction: at most one period of ticks per call, whatever t_step is.
+        for _ in range(self.cfg.sync_every + 1):
+            if self.next_tick_at > now:
+                break
             self.tick += 1
             opened_at = self.next_tick_at
+            live = self.live(now)
             for p in due_fragments(self.tick, len(self.fragments), self.cfg.sync_every):
-                live = self.live(now)
                 if p in self.rounds or not live or p not in self.owned:
                     continue  # the previous round of p is still open, or nobody to ask
                 rnd = self._open(p, opened_at)
-                out += [FragmentRequest(m, p, rnd.round_id) for m in live]
+                out.messages += [FragmentRequest(m, p, rnd.round_id) for m in live]
             self.next_tick_at += t_step
-        return out
+        else:
+            self.next_tick_at = max(self.next_tick_at, now)
 
     def outer_lr(self) -> float:
         """The outer LR now: constant, or a cosine over the merged tokens (outer_lr_decay_tokens)."""
@@ -289,7 +422,7 @@ class Syncer:
         raw = self.cfg.grace_gamma * (self.cfg.overlap * t_step - t_quorum - self._t_sync.get())
         return min(max(raw, 0.0), self.cfg.max_grace_steps * t_step)
 
-    def _close_reason(self, rnd: Round, now: float) -> str | None:
+    def _close_reason(self, rnd: Round, now: float) -> CloseReason | None:
         answered = set(rnd.pending)
         live_asked = rnd.asked & set(self.live(now))
         k_eff = self.effective_quorum(rnd, now)
@@ -298,7 +431,7 @@ class Syncer:
         if len(answered) < max(k_eff, 1):
             return None
         if rnd.quorum_at is None:
-            rnd.quorum_at = sorted(rnd.arrived_at.values())[max(k_eff, 1) - 1]
+            rnd.quorum_at = sorted(pd.arrived_at for pd in rnd.pending.values())[max(k_eff, 1) - 1]
             t_quorum = rnd.quorum_at - rnd.opened_at
             self._t_quorum.update(t_quorum)
             rnd.grace_s = self.grace_window(t_quorum, now) if self.cfg.grace else 0.0
@@ -311,46 +444,55 @@ class Syncer:
             return "grace_over"
         return None
 
-    def _close(self, rnd: Round, now: float, reason: str) -> list[Outgoing]:
+    def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
         del self.rounds[rnd.fragment]
         frag = self.fragments[rnd.fragment]
-        contribs = [rnd.pending[m] for m in sorted(rnd.pending)]
+        pending = [rnd.pending[m] for m in sorted(rnd.pending)]
+        contribs = [pd.contribution for pd in pending]
         weights = [token_weight(c.tokens, c.steps) for c in contribs]
-        record = RoundRecord(rnd.fragment, rnd.round_id, rnd.opened_at, now, frag.version, quorum=self.effective_quorum(rnd, now), grace_s=rnd.grace_s, close_reason=reason, rejected=rnd.rejected)
+        record = RoundRecord(
+            rnd.fragment,
+            rnd.round_id,
+            rnd.opened_at,
+            now,
+            frag.version,
+            quorum=self.effective_quorum(rnd, now),
+            grace_s=rnd.grace_s,
+            close_reason=reason,
+            rejected=rnd.rejected,
+            rejected_total=rnd.rejected_total,
+        )
         if contribs and sum(weights) > 0:
-            deltas = [rnd.deltas[c.learner] for c in contribs]
-            merged = merge_deltas(deltas, weights, self._emb[rnd.fragment], self.cfg.merge)
+            merged = merge_fragment([pd.terms() for pd in pending], weights, self._emb[rnd.fragment], self.cfg.merge)
             frag.outer.lr = self.outer_lr()
-            new_values = frag.outer.step(frag.values, merged)
             frag.version += 1
-            frag.history.append((frag.version, new_values))
+            frag.history.append((frag.version, frag.outer.step(frag.values, merged)))
             frag.tokens_merged += sum(c.tokens for c in contribs)
             record.version = frag.version
-            self.new_versions.append((rnd.fragment, frag.version))
+            out.durable.append(rnd.fragment)
             pull_s = (rnd.first_answer_at or now) - rnd.opened_at
-            self._awaiting_ack[(rnd.fragment, frag.version)] = (now, pull_s)
+            self._awaiting_ack[rnd.fragment] = (frag.version, now, pull_s)
         for c, w in zip(contribs, weights):
-            self.learners[c.learner].data_position = max(self.learners[c.learner].data_position, c.data_position)
-            record.merged.append({
-                "learner": c.learner,
-                "base_version": c.base_version,
-                "staleness": record.version - 1 - c.base_version if record.version > c.base_version else 0,
-                "weight": w,
-                "tokens": c.tokens,
-                "steps": c.steps,
-                "in_grace": c.learner in rnd.in_grace,
-            })
-        self.tape.append(record.to_json())
+            info = self.learners[c.learner]
+            info.data_position = max(info.data_position, c.data_position)
+            staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
+            record.merged.append(
+                MergedEntry(
+                    c.learner, c.incarnation, c.seq, c.base_version, staleness, w, c.tokens, c.steps,
+                    c.learner in rnd.in_grace,
+                )
+            )
+        out.tape.append(record)
         # The new version goes to the learners merged in this round; others ask when they need it.
-        return [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
+        out.messages += [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
 
-    def flush(self, now: float) -> list[Outgoing]:
+    def flush(self, now: float) -> Output:
         """Close every open round with what it has (before a final evaluation)."""
-        out: list[Outgoing] = []
+        out = Output()
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
             if rnd.pending:
-                out += self._close(rnd, now, "flush")
+                self._close(rnd, now, "flush", out)
             else:
                 del self.rounds[p]
         return out
@@ -373,9 +515,10 @@ class Syncer:
 
     # -- outputs -----------------------------------------------------------------------------
 
-    def _update(self, learner: int, p: int, reason: str, now: float) -> FragmentUpdate:
+    def _update(self, learner: int, p: int, reason: UpdateReason, now: float) -> FragmentUpdate:
         frag = self.fragments[p]
-        return FragmentUpdate(learner, p, frag.version, frag.values, self.global_tokens, max(1, len(self.live(now))), self.max_step_seen, reason)
+        live = max(1, len(self.live(now)))
+        return FragmentUpdate(learner, p, frag.version, frag.values, self.global_tokens, live, self.max_step_seen, reason)
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global model as a name -> tensor map (row-split pieces joined back)."""
@@ -392,42 +535,47 @@ class Syncer:
     def versions(self) -> list[int]:
         return [f.version for f in self.fragments]
 
-    # -- durable state (the runtime decides where and when to write it) ----------------------
+    # -- durable state (the driver decides where and when to write it) -----------------------
 
-    def fragment_state(self, p: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """Fragment p's current values and outer momentum (tensors) plus its counters (JSON)."""
+    def fragment_record(self, p: int) -> FragmentRecord:
+        """Fragment p's current durable state."""
         frag = self.fragments[p]
-        tensors = {f"v{i}": v for i, v in enumerate(frag.values)}
-        if frag.outer.buffers is not None:
-            tensors.update({f"m{i}": b for i, b in enumerate(frag.outer.buffers)})
-        return tensors, {"fragment": p, "version": frag.version, "tokens_merged": frag.tokens_merged}
+        return FragmentRecord(p, frag.version, frag.tokens_merged, frag.values, frag.outer.state_dict()["buffers"])
 
-    def load_fragment_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore fragment p from ``fragment_state`` output (older versions are not kept:
+    def load_fragment_record(self, rec: FragmentRecord) -> None:
+        """Restore a fragment from ``fragment_record`` output (older versions are not kept:
         contributions based on them are answered with the current value)."""
-        p = int(meta["fragment"])
-        frag = self.fragments[p]
-        n = len(self.layout.fragments[p])
-        values = [tensors[f"v{i}"].float().clone() for i in range(n)]
-        frag.version = int(meta["version"])
-        frag.tokens_merged = int(meta["tokens_merged"])
+        frag = self.fragments[rec.fragment]
+        frag.version = rec.version
+        frag.tokens_merged = rec.tokens_merged
         frag.history.clear()
-        frag.history.append((frag.version, values))
-        frag.outer.buffers = [tensors[f"m{i}"].float().clone() for i in range(n)] if "m0" in tensors else None
+        frag.history.append((rec.version, [v.float().clone() for v in rec.values]))
+        frag.outer.load_state_dict({"buffers": rec.momentum})
 
-    def meta_state(self) -> dict:
+    def meta_state(self) -> dict[str, Any]:
         """Everything else worth keeping across a restart (JSON-able)."""
         return {
             "tick": self.tick,
             "max_step_seen": self.max_step_seen,
             "round_ids": self._round_ids,
-            "data_positions": {str(m): i.data_position for m, i in self.learners.items()},
+            "learners": {
+                str(m): {
+                    "data_position": i.data_position,
+                    "incarnation": i.incarnation,
+                    "last_seq": {str(p): s for p, s in i.last_seq.items()},
+                }
+                for m, i in self.learners.items()
+            },
         }
 
-    def load_meta_state(self, meta: dict) -> None:
+    def load_meta_state(self, meta: dict[str, Any]) -> None:
+        """Restore ``meta_state`` output; restored learners are not live until they join."""
         self.tick = int(meta["tick"])
         self.max_step_seen = int(meta["max_step_seen"])
         self._round_ids = int(meta["round_ids"])
-        for m, pos in meta["data_positions"].items():
-            info = self.learners.setdefault(int(m), LearnerInfo(-math.inf, Ema(self.cfg.ema_decay)))
-            info.data_position = int(pos)
+        for m, rec in meta["learners"].items():
+            info = self.learners.setdefault(int(m), LearnerInfo(int(rec["incarnation"]), -math.inf, Ema(self.cfg.ema_decay)))
+            info.data_position = int(rec["data_position"])
+            info.incarnation = int(rec["incarnation"])
+            # Replays of contributions merged before the restart stay refused after it.
+            info.last_seq = {int(p): int(s) for p, s in rec["last_seq"].items()}

@@ -1,4 +1,9 @@
-"""Checks a contribution must pass before it can touch global state."""
+"""Checks a contribution must pass before it can touch global state.
+
+Each check returns None, or the rejection's keyword and a line for a human. Finiteness is not
+checked here: the outer-gradient norm that the merge needs anyway is NaN or inf exactly when
+a value is not finite (or the norm overflows), and ``check_norm`` refuses both.
+"""
 
 from __future__ import annotations
 
@@ -10,45 +15,47 @@ import torch
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import Piece
 from ddiloco.core.messages import Contribution
+from ddiloco.core.tape import RejectReason
+
+Problem = tuple[RejectReason, str]
 
 
-def check_counters(steps: int, tokens: int, cfg: DiLoCoConfig) -> str | None:
-    """Why the counters are not sane, or None. The weight is tokens^2/steps, so one inflated
-    counter would otherwise dominate a merge."""
+def check_counters(steps: int, tokens: int, cfg: DiLoCoConfig) -> Problem | None:
+    """The weight is tokens^2/steps, so one inflated counter would otherwise dominate a merge."""
     if not isinstance(steps, int) or not isinstance(tokens, int):
-        return "counters must be integers"
+        return "bad_counters", "counters must be integers"
     if steps < 0 or tokens < 0:
-        return f"negative counters (steps={steps}, tokens={tokens})"
+        return "bad_counters", f"negative counters (steps={steps}, tokens={tokens})"
     if tokens > 0 and steps < 1:
-        return f"tokens={tokens} with steps={steps}: tokens need at least one step"
+        return "bad_counters", f"tokens={tokens} with steps={steps}: tokens need at least one step"
     if steps > 0 and tokens / steps > cfg.max_tokens_per_step:
-        return f"tokens/steps = {tokens / steps:.3g} exceeds max_tokens_per_step = {cfg.max_tokens_per_step:.3g}"
+        return "bad_counters", (
+            f"tokens/steps = {tokens / steps:.3g} exceeds max_tokens_per_step = {cfg.max_tokens_per_step:.3g}"
+        )
     return None
 
 
-def check_payload(c: Contribution, pieces: Sequence[Piece]) -> str | None:
-    """Why the tensors do not match the fragment's layout or are not finite, or None."""
+def check_payload(c: Contribution, pieces: Sequence[Piece]) -> Problem | None:
+    """The tensors must match the fragment's layout: count, shapes and dtype."""
     if c.kind not in ("values", "delta"):
-        return f"unknown payload kind {c.kind!r}"
+        return "bad_payload", f"unknown payload kind {c.kind!r}"
     if len(c.values) != len(pieces):
-        return f"fragment {c.fragment} has {len(pieces)} tensors, contribution has {len(c.values)}"
+        return "bad_payload", f"fragment {c.fragment} has {len(pieces)} tensors, contribution has {len(c.values)}"
     for pc, v in zip(pieces, c.values):
         if not isinstance(v, torch.Tensor):
-            return f"{pc.name}: not a tensor"
+            return "bad_payload", f"{pc.name}: not a tensor"
         if tuple(v.shape) != pc.shape:
-            return f"{pc.name}[{pc.row_start}:{pc.row_end}]: shape {tuple(v.shape)} != expected {pc.shape}"
+            return "bad_payload", f"{pc.name}[{pc.row_start}:{pc.row_end}]: shape {tuple(v.shape)} != expected {pc.shape}"
         if v.dtype != torch.float32:
-            return f"{pc.name}: dtype {v.dtype} != expected torch.float32"
-        # A sum is finite unless some value is not (or it overflows): one fast vectorised pass,
-        # and the exact element-wise check only when the sum says something is off.
-        if not math.isfinite(float(v.sum())) and not bool(torch.isfinite(v).all()):
-            return f"{pc.name}: non-finite values"
+            return "bad_payload", f"{pc.name}: dtype {v.dtype} != expected torch.float32"
     return None
 
 
-def check_delta_norm(deltas: Sequence[torch.Tensor], cfg: DiLoCoConfig) -> str | None:
-    """Why the outer gradient is implausibly large, or None."""
-    norm = math.sqrt(sum(float(torch.linalg.vector_norm(d)) ** 2 for d in deltas))
-    if not math.isfinite(norm) or norm > cfg.max_delta_norm:
-        return f"outer-gradient norm {norm:.3g} exceeds max_delta_norm = {cfg.max_delta_norm:.3g}"
+def check_norm(norms: Sequence[float], cfg: DiLoCoConfig) -> Problem | None:
+    """The outer gradient's L2 norm (from its pieces' norms) must be finite and bounded."""
+    norm = math.sqrt(sum(n * n for n in norms))
+    if not math.isfinite(norm):
+        return "bad_payload", "non-finite values in the contribution"
+    if norm > cfg.max_delta_norm:
+        return "bad_norm", f"outer-gradient norm {norm:.3g} exceeds max_delta_norm = {cfg.max_delta_norm:.3g}"
     return None

@@ -13,8 +13,9 @@ import torch
 import zmq
 
 from ddiloco.config import Config
-from ddiloco.core.fragments import make_layout, specs_of, write_fragment
+from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.training.evaluate import evaluate
+from ddiloco.training.layout import layout_for
 from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.workloads.config import load_workload
@@ -47,7 +48,7 @@ def fetch_global(syncers: list[str], timeout_s: float = 5.0) -> list[GlobalState
     return states
 
 
-def load_global(model: torch.nn.Module, layout, states: list[GlobalState]) -> dict[str, int]:
+def load_global(model: torch.nn.Module, layout: FragmentLayout, states: list[GlobalState]) -> dict[str, int]:
     """Write the fetched fragments into ``model``; returns the version of every fragment."""
     params = dict(model.named_parameters())
     versions: dict[str, int] = {}
@@ -70,7 +71,7 @@ def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = Fa
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     wl = load_workload(cfg.workload)
     model = wl.build_model(cfg.run.seed)
-    layout = make_layout(specs_of(model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
+    layout = layout_for(model, wl, cfg.algo).fragments
     batches = wl.eval_batches()
     out = Path(run_dir) / "metrics" / "eval.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import Goodput, uptime
 from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.report.tape import read_tape
+from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.status import read_status
 
 
@@ -171,7 +173,7 @@ class Launcher:
                     if p.popen is not None and not p.alive() and not any(mm == m for _, mm in pending_restarts):
                         code = p.popen.returncode
                         self._on_learner_death(m, now, t0, kind=f"exit {code}")
-                        if code == 3:
+                        if code == EXIT_REFUSED:
                             raise DDiLoCoError(f"learner {m} was refused by the syncer; see {logs / p.name}.log")
                         if p.restarts >= rt.restart_limit:
                             raise DDiLoCoError(f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = {rt.restart_limit}); see {logs / p.name}.log")
@@ -281,7 +283,7 @@ class Launcher:
         model = wl.build_model(self.cfg.run.seed)
         model.load_state_dict(load_file(str(self.run_dir / "final" / "model.safetensors")))
         final_loss = evaluate(wl, model, wl.eval_batches())
-        tape = [json.loads(line) for line in (self.run_dir / "state" / "tape.jsonl").read_text().splitlines() if line.strip()] if (self.run_dir / "state" / "tape.jsonl").exists() else []
+        tape = read_tape(self.run_dir / "state" / "tape.jsonl")
         evals = [json.loads(l) for l in (self.run_dir / "metrics" / "eval.jsonl").read_text().splitlines()] if (self.run_dir / "metrics" / "eval.jsonl").exists() else []
         evals.append({"time": time.time(), "loss": final_loss, "final": True})
         for e in evals:

@@ -1,72 +1,63 @@
 """``ddiloco learner``: one learner process (or one torchrun group with DDP inside).
 
 The training loop runs on the main thread and never waits on the network (``late_fragment =
-continue``). A background thread owns the ZeroMQ sockets (one DEALER per syncer shard): it
-answers requests from a host-side copy of the parameters and counters taken at step
-boundaries, queues received fragments for the training loop to apply between inner steps,
-heartbeats, and re-joins with backoff when a syncer goes silent or restarts.
+continue``). At each step boundary it applies the fragments that arrived, answers requests the
+comm thread could not answer itself, and prepares the contributions the schedule says will be
+asked for next: only those fragments are copied to the host, never the whole model. The comm
+thread (``learner_comm``) does all the talking.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TextIO
 
 import torch
-import zmq
 
 from ddiloco.config import Config
-from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, specs_of, write_fragment
+from ddiloco.core.fragments import write_fragment
 from ddiloco.core.learner import LearnerCore
-from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+from ddiloco.core.messages import Ack, Contribution, FragmentUpdate
 from ddiloco.errors import DDiLoCoError
-from ddiloco.training.inner import inner_step, lr_at, make_optimizer
-from ddiloco.service.protocol import Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, learner_identity, param_spec
+from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.learner_comm import LearnerComm, Progress
+from ddiloco.service.peer_state import load_state, state_message
+from ddiloco.service.protocol import PeerState, PeerStateRequest, learner_identity, param_spec
 from ddiloco.service.status import write_status
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.training.layout import layout_for
 from ddiloco.workloads.config import load_workload
 
+log = logging.getLogger(__name__)
 
-@dataclass
-class HostCopy:
-    """Parameters and counters as of the last step boundary (read by the comm thread)."""
-
-    params: dict[str, torch.Tensor]
-    base_version: list[int]
-    steps: list[int]
-    tokens: list[int]
-    step: int = 0
-    data_position: int = 0
+SocketFactory = Callable[[list[str], bytes], LearnerSocket]
+EXIT_REFUSED = 3
+EXIT_COMM_DIED = 4
 
 
-@dataclass
-class ShardLink:
-    """One connection to a syncer shard and what we know of it."""
+class LearnerProcess:
+    """A learner: model, optimizer, data and protocol state, driven by its training loop."""
 
-    address: str
-    sock: Any
-    epoch: float | None = None
-    last_heard: float = 0.0
-    joined: bool = False
-    warned: bool = False
-    next_join: float = 0.0
-    backoff: float = 0.1
-    owned: list[int] = field(default_factory=list)
-
-
-class Learner:
-    """A learner process: model, optimizer, data, protocol state, and its comm thread."""
-
-    def __init__(self, cfg: Config, syncers: list[str], learner_id: int, run_dir: str | Path, device: str = "cpu", threads: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        syncers: list[str],
+        learner_id: int,
+        run_dir: str | Path,
+        device: str = "cpu",
+        threads: int = 1,
+        connect: SocketFactory | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        incarnation: int | None = None,
+    ) -> None:
         torch.set_num_threads(threads)
-        self.cfg, self.id, self.run_dir = cfg, learner_id, Path(run_dir)
+        self.cfg, self.id, self.run_dir, self.clock = cfg, learner_id, Path(run_dir), clock
         # A torchrun group is one learner: ranks run DDP inside it; rank 0 talks to the syncer.
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -78,347 +69,101 @@ class Learner:
             dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             if cfg.algo.late_fragment == "wait":
-                raise DDiLoCoError("a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step baselines with one process per learner")
+                raise DDiLoCoError(
+                    "a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step "
+                    "baselines with one process per learner"
+                )
         self.device = torch.device(device)
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.wl = load_workload(cfg.workload)
         self.model = self.wl.build_model(cfg.run.seed).to(self.device)
-        self.spec = param_spec(self.model)
-        self.layout: FragmentLayout = make_layout(specs_of(self.model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
+        self.layout = layout_for(self.model, self.wl, cfg.algo)
+        self.pieces = self.layout.fragments.fragments
         self.params = dict(self.model.named_parameters())
         self.opt = make_optimizer(self.model, cfg.inner)
-        self.trained = self.model
+        self.trained: torch.nn.Module = self.model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.trained = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments)
-        M = cfg.run.num_learners
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.trained = DistributedDataParallel(self.model, device_ids=ids)
+        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
+        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
+        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments, self.incarnation)
+        m = cfg.run.num_learners
         # Each rank reads its own slice of the learner's shard.
-        self.stream = self.wl.train_stream((learner_id % M) * self.world + self.rank, M * self.world, cfg.run.seed)
-        P = self.layout.num_fragments
-        self.host = HostCopy({n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}, [0] * P, [0] * P, [0] * P)
-        self.lock = threading.Lock()
-        self.inbox: queue.Queue = queue.Queue()
-        self.outbox: queue.Queue = queue.Queue()
-        # The training thread wakes the comm thread through an inproc pair when it queues a
-        # message, so the comm thread can sleep in poll instead of spinning on a short timeout.
-        ctx = zmq.Context.instance()
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(f"inproc://ddiloco-wake-{id(self)}")
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(f"inproc://ddiloco-wake-{id(self)}")
-        self.stop = threading.Event()
-        self.syncers = syncers
-        self.joined = threading.Event()
-        self.data_position: int | None = None
-        self.fatal: str | None = None
-        self.peer_requests: queue.Queue = queue.Queue()
-        self.stats = {"steps": 0, "tokens": 0, "compute_s": 0.0, "blocked_s": 0.0, "loss": None, "applied": 0, "answered": 0, "started": time.time(), "first_step_at": None}
-        self._step_ema: float = 0.0
+        self.stream = self.wl.train_stream((learner_id % m) * self.world + self.rank, m * self.world, cfg.run.seed)
+        self.stop = False
+        self.comm: LearnerComm | None = None
+        if syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
+            rt = cfg.runtime
+            factory = connect or (lambda addrs, ident: ZmqLearnerSocket(addrs, ident, rt.backoff_initial_s, rt.backoff_max_s))
+            sock = factory(syncers, learner_identity(learner_id))
+            self.comm = LearnerComm(
+                rt, learner_id, self.incarnation, param_spec(self.model), self.layout.digest, syncers, sock, clock,
+                str(self.device),
+            )
+        self.stats: dict[str, Any] = {
+            "steps": 0, "tokens": 0, "compute_s": 0.0, "sync_s": 0.0, "blocked_s": 0.0, "loss": None,
+            "applied": 0, "started": clock.wall(), "first_step_at": None,
+        }
+        self._step_ema = 0.0
 
-    # -- comm thread -------------------------------------------------------------------------
+    # -- the step boundary -------------------------------------------------------------------
 
-    def _links(self) -> list[ShardLink]:
-        ctx = zmq.Context.instance()
-        links = []
-        rt = self.cfg.runtime
-        for addr in self.syncers:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.IDENTITY, learner_identity(self.id))
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
-            s.setsockopt(zmq.SNDHWM, 64)
-            s.setsockopt(zmq.RECONNECT_IVL, int(rt.backoff_initial_s * 1000))
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, int(rt.backoff_max_s * 1000))
-            s.connect(addr)
-            links.append(ShardLink(addr, s, backoff=rt.backoff_initial_s))
-        return links
-
-    def _send(self, link: ShardLink, msg: Any) -> bool:
-        try:
-            link.sock.send_multipart(encode(msg), copy=False, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False  # not connected or queue full: the protocol retries, training goes on
-
-    def _join_message(self) -> Join:
-        with self.lock:
-            bases = list(self.host.base_version) if self.joined.is_set() else []
-        return Join(self.id, self.spec, bases, os.getpid(), str(self.device))
-
-    def comm_loop(self) -> None:
-        rt = self.cfg.runtime
-        links = self._links()
-        by_sock = {l.sock: l for l in links}
-        poller = zmq.Poller()
-        for l in links:
-            poller.register(l.sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
-        last_hb = 0.0
-        started = time.monotonic()
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(int(rt.heartbeat_interval_s * 1000 / 2)):
-                if sock is self._wake_rx:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
-                    continue
-                link = by_sock[sock]
-                while True:
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_message(link, decode(frames))
-                    except WireError as e:
-                        print(f"learner {self.id}: dropped a malformed message from {link.address}: {e}", file=sys.stderr, flush=True)
-            now = time.monotonic()
-            while True:
-                try:
-                    msg = self.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                for link in self._route(links, msg):
-                    self._send(link, msg)
-            if now - last_hb >= rt.heartbeat_interval_s:
-                last_hb = now
-                hb = Heartbeat(self.id, self.core.step, self._step_ema)
-                for link in links:
-                    if link.joined:
-                        self._send(link, hb)
-            for link in links:
-                silent = now - (link.last_heard or started)
-                if link.joined and silent > rt.syncer_liveness_s:
-                    link.joined = False
-                    link.next_join = now
-                    if not link.warned:
-                        link.warned = True
-                        print(f"learner {self.id}: syncer {link.address} unreachable for {silent:.1f} s; training on and retrying with backoff", file=sys.stderr, flush=True)
-                if not link.joined and now >= link.next_join:
-                    self._send(link, self._join_message())
-                    link.next_join = now + link.backoff
-                    link.backoff = min(link.backoff * 2, rt.backoff_max_s)
-        for link in links:
-            if link.joined:
-                try:
-                    link.sock.send_multipart(encode(Leave(self.id)), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-            link.sock.close(linger=200)
-        self._wake_rx.close(linger=0)
-
-    def _post(self, msg: Any) -> None:
-        """Queue a message for the comm thread and wake it (training thread only)."""
-        self.outbox.put(msg)
-        try:
-            self._wake_tx.send(b"", flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a wake-up is already pending
-
-    def _route(self, links: list[ShardLink], msg: Any) -> list[ShardLink]:
-        frag = getattr(msg, "fragment", None)
-        if frag is None:
-            return [links[0]] if isinstance(msg, (PeerStateRequest, PeerState)) else links
-        return [links[frag % len(links)]]
-
-    def _on_message(self, link: ShardLink, msg: Any) -> None:
-        link.last_heard = time.monotonic()
-        if link.warned and link.joined:
-            link.warned = False
-        if isinstance(msg, SyncerHeartbeat):
-            if link.epoch is not None and msg.epoch != link.epoch and link.joined:
-                link.joined = False  # the syncer restarted: register again (keeping our progress)
-                link.next_join = 0.0
-            elif link.epoch is None and not link.joined:
-                link.next_join = 0.0
-        elif isinstance(msg, JoinReply):
-            if not msg.accepted:
-                self.fatal = msg.reason
-                self.stop.set()
-                return
-            link.epoch, link.joined, link.owned = msg.epoch, True, msg.owned
-            link.backoff = self.cfg.runtime.backoff_initial_s
-            if self.data_position is None:
-                self.data_position = msg.data_position
-        elif isinstance(msg, FragmentRequest):
-            self._answer(link, msg.fragment)
-        elif isinstance(msg, FragmentUpdate):
-            self.inbox.put(msg)
-        elif isinstance(msg, PeerStateRequest):
-            self.peer_requests.put(msg.learner)
-        elif isinstance(msg, PeerState):
-            self.inbox.put(msg)
-
-    def _answer(self, link: ShardLink, p: int) -> None:
-        """Answer a request from the host copy: training is never paused for it."""
-        self._send(link, self._contribution(p))
-        self.stats["answered"] += 1
+    def _host_values(self, p: int) -> list[torch.Tensor]:
+        """Fragment p's current values, copied to host memory."""
+        out = []
+        for pc in self.pieces[p]:
+            t = self.params[pc.name].detach()
+            out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", copy=True))
+        return out
 
     def _contribution(self, p: int) -> Contribution:
-        """Fragment p's values and counters as of the last step boundary."""
-        with self.lock:
-            values = read_fragment(self.host.params, self.layout.fragments[p])
-            return Contribution(self.id, p, self.host.base_version[p], values, self.host.steps[p], self.host.tokens[p], self.host.data_position, self.host.step)
+        return self.core.contribution(p, self._host_values(p), self.stream.position)
 
-    # -- training thread ---------------------------------------------------------------------
-
-    def _snapshot(self) -> None:
-        with self.lock:
-            for n, p in self.params.items():
-                self.host.params[n].copy_(p.detach(), non_blocking=False)
-            self.host.base_version[:] = self.core.base_version
-            self.host.steps[:] = self.core.steps
-            self.host.tokens[:] = self.core.tokens
-            self.host.step = self.core.step
-            self.host.data_position = self.stream.position
-
-    def _drain(self) -> list:
-        msgs = []
-        while True:
-            try:
-                msgs.append(self.inbox.get_nowait())
-            except queue.Empty:
-                return msgs
-
-    def _apply_inbox(self, msgs: list | None = None) -> None:
-        for msg in self._drain() if msgs is None else msgs:
+    def _apply(self, msgs: list[Any]) -> None:
+        for msg in msgs:
             if isinstance(msg, PeerState):
                 if msg.source >= 0 and msg.tensors:
-                    self._load_peer_state(msg)
+                    problem = load_state(self.opt, msg, self.device)
+                    if problem is not None:
+                        log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem)
                 continue
-            alpha = self.core.on_update(msg)
-            if alpha is None:
+            receipt = self.core.on_update(msg)
+            if receipt.mode == "ignore":
                 continue
-            write_fragment(self.params, self.layout.fragments[msg.fragment], [v.to(self.device) for v in msg.values], alpha)
+            write_fragment(self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha)
             self.stats["applied"] += 1
-            if self.rank == 0:
-                self._post(Ack(self.id, msg.fragment, msg.version))
+            if self.comm is not None:
+                self.comm.post(Ack(self.id, self.incarnation, msg.fragment, msg.version))
 
-    def _load_peer_state(self, msg: PeerState) -> None:
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in msg.tensors.items():
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = t.to(self.device) if name != "step" else t
-        try:
-            self.opt.load_state_dict({"state": state, "param_groups": msg.param_groups})
-        except (ValueError, KeyError, RuntimeError) as e:
-            print(f"learner {self.id}: ignored peer optimizer state from learner {msg.source}: {e}", file=sys.stderr, flush=True)
+    def _boundary(self, sends: list[int]) -> None:
+        """Everything the training thread does for the protocol between two inner steps."""
+        self._apply(self._share_inbox())
+        comm = self.comm
+        if comm is None:
+            return
+        for p, answered in _drain(comm.requests):
+            self.core.on_request(p)
+            if not answered:  # the comm thread had nothing ready for p: answer now
+                comm.post(self._contribution(p))
+        for p in sends:  # lock-step baselines push on their own schedule
+            comm.post(self._contribution(p))
+        comm.prepare({p: self._contribution(p) for p in self.core.expected})
+        comm.progress = Progress(self.core.step, self._step_ema, tuple(self.core.base_version))
 
-    def _serve_peer_requests(self) -> None:
-        while True:
-            try:
-                who = self.peer_requests.get_nowait()
-            except queue.Empty:
-                return
-            sd = self.opt.state_dict()
-            tensors = {f"{i}.{k}": v.detach().cpu().clone() for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
-            self._post(PeerState(who, self.id, sd["param_groups"], tensors))
-
-    def _wait_for_join(self) -> None:
-        """Take the global state before training (bounded: a dead syncer must not stall us)."""
-        deadline = time.monotonic() + self.cfg.runtime.join_timeout_s
-        P = self.layout.num_fragments
-        got: set[int] = set()
-        later: list = []  # peer state is applied once training starts
-        while time.monotonic() < deadline and not self.stop.is_set() and len(got) < P:
-            try:
-                msgs = [self.inbox.get(timeout=0.05), *self._drain()]
-            except queue.Empty:
-                continue
-            updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
-            later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
-            got.update(m.fragment for m in updates)
-            self._apply_inbox(updates)
-        for m in later:
-            self.inbox.put(m)
-        if self.data_position:
-            self.stream.seek(self.data_position)
-        if len(got) < P:
-            print(f"learner {self.id}: got {len(got)}/{P} global fragments within {self.cfg.runtime.join_timeout_s:.0f} s; training on from what it has", file=sys.stderr, flush=True)
-
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop.set())
-        comm = threading.Thread(target=self.comm_loop, name="ddiloco-comm", daemon=True)
-        if self.syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
-            comm.start()
-            self._wait_for_join()
-            self._post(PeerStateRequest(self.id))
-        self._apply_inbox(self._share_inbox(initial=True) or [])
-        self.joined.set()
-        self._snapshot()
-        rt = self.cfg.runtime
-        last_status = 0.0
-        step_log = open(self.run_dir / "metrics" / f"steps-{self.id}-{os.getpid()}.csv", "w") if rt.step_log and self.rank == 0 else None
-        while not self._should_stop():
-            t0 = time.perf_counter()
-            batch = self.stream.next_batch()
-            batch = type(batch)(batch.inputs.to(self.device), batch.targets.to(self.device), batch.tokens * self.world)
-            self.trained.train()
-            loss = self.wl.loss(self.trained, batch)
-            inner_step(self.model, self.opt, loss, lr_at(self.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner), self.cfg.inner.grad_clip)
-            if rt.step_sleep_s:
-                time.sleep(rt.step_sleep_s)
-            sends = self.core.on_step(batch.tokens)
-            self._apply_inbox(self._share_inbox())
-            self._snapshot()
-            for p in sends:  # lock-step baselines push on their own schedule
-                self.core.answer(p)
-                self._post(self._contribution(p))
-            dt = time.perf_counter() - t0
-            self._block_if_lock_step()
-            self._serve_peer_requests()
-            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
-            s = self.stats
-            s["steps"] += 1
-            s["tokens"] += batch.tokens
-            s["compute_s"] += dt
-            s["loss"] = float(loss.detach())
-            if s["first_step_at"] is None:
-                s["first_step_at"] = time.time()
-            if step_log is not None:
-                step_log.write(f"{time.time():.6f},{dt:.6f}\n")
-            if time.monotonic() - last_status >= rt.status_interval_s and self.rank == 0:
-                last_status = time.monotonic()
-                self.write_status()
-                if step_log is not None:
-                    step_log.flush()
-        self.write_status()
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-        if step_log is not None:
-            step_log.close()
-        if comm.is_alive():
-            comm.join(timeout=2.0)
-        self._wake_tx.close(linger=0)
-        if self.fatal:
-            print(f"error: learner {self.id} refused by the syncer: {self.fatal}", file=sys.stderr, flush=True)
-            return 3
-        return 0
-
-    def _should_stop(self) -> bool:
-        """Ranks of one learner stop at the same step: rank 0's decision is shared."""
-        if self.world == 1:
-            return self.stop.is_set()
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if self.stop.is_set() else 0], device=self.device if self.device.type == "cuda" else "cpu")
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
-
-    def _share_inbox(self, initial: bool = False) -> list | None:
+    def _share_inbox(self, initial: bool = False) -> list[Any]:
         """Rank 0 broadcasts the fragments (and peer state) it received, so every rank applies
         the same ones at the same step. Inside a learner a collective is fine: it is one
         failure domain."""
+        msgs: list[Any] = _drain(self.comm.inbox) if self.comm is not None else []
         if self.world == 1:
-            return None  # a single process applies straight from its inbox
+            return msgs
         import torch.distributed as dist
 
-        msgs: list = self._drain() if self.rank == 0 else []
-        box = [msgs, (self.data_position, dict(vars(self.core))) if initial else None]
+        position = self.comm.data_position if self.comm is not None else None
+        box: list[Any] = [msgs, (position, dict(vars(self.core))) if initial else None]
         dist.broadcast_object_list(box, src=0)
         if initial:
             # rank 0 applied the global state it fetched on join: every rank starts from it
@@ -430,27 +175,174 @@ class Learner:
                 vars(self.core).update(core_state)  # counters, base versions, LR position
                 if position:
                     self.stream.seek(position)
-        return box[0]
+        return list(box[0])
 
-    def _block_if_lock_step(self) -> None:
-        t0 = time.perf_counter()
-        while not self.stop.is_set() and self.core.blocking_fragments(time.time()):
+    # -- joining -----------------------------------------------------------------------------
+
+    def _wait_for_join(self, comm: LearnerComm) -> None:
+        """Take the global state before training (bounded: a dead syncer must not stall us)."""
+        deadline = self.clock.monotonic() + self.cfg.runtime.join_timeout_s
+        total = self.layout.num_fragments
+        got: set[int] = set()
+        later: list[Any] = []  # peer state is applied once training starts
+        while self.clock.monotonic() < deadline and not comm.stop.is_set() and len(got) < total:
             try:
-                msg = self.inbox.get(timeout=0.01)
+                msgs = [comm.inbox.get(timeout=0.05), *_drain(comm.inbox)]
             except queue.Empty:
                 continue
-            self.inbox.put(msg)
-            self._apply_inbox()
-            self._snapshot()
-        self.stats["blocked_s"] += time.perf_counter() - t0 if self.cfg.algo.late_fragment == "wait" else 0.0
+            updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
+            later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
+            got.update(m.fragment for m in updates)
+            self._apply(updates)
+        for m in later:
+            comm.inbox.put(m)
+        if comm.data_position:
+            self.stream.seek(comm.data_position)
+        if len(got) < total and not comm.stop.is_set():
+            log.warning(
+                "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
+                self.id, len(got), total, self.cfg.runtime.join_timeout_s,
+            )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _should_stop(self) -> bool:
+        """Ranks of one learner stop at the same step: rank 0's decision is shared."""
+        stop = self.stop or (self.comm is not None and self.comm.stop.is_set())
+        if self.world == 1:
+            return stop
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if stop else 0], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def run(self) -> int:
+        """Train until stopped; the exit code says why it stopped."""
+        comm = self.comm
+        if comm is not None:
+            comm.start()
+            self._wait_for_join(comm)
+            comm.post(PeerStateRequest(self.id, self.incarnation))
+        self._apply(self._share_inbox(initial=True))
+        self._boundary([])
+        rt = self.cfg.runtime
+        last_status = -float("inf")
+        step_log = self._open_step_log()
+        while not self._should_stop():
+            t0 = time.perf_counter()
+            batch = self.stream.next_batch()
+            batch = type(batch)(batch.inputs.to(self.device), batch.targets.to(self.device), batch.tokens * self.world)
+            self.trained.train()
+            loss = self.wl.loss(self.trained, batch)
+            lr = lr_at(self.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner)
+            inner_step(self.model, self.opt, loss, lr, self.cfg.inner.grad_clip)
+            if rt.step_sleep_s:
+                time.sleep(rt.step_sleep_s)
+            sends = self.core.on_step(batch.tokens)
+            t_sync = time.perf_counter()
+            self._boundary(sends)
+            self.stats["sync_s"] += time.perf_counter() - t_sync
+            dt = time.perf_counter() - t0
+            self._block_if_lock_step()
+            self._serve_peer_requests()
+            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
+            s = self.stats
+            s["steps"] += 1
+            s["tokens"] += batch.tokens
+            s["compute_s"] += dt
+            s["loss"] = float(loss.detach())
+            if s["first_step_at"] is None:
+                s["first_step_at"] = self.clock.wall()
+            if step_log is not None:
+                step_log.write(f"{self.clock.wall():.6f},{dt:.6f}\n")
+            if self.clock.monotonic() - last_status >= rt.status_interval_s and self.rank == 0:
+                last_status = self.clock.monotonic()
+                self.write_status()
+                if step_log is not None:
+                    step_log.flush()
+        return self._finish(step_log)
+
+    def _finish(self, step_log: TextIO | None) -> int:
+        if self.comm is not None:
+            self.comm.close()
+        self.write_status()
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        if step_log is not None:
+            step_log.close()
+        if self.comm is not None and self.comm.refused:
+            log.error("learner %d refused by the syncer: %s", self.id, self.comm.refused)
+            return EXIT_REFUSED
+        if self.comm is not None and self.comm.died:
+            log.error("learner %d stops: its comm thread died (%s)", self.id, self.comm.died)
+            return EXIT_COMM_DIED
+        return 0
+
+    def _open_step_log(self) -> TextIO | None:
+        if not (self.cfg.runtime.step_log and self.rank == 0):
+            return None
+        return open(self.run_dir / "metrics" / f"steps-{self.id}-{os.getpid()}.csv", "w")
+
+    def _serve_peer_requests(self) -> None:
+        if self.comm is None:
+            return
+        for who in _drain(self.comm.peer_requests):
+            self.comm.post(state_message(self.opt, who, self.id))
+
+    def _block_if_lock_step(self) -> None:
+        if self.cfg.algo.late_fragment != "wait" or self.comm is None:
+            return
+        t0 = time.perf_counter()
+        while not self._stopping() and self.core.blocking_fragments(self.clock.monotonic()):
+            try:
+                msg = self.comm.inbox.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            self.comm.inbox.put(msg)
+            self._boundary([])
+        self.stats["blocked_s"] += time.perf_counter() - t0
+
+    def _stopping(self) -> bool:
+        return self.stop or (self.comm is not None and self.comm.stop.is_set())
 
     def write_status(self) -> None:
         name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
         checksum = float(sum(p.detach().double().sum() for p in self.model.parameters()))
-        write_status(self.run_dir / "status" / f"{name}.json", {"rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id, "pid": os.getpid(), "time": time.time(), "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version), "pending_steps": sum(self.core.steps) / len(self.core.steps), **self.stats})
+        comm = self.comm
+        write_status(
+            self.run_dir / "status" / f"{name}.json",
+            {
+                "rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id,
+                "incarnation": self.incarnation, "pid": os.getpid(), "time": self.clock.wall(),
+                "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version),
+                "pending_steps": sum(self.core.steps) / len(self.core.steps),
+                "answered": 0 if comm is None else comm.answered, "comm_cpu_s": 0.0 if comm is None else comm.cpu_s,
+                **self.stats,
+            },
+        )
+
+
+def _drain(q: queue.Queue[Any]) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def run_learner(cfg: Config, syncers: list[str], learner_id: int, run_dir: str, device: str, threads: int) -> int:
+    """The ``ddiloco learner`` process: SIGTERM/SIGINT stop it cleanly at a step boundary."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DDiLoCoError(f"--device {device} requested but CUDA is not available here; use --device cpu")
-    return Learner(cfg, syncers, learner_id, run_dir, device, threads).run()
+    learner = LearnerProcess(cfg, syncers, learner_id, run_dir, device, threads)
+
+    def stop(*_: Any) -> None:
+        learner.stop = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return learner.run()

@@ -1,7 +1,10 @@
-"""Messages that exist only in the real runtime (membership, liveness, recovery, observation).
+"""Messages that exist only in the real runtime (registration, syncer liveness, recovery,
+observation).
 
-The algorithm's own messages (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate)
-live in ``ddiloco.core.messages``; ``wire.py`` encodes both kinds.
+The algorithm's own messages (Join, Leave, Heartbeat, Contribution, Ack, FragmentRequest,
+FragmentUpdate) live in ``ddiloco.core.messages``; ``wire.py`` encodes both kinds. A learner
+registers with ``Register``, which the service checks against its model and turns into the
+core's ``Join``.
 """
 
 from __future__ import annotations
@@ -13,23 +16,41 @@ import torch
 
 
 def learner_identity(learner: int) -> bytes:
-    """The ZeroMQ identity of a learner (a restarted process takes over the same one)."""
+    """The transport identity of a learner (a restarted process takes over the same one)."""
     return b"learner-%d" % learner
 
 
 def param_spec(model: torch.nn.Module) -> list[list[Any]]:
-    """[name, shape] of every parameter, as sent in Join and checked by the syncer."""
+    """[name, shape] of every parameter, as sent in Register and checked by the syncer."""
     return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
+def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None:
+    """A one-line description of the first tensor where two parameter specs differ, or None."""
+    for i in range(max(len(ours), len(theirs))):
+        a = ours[i] if i < len(ours) else None
+        b = theirs[i] if i < len(theirs) else None
+        if a != b:
+            if a is None:
+                return f"learner has an extra tensor {b[0]} {tuple(b[1])}"  # type: ignore[index]
+            if b is None:
+                return f"learner lacks tensor {a[0]} {tuple(a[1])}"
+            return f"tensor #{i}: learner has {b[0]} {tuple(b[1])}, syncer has {a[0]} {tuple(a[1])}"
+    return None
+
+
 @dataclass(frozen=True)
-class Join:
+class Register:
     """Learner -> syncer: register (or re-register after a restart of either side)."""
 
     learner: int
     """Learner id."""
-    params: list[list]
-    """[name, shape] of every model parameter, in order (checked against the syncer's layout)."""
+    incarnation: int
+    """This process's incarnation (its start time in microseconds)."""
+    params: list[list[Any]]
+    """[name, shape] of every model parameter, in order (checked against the syncer's model)."""
+    layout: str
+    """Digest of the learner's fragment layout (checked against the syncer's)."""
     base_versions: list[int] = field(default_factory=list)
     """Versions of each fragment the learner holds (empty for a fresh process)."""
     pid: int = 0
@@ -46,8 +67,8 @@ class JoinReply:
     """Whether the learner may take part."""
     reason: str
     """Why not (empty when accepted)."""
-    epoch: float
-    """The syncer incarnation (its start time): a new epoch means the syncer restarted."""
+    epoch: int
+    """The syncer incarnation (random per start): a new epoch means the syncer restarted."""
     data_position: int
     """Where this learner's data shard resumes (recorded with its last merged contribution)."""
     owned: list[int]
@@ -55,18 +76,10 @@ class JoinReply:
 
 
 @dataclass(frozen=True)
-class Leave:
-    """Learner -> syncer: clean departure; stop counting me as live now."""
-
-    learner: int
-    """Learner id."""
-
-
-@dataclass(frozen=True)
 class SyncerHeartbeat:
     """Syncer -> learner: I am alive (liveness of the syncer, seen from a learner)."""
 
-    epoch: float
+    epoch: int
     """Syncer incarnation."""
     shard: int
     """Which shard sent it."""
@@ -78,6 +91,8 @@ class PeerStateRequest:
 
     learner: int
     """The learner that needs the state."""
+    incarnation: int
+    """The asking process's incarnation."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,7 @@ class PeerState:
     """Addressee (the rejoining learner)."""
     source: int
     """The peer that sent it (-1: no live peer; the state is empty)."""
-    param_groups: list[dict]
+    param_groups: list[dict[str, Any]]
     """The optimizer's param_groups (hyper-parameters and parameter indices)."""
     tensors: dict[str, torch.Tensor]
     """Per-parameter state tensors named 'INDEX.KEY' (e.g. '3.exp_avg')."""

@@ -8,6 +8,7 @@ Layout of ``RUN_DIR/state/`` (``RUN_DIR/state/shard-{i}/`` when there are severa
 - ``snapshot.bin`` / ``snapshot.prev.bin``: every owned fragment, the meta state, the layout
   signature and the owned list, written to a temp file and renamed into place.
 - ``tape.jsonl``: the event tape, one JSON object a line.
+- ``FORMAT``: ``{"format": 2}``; a folder of another format is refused, never guessed at.
 
 Records and snapshots share one framing: ``magic(4) | body length (u64) | crc32(body) (u32)``,
 then the body ``json length (u32) | JSON header | raw little-endian tensor bytes``. No pickle.
@@ -21,20 +22,25 @@ import os
 import struct
 import sys
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.fragments import FragmentLayout
+from ddiloco.core.syncer import FragmentRecord
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.tape import read_tape
 
 log = logging.getLogger(__name__)
 
 _FRAME = struct.Struct("<4sQI")  # magic, body length, crc32 of the body
 _JLEN = struct.Struct("<I")
 _RECORD, _SNAPSHOT = b"DDLR", b"DDLS"
-_FORMAT = 1
+FORMAT = 2
+"""Version of the files in ``state/`` (2: records carry incarnations and sequence numbers;
+the folder has a FORMAT file). Another version is refused at restore."""
 # Only these dtypes may be named in a file; the name is never eval'd or used to import anything.
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
@@ -61,7 +67,7 @@ def _frame(magic: bytes, header: dict[str, Any], tensors: Tensors) -> list[Any]:
         t = t.detach().cpu().contiguous()
         bufs.append(t.reshape(-1).view(torch.uint8).numpy())  # raw bytes, little-endian hosts only
         entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()])
-    js = json.dumps({**header, "format": _FORMAT, "tensors": entries}).encode()
+    js = json.dumps({**header, "format": FORMAT, "tensors": entries}).encode()
     body = [_JLEN.pack(len(js)), js, *bufs]
     crc = 0
     for b in body:
@@ -87,6 +93,10 @@ def _parse(buf: bytearray, pos: int, magic: bytes) -> tuple[int, dict[str, Any]]
     return start + n, header
 
 
+def _describe(piece: list[Any] | None) -> str:
+    return "nothing" if piece is None else f"{piece[0]!r} rows {piece[1]}:{piece[2]} shape {tuple(piece[3])}"
+
+
 def _tensors(buf: bytearray, header: dict[str, Any]) -> Tensors:
     out, off = {}, header["_data"]
     for name, dtype, shape, nbytes in header["tensors"]:
@@ -99,21 +109,38 @@ def _tensors(buf: bytearray, header: dict[str, Any]) -> Tensors:
     return out
 
 
-def _signature(syncer: Syncer) -> list[list[list[Any]]]:
+def _signature(layout: FragmentLayout) -> list[list[list[Any]]]:
     """The layout signature split per fragment, as JSON gives it back (lists, not tuples)."""
-    flat = [[n, a, b, list(s)] for n, a, b, s in syncer.layout.signature()]
-    out = []
-    for pieces in syncer.layout.fragments:
-        out.append(flat[: len(pieces)])
-        flat = flat[len(pieces) :]
-    return out
+    return [[[pc.name, pc.row_start, pc.row_end, list(pc.shape)] for pc in pieces] for pieces in layout.fragments]
+
+
+def _encode(rec: FragmentRecord) -> tuple[Tensors, dict[str, int]]:
+    tensors = {f"v{i}": v for i, v in enumerate(rec.values)}
+    tensors.update({f"m{i}": m for i, m in enumerate(rec.momentum or [])})
+    return tensors, {"fragment": rec.fragment, "version": rec.version, "tokens_merged": rec.tokens_merged}
+
+
+def _decode(tensors: Tensors, meta: dict[str, Any], num_pieces: int) -> FragmentRecord:
+    values = [tensors[f"v{i}"] for i in range(num_pieces)]
+    momentum = [tensors[f"m{i}"] for i in range(num_pieces)] if "m0" in tensors else None
+    return FragmentRecord(int(meta["fragment"]), int(meta["version"]), int(meta["tokens_merged"]), values, momentum)
+
+
+@dataclass
+class Restored:
+    """What a restore found: the newest durable record of each fragment and the syncer's meta
+    state of the newest record or snapshot."""
+
+    fragments: dict[int, FragmentRecord] = field(default_factory=dict)
+    syncer_meta: dict[str, Any] | None = None
 
 
 class SyncerStore:
     """Durable syncer state in RUN_DIR/state/ (per shard: RUN_DIR/state/shard-{i}/ when num_shards > 1).
 
-    Call ``restore`` once at start-up (it returns False on a fresh dir), then ``append`` every new
+    Call ``restore`` once at start-up (it returns None on a fresh dir), then ``append`` every new
     version before sending it anywhere, ``append_tape`` as the tape grows, ``snapshot`` now and then.
+    It stores records; it never sees the syncer itself.
     """
 
     def __init__(self, run_dir: str | Path, shard: int = 0, num_shards: int = 1, fsync: bool = True) -> None:
@@ -132,6 +159,9 @@ class SyncerStore:
         self._snap_no = 0
         self._final_bad = False  # snapshot.bin failed to verify at restore: never rotate it into prev
         self._tape_checked = False
+        self._dir_ready = False
+        self.signature: list[list[list[Any]]] = []  # per fragment, set by restore
+        self.owned: list[int] = []
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -142,22 +172,24 @@ class SyncerStore:
 
     def _need_restore(self) -> None:
         if not self._restored:  # else we could append after a torn tail or reuse sequence numbers
-            raise RuntimeError("SyncerStore.restore(syncer) must be called once before append or snapshot")
+            raise RuntimeError("SyncerStore.restore(layout, owned) must be called once before append or snapshot")
 
-    def append(self, syncer: Syncer, p: int) -> None:
-        """Make fragment p's current state durable (one record in frag-{p}.log, fsynced) before
+    def append(self, rec: FragmentRecord, syncer_meta: dict[str, Any]) -> None:
+        """Make a fragment's new version durable (one record in frag-{p}.log, fsynced) before
         returning. A version that is already durable is not written again."""
         self._need_restore()
-        if p not in syncer.owned:
-            raise ValueError(f"fragment {p} is not owned by this syncer shard (owned: {syncer.owned})")
-        tensors, meta = syncer.fragment_state(p)
-        if meta["version"] <= self._durable.get(p, -1):
+        p = rec.fragment
+        if p not in self.owned:
+            raise ValueError(f"fragment {p} is not owned by this syncer shard (owned: {self.owned})")
+        if rec.version <= self._durable.get(p, -1):
             return
+        tensors, meta = _encode(rec)
         self._seq += 1
-        pieces = _frame(_RECORD, {"seq": self._seq, "meta": meta, "syncer": syncer.meta_state(), "pieces": _signature(syncer)[p]}, tensors)
+        header = {"seq": self._seq, "meta": meta, "syncer": syncer_meta, "pieces": self.signature[p]}
+        pieces = _frame(_RECORD, header, tensors)
         path = self.dir / f"frag-{p}.log"
         new = not path.exists()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._init_dir()
         with open(path, "ab") as f:
             start = f.tell()
             try:
@@ -170,13 +202,13 @@ class SyncerStore:
             self._last[p] = (start, f.tell())
         if new and self.fsync:
             _fsync_dir(self.dir)  # the new file's directory entry must survive a crash too
-        self._durable[p] = meta["version"]
+        self._durable[p] = rec.version
 
     def append_tape(self, records: list[dict]) -> None:
         """Append JSON lines to tape.jsonl and fsync them."""
         if not records:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._init_dir()
         path = self.dir / "tape.jsonl"
         if not self._tape_checked and path.exists():
             data = path.read_bytes()
@@ -188,35 +220,27 @@ class SyncerStore:
             f.write("".join(json.dumps(r) + "\n" for r in records))
             self._sync(f)
 
-    def read_tape(self) -> list[dict]:
+    def read_tape(self) -> list[dict[str, Any]]:
         """The durable tape (a torn last line is skipped)."""
-        path = self.dir / "tape.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_bytes().split(b"\n") if line.strip() and self._json_ok(line)]
+        return read_tape(self.dir / "tape.jsonl")
 
-    @staticmethod
-    def _json_ok(line: bytes) -> bool:
-        try:
-            json.loads(line)
-            return True
-        except ValueError:
-            return False
-
-    def snapshot(self, syncer: Syncer) -> Path:
+    def snapshot(self, records: list[FragmentRecord], syncer_meta: dict[str, Any]) -> Path:
         """Write every owned fragment + meta state atomically to snapshot.bin (the previous one
         becomes snapshot.prev.bin), then compact the fragment logs."""
         self._need_restore()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if sorted(r.fragment for r in records) != self.owned:
+            raise ValueError(f"a snapshot needs every owned fragment {self.owned}")
+        self._init_dir()
         self._seq += 1
         self._snap_no += 1
         tensors: Tensors = {}
         frags = []
-        for p in syncer.owned:
-            ts, meta = syncer.fragment_state(p)
-            tensors.update({f"{p}/{k}": v for k, v in ts.items()})
+        for rec in records:
+            ts, meta = _encode(rec)
+            tensors.update({f"{rec.fragment}/{k}": v for k, v in ts.items()})
             frags.append(meta)
-        header = {"snapshot": self._snap_no, "seq": self._seq, "signature": _signature(syncer), "owned": list(syncer.owned), "fragments": frags, "syncer": syncer.meta_state()}
+        header = {"snapshot": self._snap_no, "seq": self._seq, "signature": self.signature, "owned": self.owned,
+                  "fragments": frags, "syncer": syncer_meta}
         tmp, final, prev = self.dir / "snapshot.tmp", self.dir / "snapshot.bin", self.dir / "snapshot.prev.bin"
         with open(tmp, "wb") as f:
             for b in _frame(_SNAPSHOT, header, tensors):
@@ -267,19 +291,50 @@ class SyncerStore:
             other = "1 syncer shard" if flat else "several syncer shards"
             raise StateError(f"{self.root} was written by {other}, not {self.num_shards}; use the same number of shards or a fresh --run-dir")
 
-    def _check_layout(self, saved: list, syncer: Syncer, fragments: list[int], what: str) -> None:
-        mine = _signature(syncer)
+    def _check_layout(self, saved: list[Any], fragments: list[int], what: str) -> None:
+        mine = self.signature
         for p, pieces in zip(fragments, saved):
             ours = mine[p] if p < len(mine) else []
             for i in range(max(len(pieces), len(ours))):
                 a = pieces[i] if i < len(pieces) else None
                 b = ours[i] if i < len(ours) else None
                 if a != b:
-                    desc = lambda x: "nothing" if x is None else f"{x[0]!r} rows {x[1]}:{x[2]} shape {tuple(x[3])}"  # noqa: E731
-                    raise StateError(f"{what} in {self.dir} holds a different model layout: fragment {p} piece {i} is {desc(a)} there but {desc(b)} here; use a fresh --run-dir")
+                    raise StateError(
+                        f"{what} in {self.dir} holds a different model layout: fragment {p} piece {i} is "
+                        f"{_describe(a)} there but {_describe(b)} here; use a fresh --run-dir"
+                    )
 
-    def _load_snapshot(self, syncer: Syncer) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest snapshot that verifies into ``syncer``: (seq, its meta state)."""
+    def _check_format(self) -> None:
+        """Files of another format are refused with what to do, never read as if they were ours."""
+        path = self.dir / "FORMAT"
+        try:
+            found = json.loads(path.read_text()).get("format")
+        except FileNotFoundError:
+            found = 1  # format 1 had no FORMAT file
+        except (OSError, ValueError, AttributeError):
+            found = "unreadable"
+        if found != FORMAT:
+            raise StateError(
+                f"{self.dir} holds syncer state of format {found}, this ddiloco reads format {FORMAT}; "
+                "finish that run with the ddiloco that wrote it, or start this one in a fresh --run-dir"
+            )
+
+    def _init_dir(self) -> None:
+        """Create the state folder with its FORMAT file on the first write."""
+        if self._dir_ready:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / "FORMAT"
+        if not path.exists():
+            tmp = self.dir / "FORMAT.tmp"
+            tmp.write_text(json.dumps({"format": FORMAT}))
+            os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(self.dir)
+        self._dir_ready = True
+
+    def _load_snapshot(self, layout: FragmentLayout, found: Restored) -> int | None:
+        """Read the newest snapshot that verifies into ``found``; its sequence number."""
         for name in ("snapshot.bin", "snapshot.prev.bin"):
             path = self.dir / name
             if not path.exists():
@@ -292,22 +347,29 @@ class SyncerStore:
                 continue
             header = got[1]
             sig = header["signature"]
-            if len(sig) != syncer.layout.num_fragments:
-                raise StateError(f"snapshot in {self.dir} has {len(sig)} fragments, this model {syncer.layout.num_fragments}; use a fresh --run-dir")
-            self._check_layout(sig, syncer, list(range(len(sig))), "snapshot")
-            if header["owned"] != list(syncer.owned):
-                raise StateError(f"{self.dir} belongs to a syncer shard owning fragments {header['owned']}, this one owns {list(syncer.owned)}; use the same shards or a fresh --run-dir")
+            if len(sig) != layout.num_fragments:
+                raise StateError(
+                    f"snapshot in {self.dir} has {len(sig)} fragments, this model {layout.num_fragments}; "
+                    "use a fresh --run-dir"
+                )
+            self._check_layout(sig, list(range(len(sig))), "snapshot")
+            if header["owned"] != self.owned:
+                raise StateError(
+                    f"{self.dir} belongs to a syncer shard owning fragments {header['owned']}, this one owns "
+                    f"{self.owned}; use the same shards or a fresh --run-dir"
+                )
             tensors = _tensors(buf, header)
             for meta in header["fragments"]:
                 p = meta["fragment"]
-                if meta["version"] >= syncer.fragments[p].version:
-                    prefix = f"{p}/"
-                    syncer.load_fragment_state({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, meta)
+                prefix = f"{p}/"
+                mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                found.fragments[p] = _decode(mine, meta, len(layout.fragments[p]))
             self._snap_no = header["snapshot"]
-            return header["seq"], header["syncer"]
+            found.syncer_meta = header["syncer"]
+            return int(header["seq"])
         return None
 
-    def _scan_log(self, p: int, syncer: Syncer) -> tuple[bytearray, dict[str, Any]] | None:
+    def _scan_log(self, p: int) -> tuple[bytearray, dict[str, Any]] | None:
         """Verify every record of frag-p.log, cut a torn tail; the newest record (buffer, header)."""
         path = self.dir / f"frag-{p}.log"
         buf = bytearray(path.read_bytes())
@@ -317,52 +379,62 @@ class SyncerStore:
             if isinstance(got, str):
                 # A crash mid-append leaves a prefix of the last record (or zeros after it on some
                 # file systems): anything else is corruption we must not paper over.
-                torn = got.startswith("truncated") or not any(buf[pos:]) or (got == "checksum mismatch" and _FRAME.size + _FRAME.unpack_from(buf, pos)[1] + pos == len(buf))
+                whole = got == "checksum mismatch" and _FRAME.size + _FRAME.unpack_from(buf, pos)[1] + pos == len(buf)
+                torn = got.startswith("truncated") or not any(buf[pos:]) or whole
                 if not torn:
-                    raise StateError(f"{path} is corrupt at byte {pos} ({got}); restore the run dir from a backup or use a fresh --run-dir")
+                    raise StateError(
+                        f"{path} is corrupt at byte {pos} ({got}); restore the run dir from a backup or use a "
+                        "fresh --run-dir"
+                    )
                 log.warning("cutting a torn record off %s at byte %d (%s)", path, pos, got)
                 with open(path, "r+b") as f:
                     f.truncate(pos)
                     self._sync(f)
                 break
             end, header = got
-            self._check_layout([header["pieces"]], syncer, [p], f"log {path.name}")
+            self._check_layout([header["pieces"]], [p], f"log {path.name}")
             if newest is None or header["meta"]["version"] > newest[1]["meta"]["version"]:
                 newest = (buf, header)
                 self._last[p] = (pos, end)
             pos = end
         return newest
 
-    def restore(self, syncer: Syncer) -> bool:
-        """Load the newest valid snapshot, then the newest record of each fragment log that is
-        newer; returns True when any state was restored. Meant for a freshly built syncer (its
-        meta state is overwritten); a fragment state older than the syncer's is never loaded."""
+    def restore(self, layout: FragmentLayout, owned: list[int]) -> Restored | None:
+        """Check the folder against ``layout`` and ``owned``, then find the newest valid snapshot
+        and the newest record of each fragment log; None for a fresh folder. Call it once,
+        before any write."""
+        self.signature = _signature(layout)
+        self.owned = sorted(owned)
         self._check_dirs()
         self._restored = True
-        self._durable = {p: syncer.fragments[p].version for p in syncer.owned}
-        if not self.dir.exists():
-            return False
-        found = False
-        metas: list[tuple[int, dict[str, Any]]] = []
-        snap = self._load_snapshot(syncer)
-        if snap is not None:
-            found = True
-            metas.append(snap)
+        self._durable = {p: 0 for p in self.owned}
+        if not self.dir.exists() or not any(self.dir.iterdir()):
+            return None
+        self._check_format()
+        self._dir_ready = True
+        found = Restored()
+        seqs: list[tuple[int, dict[str, Any]]] = []
+        snap_seq = self._load_snapshot(layout, found)
+        if snap_seq is not None and found.syncer_meta is not None:
+            seqs.append((snap_seq, found.syncer_meta))
         for path in sorted(self.dir.glob("frag-*.log")):
             p = int(path.stem.removeprefix("frag-"))
-            if p not in syncer.owned:
-                raise StateError(f"{path} belongs to fragment {p}, which this syncer shard does not own {list(syncer.owned)}; use the same shards or a fresh --run-dir")
-            newest = self._scan_log(p, syncer)
+            if p not in self.owned:
+                raise StateError(
+                    f"{path} belongs to fragment {p}, which this syncer shard does not own {self.owned}; use the "
+                    "same shards or a fresh --run-dir"
+                )
+            newest = self._scan_log(p)
             if newest is None:
                 continue
             buf, header = newest
-            found = True
-            metas.append((header["seq"], header["syncer"]))
-            if header["meta"]["version"] > syncer.fragments[p].version:
-                syncer.load_fragment_state(_tensors(buf, header), header["meta"])
-        if metas:
-            seq, meta = max(metas, key=lambda x: x[0])
-            syncer.load_meta_state(meta)
-            self._seq = seq
-        self._durable = {p: syncer.fragments[p].version for p in syncer.owned}
+            seqs.append((header["seq"], header["syncer"]))
+            have = found.fragments.get(p)
+            if have is None or header["meta"]["version"] > have.version:
+                found.fragments[p] = _decode(_tensors(buf, header), header["meta"], len(layout.fragments[p]))
+        if not seqs and not found.fragments:
+            return None
+        if seqs:
+            self._seq, found.syncer_meta = max(seqs, key=lambda x: x[0])
+        self._durable.update({p: rec.version for p, rec in found.fragments.items()})
         return found

@@ -1,140 +1,166 @@
-"""``ddiloco syncer``: the core syncer driven by ZeroMQ messages and the wall clock.
+"""``ddiloco syncer``: the core syncer driven by network messages and the monotonic clock.
 
-One CPU-only process per shard. A ROUTER socket talks to every learner (DEALER) and observer.
-Every merged version is appended to its fragment's log and fsynced *before* it is sent to
-anyone; periodic snapshots make restarts fast. Malformed or unknown messages are counted and
-dropped; nothing a peer sends can crash the service.
+One CPU-only process (or thread, in tests) per shard. Every merged version is appended to its
+fragment's log and fsynced *before* it is sent to anyone; periodic snapshots make restarts
+fast. Malformed or unknown messages are counted and dropped; nothing a peer sends can crash
+the service. The transport and the clock are injected (``service.transport``, ``service.clock``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import signal
-import sys
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
-from ddiloco.config import Config
-from ddiloco.core.fragments import make_layout, specs_of
-from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Heartbeat
-from ddiloco.core.syncer import Syncer
+from ddiloco.config import Config, RuntimeConfig
+from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
+from ddiloco.core.syncer import Output, Syncer
 from ddiloco.errors import DDiLoCoError
-from ddiloco.service.store import SyncerStore
-from ddiloco.service.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat, param_spec
+from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.protocol import (
+    FetchGlobal,
+    GlobalState,
+    JoinReply,
+    PeerState,
+    PeerStateRequest,
+    Register,
+    SyncerHeartbeat,
+    first_mismatch,
+    param_spec,
+)
 from ddiloco.service.status import write_status
+from ddiloco.service.store import SyncerStore
+from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.training.layout import layout_for
 from ddiloco.workloads.config import load_workload
 
-LEARNER_MESSAGES = (Heartbeat, Contribution, Ack, Leave, PeerStateRequest, PeerState)
+log = logging.getLogger(__name__)
+
+CORE_MESSAGES = (Heartbeat, Contribution, Ack, Leave)
+RELAYED = (PeerStateRequest, PeerState)
 
 
-def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None:
-    """A one-line description of the first tensor where two models differ, or None."""
-    for i in range(max(len(ours), len(theirs))):
-        a = ours[i] if i < len(ours) else None
-        b = theirs[i] if i < len(theirs) else None
-        if a != b:
-            if a is None:
-                return f"learner has an extra tensor {b[0]} {tuple(b[1])}"
-            if b is None:
-                return f"learner lacks tensor {a[0]} {tuple(a[1])}"
-            return f"tensor #{i}: learner has {b[0]} {tuple(b[1])}, syncer has {a[0]} {tuple(a[1])}"
-    return None
+def restore_into(store: SyncerStore, core: Syncer) -> bool:
+    """Load what ``store`` holds into a freshly built ``core``; True when anything was found.
+    A fragment's version never goes backwards: an older record than the core's is not loaded."""
+    found = store.restore(core.layout, core.owned)
+    if found is None:
+        return False
+    for p, rec in found.fragments.items():
+        if rec.version >= core.fragments[p].version:
+            core.load_fragment_record(rec)
+    if found.syncer_meta is not None:
+        core.load_meta_state(found.syncer_meta)
+    return True
+
+
+def snapshot(store: SyncerStore, core: Syncer) -> Path:
+    """Write every owned fragment and the meta state as one snapshot."""
+    return store.snapshot([core.fragment_record(p) for p in core.owned], core.meta_state())
+
+
+def persist(store: SyncerStore, core: Syncer, out: Output, clock: Clock = SYSTEM_CLOCK) -> None:
+    """Make what ``out`` produced durable: new versions first, then the tape records. Times in
+    the core are monotonic; each tape line also gets ``wall_offset`` (wall minus monotonic
+    time when written), so readers can turn any of its times into a wall-clock time."""
+    for p in out.durable:
+        store.append(core.fragment_record(p), core.meta_state())
+    if out.tape:
+        offset = clock.wall() - clock.monotonic()
+        store.append_tape([{**r.to_json(), "wall_offset": offset} for r in out.tape])
 
 
 class SyncerService:
-    """Owns the socket, the core syncer, the durable store and the periodic chores."""
+    """Owns the transport, the core syncer, the durable store and the periodic chores."""
 
-    def __init__(self, cfg: Config, bind: str, run_dir: str | Path, shard: int = 0, num_shards: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        sock: SyncerSocket,
+        run_dir: str | Path,
+        shard: int = 0,
+        num_shards: int = 1,
+        clock: Clock = SYSTEM_CLOCK,
+        fsync: bool = True,
+    ) -> None:
         if not 0 <= shard < num_shards:
             raise DDiLoCoError(f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}")
-        torch.set_num_threads(1)
         self.cfg, self.run_dir, self.shard, self.num_shards = cfg, Path(run_dir), shard, num_shards
+        self.clock = clock
         wl = load_workload(cfg.workload)
         model = wl.build_model(cfg.run.seed)
         self.spec = param_spec(model)
-        layout = make_layout(specs_of(model.named_parameters()), cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
-        emb = [wl.is_embedding_like(pc.name) for frag in layout.fragments for pc in frag]
-        owned = [p for p in range(layout.num_fragments) if p % num_shards == shard]
+        self.layout = layout_for(model, wl, cfg.algo)
+        owned = [p for p in range(self.layout.num_fragments) if p % num_shards == shard]
         if not owned:
-            raise DDiLoCoError(f"shard {shard} of {num_shards} owns no fragment (the model has {layout.num_fragments}); use fewer shards")
-        self.core = Syncer(cfg.algo, layout, dict(model.named_parameters()), emb, owned)
+            raise DDiLoCoError(
+                f"shard {shard} of {num_shards} owns no fragment (the model has {self.layout.num_fragments}); "
+                "use fewer shards"
+            )
+        params = dict(model.named_parameters())
+        self.core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
         self.model = model
-        self.store = SyncerStore(self.run_dir, shard, num_shards)
-        self.restored = self.store.restore(self.core)
-        self.tape_written = len(self.core.tape)
-        self.epoch = time.time()
+        self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync)
+        self.restored = restore_into(self.store, self.core)
+        self.epoch = secrets.randbits(62)  # a new value per start: learners see the syncer restarted
         self.identities: dict[int, bytes] = {}
         self.counts = {"malformed": 0, "unknown_sender": 0, "merges": 0, "messages": 0, "bytes_in": 0}
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner takes over its identity
-        self.sock.setsockopt(zmq.SNDHWM, 1000)
-        try:
-            self.sock.bind(bind)
-        except zmq.ZMQError as e:
-            self.sock.close()
-            raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e.strerror} (is the port in use? pass another --bind)") from None
-        self.bind = bind
+        self.sock = sock
         self.stopping = False
-        self._last_snapshot = time.monotonic()
-        self._last_status = 0.0
-        self._last_heartbeat = 0.0
-        self.started = time.time()
+        start = clock.monotonic()
+        self._last_snapshot = start
+        self._last_status = -float("inf")
+        self._last_heartbeat = -float("inf")
+        self._started = start
         self._warned: set[str] = set()
 
     # -- sending ---------------------------------------------------------------------------
 
     def _send(self, identity: bytes, msg: Any) -> None:
-        try:
-            self.sock.send_multipart([identity, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the peer's queue is full (it is gone or stuck): liveness will drop it
+        self.sock.send(identity, encode(msg))
 
-    def _emit(self, outs: list) -> None:
+    def _emit(self, out: Output) -> None:
         """Make new versions durable, then send (the order matters: never send what could be lost)."""
-        fresh = {p for p, _ in self.core.new_versions}
-        self.core.new_versions.clear()
-        for p in sorted(fresh):
-            self.store.append(self.core, p)
-        self.counts["merges"] += len(fresh)
-        if len(self.core.tape) > self.tape_written:
-            self.store.append_tape(self.core.tape[self.tape_written :])
-            self.tape_written = len(self.core.tape)
-        for o in outs:
-            identity = self.identities.get(o.learner)
+        persist(self.store, self.core, out, self.clock)
+        self.counts["merges"] += len(out.durable)
+        for msg in out.messages:
+            identity = self.identities.get(msg.learner)
             if identity is not None:
-                self._send(identity, o)
+                self._send(identity, msg)
 
     # -- receiving -------------------------------------------------------------------------
 
-    def _handle(self, frames: list) -> None:
-        identity = frames[0].bytes
+    def handle(self, identity: bytes, frames: Frames) -> None:
+        """One message from ``identity``."""
         self.counts["messages"] += 1
-        self.counts["bytes_in"] += sum(len(f) for f in frames[1:])
+        self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames)
         except WireError as e:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
-        now = time.time()
-        if isinstance(msg, Join):
-            self._on_join(identity, msg, now)
+        now = self.clock.monotonic()
+        if isinstance(msg, Register):
+            self._on_register(identity, msg, now)
         elif isinstance(msg, FetchGlobal):
             self._send(identity, self._global_state())
-        elif isinstance(msg, LEARNER_MESSAGES):
-            claimed = getattr(msg, "learner", None) if not isinstance(msg, PeerState) else msg.source
+        elif isinstance(msg, CORE_MESSAGES + RELAYED):
+            claimed = msg.source if isinstance(msg, PeerState) else msg.learner
             if self.identities.get(claimed) != identity:
                 # Unknown here (e.g. this syncer restarted): a heartbeat with our epoch makes it re-join.
                 self._count_bad("unknown_sender", f"message from unregistered sender {identity!r} claiming learner {claimed}")
                 self._send(identity, SyncerHeartbeat(self.epoch, self.shard))
                 return
-            self._on_learner_message(msg, now)
+            if isinstance(msg, RELAYED):
+                self._relay(msg, now)
+            else:
+                self._emit(self.core.handle(msg, now))
         else:
             self._count_bad("malformed", f"unexpected {type(msg).__name__} from {identity!r}")
 
@@ -142,39 +168,34 @@ class SyncerService:
         self.counts[kind] += 1
         if kind not in self._warned:  # say it once per kind; the status file keeps counting
             self._warned.add(kind)
-            print(f"syncer: {text} (dropped; further ones are counted silently)", file=sys.stderr, flush=True)
+            log.warning("%s (dropped; further ones are counted silently)", text)
 
-    def _on_join(self, identity: bytes, msg: Join, now: float) -> None:
+    def _on_register(self, identity: bytes, msg: Register, now: float) -> None:
         mismatch = first_mismatch(self.spec, msg.params)
+        if mismatch is None and msg.layout != self.layout.digest:
+            mismatch = (
+                f"layout {msg.layout} != {self.layout.digest}: use the same algo.num_fragments, "
+                "algo.fragment_strategy and algo.sync_every on learners and syncer"
+            )
         if mismatch is not None:
-            self._send(identity, JoinReply(False, f"model does not match the syncer's fragment layout: {mismatch}", self.epoch, 0, self.core.owned))
+            reason = f"model does not match the syncer's fragment layout: {mismatch}"
+            self._send(identity, JoinReply(False, reason, self.epoch, 0, self.core.owned))
             return
         self.identities[msg.learner] = identity
-        outs = self.core.on_join(msg.learner, now)
-        info = self.core.learners[msg.learner]
-        self._send(identity, JoinReply(True, "", self.epoch, info.data_position, self.core.owned))
-        have = dict(enumerate(msg.base_versions))
-        # A learner that already holds the current version of a fragment (e.g. after a syncer
-        # restart) keeps its local progress; only what it lacks is sent.
-        outs = [o for o in outs if not (isinstance(o, FragmentUpdate) and o.reason == "join" and have.get(o.fragment) == o.version)]
-        self._emit(outs)
+        out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
+        reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
+        self._send(identity, reply)  # before the fragments it announces
+        self._emit(out)
 
-    def _on_learner_message(self, msg: Any, now: float) -> None:
-        if isinstance(msg, Heartbeat):
-            self._emit(self.core.on_heartbeat(msg, now))
-        elif isinstance(msg, Contribution):
-            self._emit(self.core.on_contribution(msg, now))
-        elif isinstance(msg, Ack):
-            self.core.on_ack(msg, now)
-        elif isinstance(msg, Leave):
-            self._emit(self.core.on_leave(msg.learner, now))
-        elif isinstance(msg, PeerStateRequest):
+    def _relay(self, msg: PeerStateRequest | PeerState, now: float) -> None:
+        """Optimizer state for a rejoining learner goes from a live peer through the syncer."""
+        if isinstance(msg, PeerStateRequest):
             peers = [m for m in self.core.live(now) if m != msg.learner and m in self.identities]
             if peers:
                 self._send(self.identities[peers[0]], msg)
             else:
                 self._send(self.identities[msg.learner], PeerState(msg.learner, -1, [], {}))
-        elif isinstance(msg, PeerState):
+        else:
             target = self.identities.get(msg.learner)
             if target is not None:
                 self._send(target, msg)
@@ -190,70 +211,82 @@ class SyncerService:
     # -- the loop --------------------------------------------------------------------------
 
     def serve(self, max_seconds: float | None = None) -> None:
-        """Run until SIGTERM/SIGINT (or ``max_seconds``), then flush, persist and exit."""
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        """Run until ``stop()`` (or ``max_seconds``), then flush, persist and close."""
         rt = self.cfg.runtime
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        end = None if max_seconds is None else time.monotonic() + max_seconds
-        print(f"syncer shard {self.shard}/{self.num_shards} on {self.bind}: {len(self.core.owned)} fragments, versions {'restored' if self.restored else 'fresh'}", file=sys.stderr, flush=True)
-        while not self.stopping and (end is None or time.monotonic() < end):
-            now = time.time()
+        end = None if max_seconds is None else self.clock.monotonic() + max_seconds
+        log.info(
+            "syncer shard %d/%d: %d fragments, versions %s",
+            self.shard, self.num_shards, len(self.core.owned), "restored" if self.restored else "fresh",
+        )
+        while not self.stopping and (end is None or self.clock.monotonic() < end):
+            now = self.clock.monotonic()
             deadline = self.core.next_deadline(now)
-            wait = min(0.05, rt.heartbeat_interval_s, max(0.0, (deadline - now)) if deadline is not None else 0.05)
-            if poller.poll(int(wait * 1000)):
-                for _ in range(1000):  # drain what is queued, bounded so chores still run
-                    try:
-                        frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
-            self._emit(self.core.poll(time.time()))
+            wait = min(0.05, rt.heartbeat_interval_s, max(0.0, deadline - now) if deadline is not None else 0.05)
+            for identity, frames in self.sock.recv(wait, limit=1000):  # bounded so chores still run
+                self.handle(identity, frames)
+            self._emit(self.core.poll(self.clock.monotonic()))
             self._chores(rt)
         self.shutdown()
 
-    def _chores(self, rt: Any) -> None:
-        mono = time.monotonic()
+    def stop(self) -> None:
+        """Ask ``serve`` to finish (from a signal handler or another thread)."""
+        self.stopping = True
+
+    def _chores(self, rt: RuntimeConfig) -> None:
+        mono = self.clock.monotonic()
         if mono - self._last_heartbeat >= rt.heartbeat_interval_s:
             self._last_heartbeat = mono
             for identity in self.identities.values():
                 self._send(identity, SyncerHeartbeat(self.epoch, self.shard))
         if mono - self._last_snapshot >= rt.snapshot_interval_s:
             self._last_snapshot = mono
-            self.store.snapshot(self.core)
+            snapshot(self.store, self.core)
         if mono - self._last_status >= rt.status_interval_s:
             self._last_status = mono
             self.write_status()
 
     def write_status(self) -> None:
-        now = time.time()
+        now = self.clock.monotonic()
         status = {
-            "shard": self.shard, "time": now, "epoch": self.epoch, "pid": os.getpid(),
+            "shard": self.shard, "time": self.clock.wall(), "epoch": self.epoch, "pid": os.getpid(),
             "versions": {p: self.core.fragments[p].version for p in self.core.owned},
             "live": self.core.live(now), "global_tokens": self.core.global_tokens,
-            "cpu_s": time.process_time(), "wall_s": now - self.started, **self.counts,
+            "cpu_s": time.process_time(), "wall_s": now - self._started, **self.counts,
         }
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
 
     def shutdown(self) -> None:
         """Close open rounds, make everything durable, write the final model, close the socket."""
-        self._emit(self.core.flush(time.time()))
-        self.store.snapshot(self.core)
+        self._emit(self.core.flush(self.clock.monotonic()))
+        snapshot(self.store, self.core)
         self.write_status()
         self.write_final_model()
-        self.sock.close(0)
+        self.sock.close()
 
     def write_final_model(self) -> Path:
         from safetensors.torch import save_file
 
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
-        full = {k: v for k, v in self.model.state_dict().items()}
+        full = dict(self.model.state_dict())
         full.update({k: v for k, v in state.items() if k in owned_names})
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         path = self.run_dir / "final" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in full.items() if self.num_shards == 1 or k in owned_names}, str(path))
         return path
+
+
+def bind_syncer(cfg: Config, bind: str, run_dir: str | Path, shard: int = 0, num_shards: int = 1) -> SyncerService:
+    """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs)."""
+    torch.set_num_threads(1)
+    try:
+        sock = ZmqSyncerSocket(bind)
+    except Exception as e:  # zmq.ZMQError: one line, not a trace
+        raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
+    try:
+        return SyncerService(cfg, sock, run_dir, shard, num_shards)
+    except BaseException:
+        sock.close()
+        raise
 

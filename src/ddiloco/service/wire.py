@@ -19,11 +19,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-from ddiloco.service.protocol import FetchGlobal, GlobalState, Join, JoinReply, Leave, PeerState, PeerStateRequest, SyncerHeartbeat
+from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
+from ddiloco.service.protocol import (
+    FetchGlobal,
+    GlobalState,
+    JoinReply,
+    PeerState,
+    PeerStateRequest,
+    Register,
+    SyncerHeartbeat,
+)
 
-SCHEMA = 1
-MESSAGES = {cls.__name__: cls for cls in (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Join, JoinReply, Leave, SyncerHeartbeat, PeerStateRequest, PeerState, FetchGlobal, GlobalState)}
+SCHEMA = 2  # 2: incarnations and sequence numbers, Register replaces Join
+_ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "int8": torch.int8}
 _NP_VIEW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: move the bits as int16
 MAX_HEADER = 1 << 20
@@ -173,6 +182,10 @@ def _check(value: Any, tp: Any, where: str) -> Any:
             except WireError:
                 continue
         raise WireError(f"{where}: {value!r} matches none of {tp}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise WireError(f"{where}: {value!r} is not one of {typing.get_args(tp)}")
+        return value
     if tp is type(None):
         if value is not None:
             raise WireError(f"{where}: expected null")

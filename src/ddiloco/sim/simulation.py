@@ -21,13 +21,15 @@ from torch import nn
 
 from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
 from ddiloco.config import Config
-from ddiloco.core.fragments import FragmentLayout, make_layout, read_fragment, specs_of, write_fragment
+from ddiloco.core.fragments import read_fragment, write_fragment
 from ddiloco.core.learner import LearnerCore
-from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.messages import Ack, FragmentRequest, FragmentUpdate, Heartbeat, Join, LearnerMessage
+from ddiloco.core.syncer import Output, Syncer
+from ddiloco.core.tape import TapeRecord
 from ddiloco.report.accounting import TimeAccount, fleet_goodput, uptime
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.training.layout import ModelLayout, layout_for
 from ddiloco.report.result import RunResult, summarise_tape
 from ddiloco.workloads.base import DataStream, Workload
 
@@ -65,9 +67,10 @@ class Simulation:
         a, s, r = cfg.algo, cfg.sim, cfg.run
         torch.use_deterministic_algorithms(True)
         base = workload.build_model(r.seed)
-        self.layout: FragmentLayout = make_layout(specs_of(base.named_parameters()), a.fixed_fragments, a.fragment_strategy, a.sync_every)
-        emb = [workload.is_embedding_like(pc.name) for frag in self.layout.fragments for pc in frag]
-        self.syncer = Syncer(a, self.layout, dict(base.named_parameters()), emb)
+        self.model_layout: ModelLayout = layout_for(base, workload, a)
+        self.layout = self.model_layout.fragments
+        self.syncer = Syncer(a, self.layout, dict(base.named_parameters()), self.model_layout.embedding_like)
+        self.tape: list[TapeRecord] = []
         self.eval_model = copy.deepcopy(base)
         self.eval_batches = workload.eval_batches()
         m_count = r.num_learners
@@ -106,9 +109,11 @@ class Simulation:
     def _to_syncer(self, msg: Any, nbytes: int = 64) -> None:
         self._at(self.now + self._transfer_s(nbytes), SYNCER, "syncer_msg", msg)
 
-    def _dispatch(self, outs: list) -> None:
-        """Deliver syncer outputs: requests after a latency, updates after merge + transfer."""
-        merged = {}
+    def _dispatch(self, out: Output) -> None:
+        """Keep the tape; deliver requests after a latency, updates after merge + transfer."""
+        self.tape += out.tape
+        outs = out.messages
+        merged: dict[int, int] = {}
         for o in outs:
             if isinstance(o, FragmentUpdate) and o.reason == "merged":
                 merged[o.fragment] = merged.get(o.fragment, 0) + 1
@@ -144,7 +149,7 @@ class Simulation:
         ln.model.train()
         inner_step(ln.model, ln.opt, self.wl.loss(ln.model, batch), lr, self.cfg.inner.grad_clip)
         sends = ln.core.on_step(batch.tokens)
-        self._to_syncer(Heartbeat(ln.id, ln.core.step, duration))
+        self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, duration))
         for p in sends:
             self._send_fragment(ln, p)
         for u in ln.inbox:
@@ -166,22 +171,21 @@ class Simulation:
             self._start_step(ln)
 
     def _send_fragment(self, ln: SimLearner, p: int) -> None:
-        ans = ln.core.answer(p)
         values = read_fragment(ln.params, self.layout.fragments[p])
-        c = Contribution(ln.id, p, ans.base_version, values, ans.steps, ans.tokens, ln.stream.position, ans.step)
-        self._to_syncer(c, self.fragment_bytes[p])
+        self._to_syncer(ln.core.contribution(p, values, ln.stream.position), self.fragment_bytes[p])
 
     def _apply(self, ln: SimLearner, u: FragmentUpdate) -> None:
-        alpha = ln.core.on_update(u)
-        if alpha is None:
+        receipt = ln.core.on_update(u)
+        if receipt.mode == "ignore":
             return
-        write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, alpha)
-        self._to_syncer(Ack(ln.id, u.fragment, u.version))
+        write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha)
+        self._to_syncer(Ack(ln.id, ln.gen, u.fragment, u.version))
 
     def _on_learner_msg(self, ln: SimLearner, msg: Any) -> None:
         if not ln.up:
             return  # a dead process receives nothing
         if isinstance(msg, FragmentRequest):
+            ln.core.on_request(msg.fragment)
             self._send_fragment(ln, msg.fragment)  # from the host copy: training never pauses
         elif ln.account.state == "blocked":
             self._apply(ln, msg)
@@ -203,8 +207,10 @@ class Simulation:
 
     def _on_rejoin(self, ln: SimLearner) -> None:
         """Fetch every global fragment, warm the inner optimizer from a live peer, resume data."""
-        outs = self.syncer.on_join(ln.id, self.now)
-        joins = [o for o in outs if isinstance(o, FragmentUpdate) and o.learner == ln.id and o.reason == "join"]
+        ln.core.incarnation = ln.gen  # a new process: the syncer drops its predecessor's messages
+        out = self.syncer.handle(Join(ln.id, ln.gen, []), self.now)
+        joins = [o for o in out.messages if isinstance(o, FragmentUpdate) and o.learner == ln.id and o.reason == "join"]
+        out.messages = [o for o in out.messages if not any(o is j for j in joins)]
         ln.core.on_rejoin(self.syncer.max_step_seen)
         for u in joins:
             self._apply(ln, u)
@@ -212,10 +218,10 @@ class Simulation:
         ln.opt = make_optimizer(ln.model, self.cfg.inner)
         if peer is not None:
             ln.opt.load_state_dict(copy.deepcopy(peer.opt.state_dict()))
-        ln.stream.seek(self.syncer.learners[ln.id].data_position)
+        ln.stream.seek(self.syncer.data_position(ln.id))
         self.log.append({"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id})
         ln.account.switch("compute", self.now)
-        self._dispatch([o for o in outs if not any(o is j for j in joins)])
+        self._dispatch(out)
         self._start_step(ln)
 
     # -- evaluation ------------------------------------------------------------------------
@@ -231,8 +237,8 @@ class Simulation:
     # -- main loop -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        for ln in self.learners:
-            self._dispatch([o for o in self.syncer.on_join(ln.id, 0.0) if not (isinstance(o, FragmentUpdate) and o.learner == ln.id)])
+        for ln in self.learners:  # every learner starts from the initial global values (version 0)
+            self._dispatch(self.syncer.handle(Join(ln.id, ln.gen, [0] * self.layout.num_fragments), 0.0))
             self._start_step(ln)
         for o in self.chaos.outages:
             restart_at = max(o.start_s, o.end_s - self.chaos.restart_s)
@@ -265,31 +271,25 @@ class Simulation:
         self.now = self.horizon
         for ln in self.learners:
             ln.account.close(self.horizon)
-        self.syncer.flush(self.horizon)  # evaluation is of the global model after a flush
+        self.tape += self.syncer.flush(self.horizon).tape  # evaluation is of the global model after a flush
         self._record_eval(final=True)
         if self.on_progress:
             self.on_progress(self.horizon, self.horizon)
         return self._result()
 
     def _blocked_heartbeat(self, ln: SimLearner) -> None:
-        self._to_syncer(Heartbeat(ln.id, ln.core.step, 0.0))
+        self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, 0.0))
         self._at(self.now + self.cfg.algo.liveness_timeout_s / 4, ln.id, "blocked_heartbeat", ln.gen)
 
-    def _syncer_receive(self, msg: Any) -> list:
-        if isinstance(msg, Heartbeat):
-            return self.syncer.on_heartbeat(msg, self.now)
-        if isinstance(msg, Contribution):
-            return self.syncer.on_contribution(msg, self.now)
-        if isinstance(msg, Ack):
-            self.syncer.on_ack(msg, self.now)
-            return []
-        raise TypeError(f"unexpected message {type(msg).__name__}")
+    def _syncer_receive(self, msg: LearnerMessage) -> Output:
+        return self.syncer.handle(msg, self.now)
 
     def _result(self) -> RunResult:
         gp = fleet_goodput([ln.account for ln in self.learners], self.horizon)
         need = self.cfg.algo.quorum_size or 1
         outages = [(o.learner, o.start_s, o.end_s) for o in self.chaos.outages]
         processed = sum(ln.core.tokens_processed for ln in self.learners)
+        tape = [r.to_json() for r in self.tape]
         return RunResult(
             method=self.cfg.run.method,
             final_loss=self.evals[-1]["loss"],
@@ -302,8 +302,8 @@ class Simulation:
             lost_steps=sum(ln.lost_steps for ln in self.learners),
             failures=sum(ln.failures for ln in self.learners),
             num_fragments=self.layout.num_fragments,
-            tape=self.syncer.tape,
+            tape=tape,
             log=self.log,
             state={k: v.detach().clone() for k, v in self.eval_model.state_dict().items()},
-            **summarise_tape(self.syncer.tape, self.layout.num_fragments),
+            **summarise_tape(tape, self.layout.num_fragments),
         )

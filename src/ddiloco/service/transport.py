@@ -1,0 +1,322 @@
+"""How the service's processes reach each other: ZeroMQ, or an in-process network for tests.
+
+The syncer service and the learner's comm thread only see the two small interfaces below, so a
+test can run a syncer and several learners as threads in one process, over a network that
+drops, duplicates, delays and reorders messages on a seeded schedule, the way torchft tests
+its manager. Messages are multipart frames (``wire.encode``) either way.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+Frames = list[Any]
+"""A multipart message: bytes-like frames (``zmq.Frame`` objects from ZeroMQ)."""
+
+
+class SyncerSocket(Protocol):
+    """The syncer's end: one address, many learners and observers, each with an identity."""
+
+    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
+        """Up to ``limit`` messages as (sender identity, frames), waiting at most ``timeout_s``."""
+        ...
+
+    def send(self, identity: bytes, frames: Frames) -> bool:
+        """Queue a message for ``identity`` without blocking; False when it cannot be queued."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LearnerSocket(Protocol):
+    """A learner's end: one link per syncer shard, in shard order."""
+
+    def send(self, link: int, frames: Frames) -> bool:
+        """Queue a message to shard ``link`` without blocking; False when it cannot be queued."""
+        ...
+
+    def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
+        """Messages as (link, frames), waiting at most ``timeout_s`` or until ``wake``."""
+        ...
+
+    def wake(self) -> None:
+        """Make a waiting ``recv`` return now (thread-safe)."""
+        ...
+
+    def close(self, linger_s: float = 0.0) -> None: ...
+
+
+# -- ZeroMQ -----------------------------------------------------------------------------------
+
+
+class ZmqSyncerSocket:
+    """A ROUTER socket bound to ``address``."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner takes over its identity
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError:
+            self.sock.close()
+            raise
+
+    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
+        out: list[tuple[bytes, Frames]] = []
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return out
+        while len(out) < limit:
+            try:
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            out.append((frames[0].bytes, frames[1:]))
+        return out
+
+    def send(self, identity: bytes, frames: Frames) -> bool:
+        try:
+            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False  # the peer's queue is full (it is gone or stuck): liveness will drop it
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ZmqLearnerSocket:
+    """One DEALER per syncer shard, plus an inproc pair the training thread uses to wake the
+    comm thread, so it sleeps in poll instead of spinning on a short timeout."""
+
+    def __init__(self, addresses: list[str], identity: bytes, reconnect_s: float, reconnect_max_s: float) -> None:
+        ctx = zmq.Context.instance()
+        self.socks = []
+        for addr in addresses:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, identity)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
+            s.setsockopt(zmq.SNDHWM, 64)
+            s.setsockopt(zmq.RECONNECT_IVL, int(reconnect_s * 1000))
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, int(reconnect_max_s * 1000))
+            s.connect(addr)
+            self.socks.append(s)
+        name = f"inproc://ddiloco-wake-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(name)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(name)
+        self._wake_lock = threading.Lock()
+        self._closed = False
+        self.poller = zmq.Poller()
+        for s in self.socks:
+            self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self._wake_rx, zmq.POLLIN)
+
+    def send(self, link: int, frames: Frames) -> bool:
+        try:
+            self.socks[link].send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False  # not connected or queue full: the protocol retries, training goes on
+
+    def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
+        out: list[tuple[int, Frames]] = []
+        for sock, _ in self.poller.poll(int(timeout_s * 1000)):
+            if sock is self._wake_rx:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+                continue
+            link = self.socks.index(sock)
+            while True:
+                try:
+                    out.append((link, sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)))
+                except zmq.Again:
+                    break
+        return out
+
+    def wake(self) -> None:
+        with self._wake_lock:  # the training thread wakes; close() may run on the comm thread
+            if self._closed:
+                return
+            try:
+                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a wake-up is already pending
+
+    def close(self, linger_s: float = 0.0) -> None:
+        for s in self.socks:
+            s.close(linger=int(linger_s * 1000))
+        self._wake_rx.close(linger=0)
+        with self._wake_lock:
+            self._closed = True
+            self._wake_tx.close(linger=0)
+
+
+# -- in-process network with faults ----------------------------------------------------------
+
+
+@dataclass
+class FaultInjector:
+    """Decides each message's fate from a seeded stream: dropped, delivered once or twice,
+    now or after a delay (delays reorder messages)."""
+
+    seed: int = 0
+    drop: float = 0.0
+    """Probability a message is lost."""
+    duplicate: float = 0.0
+    """Probability a delivered message arrives twice."""
+    delay: float = 0.0
+    """Probability a copy is held back by ``delay_s``."""
+    delay_s: float = 0.0
+    """How long a delayed copy is held (longer than a round, to test staleness)."""
+    counts: dict[str, int] = field(default_factory=lambda: {"sent": 0, "dropped": 0, "duplicated": 0, "delayed": 0})
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._lock = threading.Lock()
+
+    def fates(self) -> list[float]:
+        """Delays of the copies to deliver (empty: dropped)."""
+        with self._lock:
+            self.counts["sent"] += 1
+            if self._rng.random() < self.drop:
+                self.counts["dropped"] += 1
+                return []
+            copies = 2 if self._rng.random() < self.duplicate else 1
+            self.counts["duplicated"] += copies - 1
+            delays = []
+            for _ in range(copies):
+                held = self._rng.random() < self.delay
+                self.counts["delayed"] += held
+                delays.append(self.delay_s if held else 0.0)
+            return delays
+
+
+class _Inbox:
+    """Messages waiting for one endpoint, ordered by delivery time."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, Any]] = []
+        self.closed = False
+        self.woken = False
+
+
+class InProcessNetwork:
+    """Syncers and learners as threads of one process, their messages passing through a
+    ``FaultInjector``. Frames are copied to bytes on send, as a real network would."""
+
+    def __init__(self, faults: FaultInjector | None = None) -> None:
+        self.faults = faults or FaultInjector()
+        self.cv = threading.Condition()
+        self._seq = itertools.count()
+        self._servers: dict[str, _Inbox] = {}
+        self._clients: dict[bytes, tuple[_Inbox, list[str]]] = {}
+
+    def _post(self, inbox: _Inbox, item: Any) -> None:
+        now = time.monotonic()
+        for delay in self.faults.fates():
+            heapq.heappush(inbox.heap, (now + delay, next(self._seq), item))
+        self.cv.notify_all()
+
+    def _take(self, inbox: _Inbox, timeout_s: float, limit: int) -> list[Any]:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while True:
+                now = time.monotonic()
+                out = []
+                while inbox.heap and inbox.heap[0][0] <= now and len(out) < limit:
+                    out.append(heapq.heappop(inbox.heap)[2])
+                woken, inbox.woken = inbox.woken, False
+                if out or woken or inbox.closed or now >= deadline:
+                    return out
+                due = inbox.heap[0][0] if inbox.heap else deadline
+                self.cv.wait(max(0.0, min(deadline, due) - now))
+
+    def syncer(self, address: str) -> SyncerSocket:
+        with self.cv:
+            if address in self._servers and not self._servers[address].closed:
+                raise zmq.ZMQError(zmq.EADDRINUSE)
+            inbox = self._servers[address] = _Inbox()
+        return _HubSyncer(self, address, inbox)
+
+    def learner(self, addresses: list[str], identity: bytes) -> LearnerSocket:
+        with self.cv:
+            old = self._clients.get(identity)
+            if old is not None:
+                old[0].closed = True  # the new process takes over the identity (ROUTER_HANDOVER)
+            inbox = _Inbox()
+            self._clients[identity] = (inbox, list(addresses))
+            self.cv.notify_all()
+        return _HubLearner(self, addresses, identity, inbox)
+
+    def cut(self, identity: bytes) -> None:
+        """The process behind ``identity`` died: nothing reaches it any more."""
+        with self.cv:
+            entry = self._clients.pop(identity, None)
+            if entry is not None:
+                entry[0].closed = True
+            self.cv.notify_all()
+
+
+def _copy(frames: Frames) -> Frames:
+    return [bytes(memoryview(f.buffer if hasattr(f, "buffer") else f)) for f in frames]
+
+
+class _HubSyncer:
+    def __init__(self, net: InProcessNetwork, address: str, inbox: _Inbox) -> None:
+        self.net, self.address, self.inbox = net, address, inbox
+
+    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
+        return self.net._take(self.inbox, timeout_s, limit)
+
+    def send(self, identity: bytes, frames: Frames) -> bool:
+        with self.net.cv:
+            entry = self.net._clients.get(identity)
+            if entry is None or self.address not in entry[1]:
+                return True  # like a ROUTER: a message to an unknown peer vanishes
+            self.net._post(entry[0], (entry[1].index(self.address), _copy(frames)))
+        return True
+
+    def close(self) -> None:
+        with self.net.cv:
+            self.inbox.closed = True
+            self.net.cv.notify_all()
+
+
+class _HubLearner:
+    def __init__(self, net: InProcessNetwork, addresses: list[str], identity: bytes, inbox: _Inbox) -> None:
+        self.net, self.addresses, self.identity, self.inbox = net, addresses, identity, inbox
+
+    def send(self, link: int, frames: Frames) -> bool:
+        with self.net.cv:
+            if self.inbox.closed:
+                return False
+            server = self.net._servers.get(self.addresses[link])
+            if server is None or server.closed:
+                return False  # not connected: like IMMEDIATE on a DEALER
+            self.net._post(server, (self.identity, _copy(frames)))
+        return True
+
+    def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
+        return self.net._take(self.inbox, timeout_s, 1 << 30)
+
+    def wake(self) -> None:
+        with self.net.cv:
+            self.inbox.woken = True
+            self.net.cv.notify_all()
+
+    def close(self, linger_s: float = 0.0) -> None:
+        with self.net.cv:
+            self.inbox.closed = True
+            self.net.cv.notify_all()
