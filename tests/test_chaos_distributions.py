@@ -30,8 +30,9 @@ def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("dist", [Fixed(30.0), Exponential(30.0), Weibull.from_mean(30.0, 0.7),
-                                  Weibull.from_mean(30.0, 3.0)])
+@pytest.mark.parametrize(
+    "dist", [Fixed(30.0), Exponential(30.0), Weibull.from_mean(30.0, 0.7), Weibull.from_mean(30.0, 3.0)]
+)
 def test_sample_mean_matches_mean(dist: Distribution) -> None:
     assert isinstance(dist, Distribution)
     assert dist.mean == pytest.approx(30.0)
@@ -59,14 +60,25 @@ def test_weibull_shape_one_is_exponential_and_scales_with_mean() -> None:
     assert w.scale == pytest.approx(5.0)
     assert np.allclose(w.sample(rng(2), 5), Exponential(5.0).sample(rng(2), 5))
     # Common random numbers: the same seed gives durations proportional to the mean.
-    assert np.allclose(Weibull.from_mean(10.0, 0.8).sample(rng(3), 5),
-                       2 * Weibull.from_mean(5.0, 0.8).sample(rng(3), 5))
+    assert np.allclose(
+        Weibull.from_mean(10.0, 0.8).sample(rng(3), 5), 2 * Weibull.from_mean(5.0, 0.8).sample(rng(3), 5)
+    )
     assert Weibull(shape=2.0, scale=1.0).mean == pytest.approx(math.sqrt(math.pi) / 2)
 
 
-@pytest.mark.parametrize("text,seconds", [("90", 90.0), ("90s", 90.0), ("1.5m", 90.0),
-                                          ("2h", 7200.0), ("1d", 86400.0), ("250ms", 0.25),
-                                          ("1y", SECONDS_PER_YEAR), (12, 12.0)])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("1.5m", 90.0),
+        ("2h", 7200.0),
+        ("1d", 86400.0),
+        ("250ms", 0.25),
+        ("1y", SECONDS_PER_YEAR),
+        (12, 12.0),
+    ],
+)
 def test_parse_duration(text: str | int, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -84,17 +96,25 @@ def test_parse_distribution_forms_and_round_trip() -> None:
     assert format_duration(7200.0) == "2h"
 
 
-@pytest.mark.parametrize("text", ["weibull:90", "gamma:3", "exp:-3", "exp:3x", "fixed:",
-                                  "weibull:90,shape=-1", "exp:1,2"])
+@pytest.mark.parametrize(
+    "text", ["weibull:90", "gamma:3", "exp:-3", "exp:3x", "fixed:", "weibull:90,shape=-1", "exp:1,2"]
+)
 def test_parse_distribution_errors_name_the_field(text: str) -> None:
     with pytest.raises(ConfigError, match="repair"):
         parse_distribution(text, "repair")
 
 
-@pytest.mark.parametrize("bad", [lambda: Fixed(-1.0), lambda: Exponential(0.0),
-                                 lambda: Weibull(shape=0.0, scale=1.0),
-                                 lambda: Weibull.from_mean(float("nan"), 1.0),
-                                 lambda: parse_duration("abc"), lambda: parse_duration("inf")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: Fixed(-1.0),
+        lambda: Exponential(0.0),
+        lambda: Weibull(shape=0.0, scale=1.0),
+        lambda: Weibull.from_mean(float("nan"), 1.0),
+        lambda: parse_duration("abc"),
+        lambda: parse_duration("inf"),
+    ],
+)
 def test_bad_values_raise_config_error(bad) -> None:
     with pytest.raises(ConfigError):
         bad()
@@ -118,12 +138,10 @@ def test_failure_repair_cycles_rate_counts_only_up_time() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(1e-4, 0.2), min_size=1, max_size=20), st.floats(1.0, 50.0),
-       st.integers(0, 2**31 - 1))
+@given(st.lists(st.floats(1e-4, 0.2), min_size=1, max_size=20), st.floats(1.0, 50.0), st.integers(0, 2**31 - 1))
 def test_failure_repair_cycles_alternate(rates: list[float], repair: float, seed: int) -> None:
     horizon = 500.0
-    unit, f, r = failure_repair_cycles(rng(seed), np.array(rates),
-                                       Exponential(repair), horizon)
+    unit, f, r = failure_repair_cycles(rng(seed), np.array(rates), Exponential(repair), horizon)
     assert np.all(np.diff(f) >= 0) and np.all(f < horizon) and np.all(r > f)
     for u in range(len(rates)):
         fu, ru = f[unit == u], r[unit == u]
@@ -136,7 +154,6 @@ def test_unit_failures_and_repair_mask_by_hand() -> None:
     for u in (0, 2):
         assert np.all(np.diff(t[unit == u]) > 0)
     # Unit 0: down [10, 60), so 30 is dropped; 70 is kept. Unit 1: 5 kept, 6 dropped.
-    kept = repair_mask(np.array([0, 0, 0, 1, 1]), np.array([10.0, 30.0, 70.0, 5.0, 6.0]),
-                       np.full(5, 50.0))
+    kept = repair_mask(np.array([0, 0, 0, 1, 1]), np.array([10.0, 30.0, 70.0, 5.0, 6.0]), np.full(5, 50.0))
     assert kept.tolist() == [True, False, True, True, False]
     assert repair_mask(np.zeros(0, int), np.zeros(0), np.zeros(0)).size == 0

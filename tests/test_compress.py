@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, decode, encode, encoded_nbytes
 from ddiloco.errors import ConfigError

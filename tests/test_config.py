@@ -10,25 +10,28 @@ from ddiloco.config import load_config
 from ddiloco.errors import ConfigError, DataError
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("run.bogus=1", "unknown config key run.bogus"),
-    ("nosuch.key=1", "unknown config section"),
-    ("algo.num_fragments=0", "algo.num_fragments = 0 is out of range"),
-    ("algo.quorum=0", "algo.quorum = 0 is out of range"),
-    ("algo.overlap=24", "0 <= overlap < sync_every (24)"),
-    ("algo.outer_lr=-0.1", "algo.outer_lr = -0.1 is out of range"),
-    ("inner.lr=-1", "inner.lr = -1.0 is out of range"),
-    ("sim.bandwidth_gbps=-1", "sim.bandwidth_gbps"),
-    ("chaos.downtime_fraction=-0.1", "chaos.downtime_fraction"),
-    ("algo.merge=median", "algo.merge = 'median'"),
-    ("algo.quorum=some", "algo.quorum = 'some'"),
-    ("run.num_learners=two", "run.num_learners = 'two' is not a valid int"),
-    ("sim.speeds=[1.0]", "sim.speeds"),
-    ('chaos.stragglers=["9:2.0"]', "chaos.stragglers entry '9:2.0' is out of range"),
-    ("workload.factory=nomodule", "workload.factory 'nomodule' is malformed"),
-    ("run.method=sgd", "run.method = 'sgd' is not known"),
-    ("missing_equals", "must look like section.key=value"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("run.bogus=1", "unknown config key run.bogus"),
+        ("nosuch.key=1", "unknown config section"),
+        ("algo.num_fragments=0", "algo.num_fragments = 0 is out of range"),
+        ("algo.quorum=0", "algo.quorum = 0 is out of range"),
+        ("algo.overlap=24", "0 <= overlap < sync_every (24)"),
+        ("algo.outer_lr=-0.1", "algo.outer_lr = -0.1 is out of range"),
+        ("inner.lr=-1", "inner.lr = -1.0 is out of range"),
+        ("sim.bandwidth_gbps=-1", "sim.bandwidth_gbps"),
+        ("chaos.downtime_fraction=-0.1", "chaos.downtime_fraction"),
+        ("algo.merge=median", "algo.merge = 'median'"),
+        ("algo.quorum=some", "algo.quorum = 'some'"),
+        ("run.num_learners=two", "run.num_learners = 'two' is not a valid int"),
+        ("sim.speeds=[1.0]", "sim.speeds"),
+        ('chaos.stragglers=["9:2.0"]', "chaos.stragglers entry '9:2.0' is out of range"),
+        ("workload.factory=nomodule", "workload.factory 'nomodule' is malformed"),
+        ("run.method=sgd", "run.method = 'sgd' is not known"),
+        ("missing_equals", "must look like section.key=value"),
+    ],
+)
 def test_bad_values_name_the_field(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -83,20 +86,51 @@ def test_missing_text_package_names_the_install_command(monkeypatch):
 
 def test_simulate_cli_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ddiloco.cli", "simulate", "--method", "decoupled",
-           "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload", "--set", "run.tokens=4000",
-           "--set", "chaos.restart_s=0.5", "--set", f"run.run_dir={run_dir}", "--set", "run.eval_points=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "simulate",
+        "--method",
+        "decoupled",
+        "--set",
+        "workload.factory=ddiloco.workloads.synthetic:make_workload",
+        "--set",
+        "run.tokens=4000",
+        "--set",
+        "chaos.restart_s=0.5",
+        "--set",
+        f"run.run_dir={run_dir}",
+        "--set",
+        "run.eval_points=2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for label in ("eval loss", "tokens processed", "tokens merged", "goodput", "uptime", "rounds per fragment", "mean learners per merge", "grace admissions"):
+    for label in (
+        "eval loss",
+        "tokens processed",
+        "tokens merged",
+        "goodput",
+        "uptime",
+        "rounds per fragment",
+        "mean learners per merge",
+        "grace admissions",
+    ):
         assert label in out.stdout
-    for name in ("config.toml", "metrics.jsonl", "tape.jsonl", "eval_loss.png", "summary.json", "final/model.safetensors"):
+    for name in (
+        "config.toml",
+        "metrics.jsonl",
+        "tape.jsonl",
+        "eval_loss.png",
+        "summary.json",
+        "final/model.safetensors",
+    ):
         assert (run_dir / name).is_file(), name
     from safetensors.torch import load_file
 
-    from ddiloco.workloads.synthetic import Student  # noqa: F401  (the model class loads the plain state dict)
     from ddiloco.config import load_config as lc
     from ddiloco.workloads.config import load_workload
+    from ddiloco.workloads.synthetic import Student  # noqa: F401  (the model class loads the plain state dict)
 
     cfg = lc(run_dir / "config.toml")
     model = load_workload(cfg.workload).build_model(0)

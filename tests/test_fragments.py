@@ -9,8 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco.core.fragments import (
-    TensorSpec, balanced_layout, default_num_fragments, due_fragments, fragment_offset, imbalance,
-    make_layout, pack_sizes, per_layer_layout, read_fragment, strided_layout, write_fragment,
+    TensorSpec,
+    balanced_layout,
+    default_num_fragments,
+    due_fragments,
+    fragment_offset,
+    imbalance,
+    make_layout,
+    pack_sizes,
+    per_layer_layout,
+    read_fragment,
+    strided_layout,
+    write_fragment,
 )
 from ddiloco.errors import ConfigError
 
@@ -106,7 +116,9 @@ def test_read_write_fragment_round_trip_and_blend():
     frag = layout.fragments[0]
     write_fragment(params, frag, [torch.zeros_like(v) for v in read_fragment(params, frag)], alpha=0.5)
     for pc in frag:
-        assert torch.equal(params[pc.name][pc.row_start:pc.row_end], 0.5 * (read_fragment({pc.name: params[pc.name]}, [pc])[0] * 2))
+        assert torch.equal(
+            params[pc.name][pc.row_start : pc.row_end], 0.5 * (read_fragment({pc.name: params[pc.name]}, [pc])[0] * 2)
+        )
 
 
 def test_schedule_offsets_and_due():

@@ -17,7 +17,7 @@ def test_outer_nesterov_matches_torch_sgd():
         for p, gr in zip(ref, gs):
             p.grad = gr.clone()
         sgd.step()
-        values = ours.step(values, gs)
+        values = ours.step(values, [g.clone() for g in gs])
         for p, v in zip(ref, values):
             assert torch.allclose(p.detach(), v, rtol=1e-6, atol=1e-6)
 
@@ -29,7 +29,7 @@ def test_outer_state_dict_round_trips():
     b = OuterNesterov(0.7, 0.9)  # hyper-parameters come from the config; the state is the momentum
     b.load_state_dict(a.state_dict())
     g = [torch.tensor([1.0, -2.0, 0.5])]
-    assert torch.equal(a.step(v, g)[0], b.step(v, g)[0])
+    assert torch.equal(a.step(v, [t.clone() for t in g])[0], b.step(v, [t.clone() for t in g])[0])
 
 
 def test_lr_one_momentum_zero_lands_on_learner_values():

@@ -17,7 +17,16 @@ from ddiloco.service.syncer import restore_into, snapshot
 torch.set_num_threads(1)
 
 # Lock-step pushes ("wait"), K = 1, no grace: every contribution is merged at once.
-CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1, quorum=1, grace=False, late_fragment="wait", outer_lr=0.7, outer_momentum=0.9)
+CFG = DiLoCoConfig(
+    num_fragments=2,
+    sync_every=4,
+    overlap=1,
+    quorum=1,
+    grace=False,
+    late_fragment="wait",
+    outer_lr=0.7,
+    outer_momentum=0.9,
+)
 SPECS = [TensorSpec("w", (6, 4)), TensorSpec("b", (5,))]
 
 
@@ -35,8 +44,18 @@ def merge(s: Syncer, p: int, learner: int, step: int, now: float = 1.0) -> Outpu
     g = torch.Generator().manual_seed(1000 * step + 10 * p + learner)
     vals = [v + 0.1 * torch.randn(v.shape, generator=g) for v in s.fragments[p].values]
     before = s.fragments[p].version
-    c = Contribution(learner=learner, incarnation=0, fragment=p, base_version=before, seq=step, values=vals, steps=4,
-                     tokens=100 + step, data_position=step, step=step)
+    c = Contribution(
+        learner=learner,
+        incarnation=0,
+        fragment=p,
+        base_version=before,
+        seq=step,
+        values=vals,
+        steps=4,
+        tokens=100 + step,
+        data_position=step,
+        step=step,
+    )
     out = s.handle(c, now)
     assert s.fragments[p].version == before + 1 and out.durable == [p]
     return out
@@ -198,7 +217,9 @@ def test_layout_or_ownership_mismatch_is_one_line_state_error(tmp_path):
     other = make([TensorSpec("w", (6, 4)), TensorSpec("bias", (5,))])
     with pytest.raises(StateError) as e:  # logs only, no snapshot yet
         restore_into(SyncerStore(tmp_path), other)
-    assert "'b'" in str(e.value) and "'bias'" in str(e.value) and "--run-dir" in str(e.value) and "\n" not in str(e.value)
+    assert (
+        "'b'" in str(e.value) and "'bias'" in str(e.value) and "--run-dir" in str(e.value) and "\n" not in str(e.value)
+    )
     snapshot(store, s)
     with pytest.raises(StateError, match="different model layout.*fresh --run-dir"):
         restore_into(SyncerStore(tmp_path), make([TensorSpec("w", (6, 4)), TensorSpec("b", (7,))]))

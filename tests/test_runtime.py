@@ -19,12 +19,28 @@ from ddiloco.service.launcher import free_port
 
 SYNCER_HOST = "127.0.0.2"
 SETTINGS = [
-    "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload",
-    "--set", "run.num_learners=2", "--set", "algo.sync_every=8",
-    "--set", "runtime.step_sleep_s=0.02", "--set", "runtime.heartbeat_interval_s=0.1",
-    "--set", "algo.liveness_timeout_s=1.0", "--set", "runtime.syncer_liveness_s=1.0",
-    "--set", "runtime.status_interval_s=0.2", "--set", "runtime.snapshot_interval_s=2.0",
-    "--set", "runtime.backoff_max_s=0.5", "--set", "runtime.join_timeout_s=5.0",
+    "--set",
+    "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "--set",
+    "run.num_learners=2",
+    "--set",
+    "algo.sync_every=8",
+    "--set",
+    "runtime.step_sleep_s=0.02",
+    "--set",
+    "runtime.heartbeat_interval_s=0.1",
+    "--set",
+    "algo.liveness_timeout_s=1.0",
+    "--set",
+    "runtime.syncer_liveness_s=1.0",
+    "--set",
+    "runtime.status_interval_s=0.2",
+    "--set",
+    "runtime.snapshot_interval_s=2.0",
+    "--set",
+    "runtime.backoff_max_s=0.5",
+    "--set",
+    "runtime.join_timeout_s=5.0",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -57,7 +73,12 @@ class Cluster:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = self.run_dir / f"{name}.log"
         self.logs[name] = log
-        p = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS],
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
         self.procs[name] = p
         return p
 
@@ -67,7 +88,18 @@ class Cluster:
     def start_learner(self, m: int) -> subprocess.Popen:
         # each learner connects from its own loopback address (source;destination)
         src = f"tcp://127.0.0.{3 + m}:0;{SYNCER_HOST}:{self.port}"
-        return self.start(f"learner-{m}", "learner", "--syncer", src, "--id", str(m), "--run-dir", str(self.run_dir), "--device", "cpu")
+        return self.start(
+            f"learner-{m}",
+            "learner",
+            "--syncer",
+            src,
+            "--id",
+            str(m),
+            "--run-dir",
+            str(self.run_dir),
+            "--device",
+            "cpu",
+        )
 
     def learner(self, m: int) -> dict:
         return read(self.run_dir / "status" / f"learner-{m}.json")
@@ -142,10 +174,28 @@ def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluste
     s.connect(cluster.addr)
     s.send_multipart([b"not json at all", b"\x00\x01"])
     s.send_multipart([b'{"v": 1, "type": "Heartbeat", "fields": {"learner": "x"}, "tensors": []}'])
-    s.send_multipart(encode(Contribution(learner=7, incarnation=1, fragment=0, base_version=0, seq=1,
-                                         values=[torch.zeros(1)], steps=1, tokens=10, data_position=0, step=0)))
+    s.send_multipart(
+        encode(
+            Contribution(
+                learner=7,
+                incarnation=1,
+                fragment=0,
+                base_version=0,
+                seq=1,
+                values=[torch.zeros(1)],
+                steps=1,
+                tokens=10,
+                data_position=0,
+                step=0,
+            )
+        )
+    )
     wait_for(lambda: cluster.syncer().get("malformed", 0) >= before.get("malformed", 0) + 2, 20, "malformed count")
-    wait_for(lambda: cluster.syncer().get("unknown_sender", 0) >= before.get("unknown_sender", 0) + 1, 20, "unknown sender count")
+    wait_for(
+        lambda: cluster.syncer().get("unknown_sender", 0) >= before.get("unknown_sender", 0) + 1,
+        20,
+        "unknown sender count",
+    )
     s.close()
     assert cluster.procs["syncer"].poll() is None
     wait_for(lambda: all(cluster.learner(m)["steps"] > steps[m] + 5 for m in (0, 1)), 30, "training to go on")
@@ -167,22 +217,33 @@ def test_killed_learner_is_left_out_then_rejoins_and_contributes(cluster):
     assert 1 not in merged_learners(after) and 0 in merged_learners(after)
     restarted_at = time.time()
     cluster.start_learner(1)
-    wait_for(lambda: 1 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > restarted_at]), 60, "the restarted learner to contribute again")
+    wait_for(
+        lambda: 1
+        in merged_learners(
+            [r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > restarted_at]
+        ),
+        60,
+        "the restarted learner to contribute again",
+    )
 
 
 def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     from ddiloco.config import load_config
     from ddiloco.core.syncer import Syncer
-    from ddiloco.service.syncer import restore_into
-    from ddiloco.training.layout import layout_for
     from ddiloco.service.evaluator import fetch_global
     from ddiloco.service.store import SyncerStore
+    from ddiloco.service.syncer import restore_into
+    from ddiloco.training.layout import layout_for
     from ddiloco.workloads.config import load_workload
 
     cluster.kill("syncer")
     steps = [cluster.learner(m)["steps"] for m in (0, 1)]
     # learners train on while the syncer is away
-    wait_for(lambda: all(cluster.learner(m)["steps"] > steps[m] + 10 for m in (0, 1)), 30, "learners to train while the syncer is down")
+    wait_for(
+        lambda: all(cluster.learner(m)["steps"] > steps[m] + 10 for m in (0, 1)),
+        30,
+        "learners to train while the syncer is down",
+    )
     overrides = [a for a in SETTINGS if a != "--set"]
     cfg = load_config(None, overrides)
     wl = load_workload(cfg.workload)
@@ -207,26 +268,88 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
 
 
 def test_port_in_use_fails_at_start_naming_the_port(cluster):
-    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", cluster.addr, "--run-dir", str(cluster.run_dir / "other"), *SETTINGS], capture_output=True, text=True, env=ENV, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--bind",
+            cluster.addr,
+            "--run-dir",
+            str(cluster.run_dir / "other"),
+            *SETTINGS,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert f"cannot bind the syncer to {cluster.addr}" in out.stderr and "port" in out.stderr
 
 
 def test_mismatched_model_is_refused_naming_the_first_tensor(cluster):
-    out = subprocess.run([sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", cluster.addr, "--id", "5", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS, "--set", "workload.options={hidden = 32}"], capture_output=True, text=True, env=ENV, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "learner",
+            "--syncer",
+            cluster.addr,
+            "--id",
+            "5",
+            "--run-dir",
+            str(cluster.run_dir),
+            "--device",
+            "cpu",
+            *SETTINGS,
+            "--set",
+            "workload.options={hidden = 32}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert out.returncode == 3
     assert "does not match the syncer's fragment layout" in out.stderr and "embed.weight (32, 16)" in out.stderr
 
 
 def test_unreachable_syncer_learner_says_so_once_and_trains_on(tmp_path):
     port = free_port("127.0.0.5")
-    p = subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", f"tcp://127.0.0.5:{port}", "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", *SETTINGS, "--set", "runtime.join_timeout_s=1.0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ENV)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "learner",
+            "--syncer",
+            f"tcp://127.0.0.5:{port}",
+            "--id",
+            "0",
+            "--run-dir",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            *SETTINGS,
+            "--set",
+            "runtime.join_timeout_s=1.0",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
     try:
-        wait_for(lambda: read(tmp_path / "status" / "learner-0.json").get("steps", 0) > 20, 60, "the lone learner to train")
+        wait_for(
+            lambda: read(tmp_path / "status" / "learner-0.json").get("steps", 0) > 20, 60, "the lone learner to train"
+        )
     finally:
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=15)
-    lines = [l for l in err.splitlines() if "global fragments" in l or "unreachable" in l]
+    lines = [line for line in err.splitlines() if "global fragments" in line or "unreachable" in line]
     assert len(lines) == 1, err
 
 
@@ -235,11 +358,40 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
     log = cluster.run_dir / "torchrun.log"
     joined_at = time.time()
     p = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "ddiloco", "learner",
-         "--syncer", cluster.addr, "--id", "2", "--run-dir", str(cluster.run_dir), "--device", "cpu", *SETTINGS],
-        stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "-m",
+            "ddiloco",
+            "learner",
+            "--syncer",
+            cluster.addr,
+            "--id",
+            "2",
+            "--run-dir",
+            str(cluster.run_dir),
+            "--device",
+            "cpu",
+            *SETTINGS,
+        ],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
-        wait_for(lambda: 2 in merged_learners([r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > joined_at]), 120, "the torchrun learner to contribute")
+        wait_for(
+            lambda: 2
+            in merged_learners(
+                [r for r in cluster.tape() if r.get("event") == "round" and wall(r, "opened_at") > joined_at]
+            ),
+            120,
+            "the torchrun learner to contribute",
+        )
         wait_for(lambda: cluster.learner(2).get("applied", 0) > 5, 60, "merged fragments to come back to the group")
     finally:
         os.killpg(p.pid, signal.SIGTERM)
@@ -259,11 +411,56 @@ def test_syncer_sharded_by_fragment(tmp_path):
     procs = []
     try:
         for i, a in enumerate(addrs):
-            procs.append(subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", a, "--run-dir", str(tmp_path), "--shard", str(i), "--num-shards", "2", *SETTINGS], stdout=open(tmp_path / f"s{i}.log", "ab"), stderr=subprocess.STDOUT, env=ENV))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ddiloco.cli",
+                        "syncer",
+                        "--bind",
+                        a,
+                        "--run-dir",
+                        str(tmp_path),
+                        "--shard",
+                        str(i),
+                        "--num-shards",
+                        "2",
+                        *SETTINGS,
+                    ],
+                    stdout=open(tmp_path / f"s{i}.log", "ab"),
+                    stderr=subprocess.STDOUT,
+                    env=ENV,
+                )
+            )
         wait_for(lambda: all((tmp_path / "status" / f"syncer-{i}.json").exists() for i in (0, 1)), 60, "both shards up")
-        procs.append(subprocess.Popen([sys.executable, "-m", "ddiloco.cli", "learner", *[x for a in addrs for x in ("--syncer", a)], "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", *SETTINGS], stdout=open(tmp_path / "l.log", "ab"), stderr=subprocess.STDOUT, env=ENV))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ddiloco.cli",
+                    "learner",
+                    *[x for a in addrs for x in ("--syncer", a)],
+                    "--id",
+                    "0",
+                    "--run-dir",
+                    str(tmp_path),
+                    "--device",
+                    "cpu",
+                    *SETTINGS,
+                ],
+                stdout=open(tmp_path / "l.log", "ab"),
+                stderr=subprocess.STDOUT,
+                env=ENV,
+            )
+        )
         shard_versions = lambda i: read(tmp_path / "status" / f"syncer-{i}.json").get("versions", {})
-        wait_for(lambda: all(shard_versions(i) and min(shard_versions(i).values()) > 1 for i in (0, 1)), 60, "every fragment of both shards to be merged")
+        wait_for(
+            lambda: all(shard_versions(i) and min(shard_versions(i).values()) > 1 for i in (0, 1)),
+            60,
+            "every fragment of both shards to be merged",
+        )
         states = fetch_global(addrs)
         owned = [set(map(int, s.versions)) for s in states]
         assert owned[0] == {p for p in range(8) if p % 2 == 0} and owned[1] == {p for p in range(8) if p % 2 == 1}
@@ -297,13 +494,36 @@ def test_across_network_namespaces(tmp_path):
             assert _ip("-n", ns, "addr", "add", addr, "dev", dev)
             assert _ip("-n", ns, "link", "set", dev, "up") and _ip("-n", ns, "link", "set", "lo", "up")
         addr = "tcp://10.231.7.1:5601"
-        run = lambda ns, *args, name: subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS], stdout=open(tmp_path / f"{name}.log", "ab"), stderr=subprocess.STDOUT, env=ENV)
+        run = lambda ns, *args, name: subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS],
+            stdout=open(tmp_path / f"{name}.log", "ab"),
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
         procs.append(run(ns_s, "syncer", "--bind", addr, "--run-dir", str(tmp_path), name="syncer"))
         wait_for(lambda: read(tmp_path / "status" / "syncer-0.json"), 60, "the syncer in its namespace")
-        procs.append(run(ns_l, "learner", "--syncer", addr, "--id", "0", "--run-dir", str(tmp_path), "--device", "cpu", name="learner"))
+        procs.append(
+            run(
+                ns_l,
+                "learner",
+                "--syncer",
+                addr,
+                "--id",
+                "0",
+                "--run-dir",
+                str(tmp_path),
+                "--device",
+                "cpu",
+                name="learner",
+            )
+        )
         versions = lambda: read(tmp_path / "status" / "syncer-0.json").get("versions", {}).values()
         wait_for(lambda: min(versions(), default=0) >= 2, 60, "merges of contributions that crossed the veth pair")
-        wait_for(lambda: read(tmp_path / "status" / "learner-0.json").get("applied", 0) > 8 + 8, 60, "merged versions to come back")
+        wait_for(
+            lambda: read(tmp_path / "status" / "learner-0.json").get("applied", 0) > 8 + 8,
+            60,
+            "merged versions to come back",
+        )
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -321,16 +541,43 @@ def test_train_launcher_with_chaos_writes_the_run_folder(tmp_path):
     run ends with the simulator's summary table and run folder."""
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "ddiloco.cli", "train", "--chaos", "--run-dir", str(run_dir), *SETTINGS,
-         "--set", "runtime.duration_s=16", "--set", "chaos.kill_mtbf_s=6", "--set", "runtime.eval_interval_s=4",
-         "--set", 'chaos.stragglers=["1:2.0:0.2:0.6"]'],
-        capture_output=True, text=True, env=ENV, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "train",
+            "--chaos",
+            "--run-dir",
+            str(run_dir),
+            *SETTINGS,
+            "--set",
+            "runtime.duration_s=16",
+            "--set",
+            "chaos.kill_mtbf_s=6",
+            "--set",
+            "runtime.eval_interval_s=4",
+            "--set",
+            'chaos.stragglers=["1:2.0:0.2:0.6"]',
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for label in ("eval loss", "tokens processed", "goodput", "rounds per fragment", "grace admissions"):
         assert label in out.stdout
-    for name in ("config.toml", "metrics.jsonl", "tape.jsonl", "eval_loss.png", "summary.json", "final/model.safetensors", "metrics/faults.jsonl"):
+    for name in (
+        "config.toml",
+        "metrics.jsonl",
+        "tape.jsonl",
+        "eval_loss.png",
+        "summary.json",
+        "final/model.safetensors",
+        "metrics/faults.jsonl",
+    ):
         assert (run_dir / name).is_file(), name
-    faults = [json.loads(l) for l in (run_dir / "metrics" / "faults.jsonl").read_text().splitlines()]
+    faults = [json.loads(line) for line in (run_dir / "metrics" / "faults.jsonl").read_text().splitlines()]
     kills = [f for f in faults if f["kind"] == "sigkill"]
     restarts = [f for f in faults if f["kind"] == "restart"]
     assert kills and len(restarts) >= len(kills) - 2  # a kill near the end may not be back yet

@@ -8,8 +8,8 @@ import torch
 from ddiloco.chaos.schedule import ChaosConfig, make_schedule
 from ddiloco.config import load_config
 from ddiloco.methods import PRESETS
-from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.sim.run import simulate
+from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.config import load_workload
 
 SYNTH = ["workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.batch_size=16", "run.eval_points=2"]
@@ -21,8 +21,16 @@ def cfg_for(method="decoupled", *extra):
 
 def test_one_learner_h1_mean_lr1_equals_plain_training():
     cfg = cfg_for(
-        "diloco", "run.num_learners=1", "run.tokens=1600", "algo.sync_every=1", "algo.merge=mean",
-        "algo.outer_lr=1.0", "algo.outer_momentum=0.0", "sim.latency_s=0.0", "sim.jitter_s=0.0", "sim.bandwidth_gbps=1e9",
+        "diloco",
+        "run.num_learners=1",
+        "run.tokens=1600",
+        "algo.sync_every=1",
+        "algo.merge=mean",
+        "algo.outer_lr=1.0",
+        "algo.outer_momentum=0.0",
+        "sim.latency_s=0.0",
+        "sim.jitter_s=0.0",
+        "sim.bandwidth_gbps=1e9",
     )
     result = simulate(cfg)
     merged_steps = result.tape[-1]["version"]
@@ -41,7 +49,13 @@ def test_one_learner_h1_mean_lr1_equals_plain_training():
 
 
 def test_same_seed_same_result_bit_for_bit():
-    extra = ("run.tokens=6000", "chaos.enabled=true", "chaos.restart_s=0.1", 'chaos.stragglers=["1:2.0"]', "sim.speed_noise=0.1")
+    extra = (
+        "run.tokens=6000",
+        "chaos.enabled=true",
+        "chaos.restart_s=0.1",
+        'chaos.stragglers=["1:2.0"]',
+        "sim.speed_noise=0.1",
+    )
     a, b = simulate(cfg_for("decoupled", *extra)), simulate(cfg_for("decoupled", *extra))
     assert a.failures > 0
     assert a.summary() == b.summary()
@@ -68,7 +82,7 @@ def test_chaos_schedule_fixes_downtime_and_failure_count():
         mine = sorted((o for o in sched.outages if o.learner == m), key=lambda o: o.start_s)
         assert sum(o.end_s - o.start_s for o in mine) == pytest.approx(100.0)
         assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:]))
-        assert all(o.end_s - o.start_s >= 1.0 - 1e-9 and 0 <= o.start_s and o.end_s <= 1000.0 for o in mine)
+        assert all(o.end_s - o.start_s >= 1.0 - 1e-9 and o.start_s >= 0 and o.end_s <= 1000.0 for o in mine)
     assert make_schedule(cfg, 4, 1000.0, seed=7) == sched
     assert make_schedule(cfg, 4, 1000.0, seed=8) != sched
 
@@ -88,7 +102,11 @@ def test_decoupled_under_chaos_keeps_goodput_and_failed_learners_rejoin():
 
 
 def test_lock_step_waits_and_drops_a_dead_learner_after_the_liveness_timeout():
-    result = simulate(cfg_for("diloco", "run.tokens=12000", "chaos.enabled=true", "chaos.restart_s=0.2", "algo.liveness_timeout_s=1.0"))
+    result = simulate(
+        cfg_for(
+            "diloco", "run.tokens=12000", "chaos.enabled=true", "chaos.restart_s=0.2", "algo.liveness_timeout_s=1.0"
+        )
+    )
     assert result.goodput.blocked > 0.0
     assert result.goodput.goodput < 1 - result.goodput.down - result.goodput.restarting
     quorums = {r["quorum"] for r in result.tape if r.get("event") == "round"}

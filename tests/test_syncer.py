@@ -12,8 +12,19 @@ from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Output, Syncer
 
-BASE = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=2, quorum=1, grace=True, grace_gamma=0.8,
-                    max_grace_steps=1.0, liveness_timeout_s=5.0, merge="mean", outer_lr=1.0, outer_momentum=0.0)
+BASE = DiLoCoConfig(
+    num_fragments=1,
+    sync_every=4,
+    overlap=2,
+    quorum=1,
+    grace=True,
+    grace_gamma=0.8,
+    max_grace_steps=1.0,
+    liveness_timeout_s=5.0,
+    merge="mean",
+    outer_lr=1.0,
+    outer_momentum=0.0,
+)
 SEQ = itertools.count(1)
 
 
@@ -82,9 +93,19 @@ def contrib(m, value, tokens=10, steps=1, base=0, p=0, **kw):
 
 
 def payload(m, values, tokens=10, steps=1, base=0, p=0, incarnation=0, seq=None, kind="values"):
-    return Contribution(learner=m, incarnation=incarnation, fragment=p, base_version=base,
-                        seq=next(SEQ) if seq is None else seq, values=values, steps=steps, tokens=tokens,
-                        data_position=0, step=0, kind=kind)
+    return Contribution(
+        learner=m,
+        incarnation=incarnation,
+        fragment=p,
+        base_version=base,
+        seq=next(SEQ) if seq is None else seq,
+        values=values,
+        steps=steps,
+        tokens=tokens,
+        data_position=0,
+        step=0,
+        kind=kind,
+    )
 
 
 def requests(outs):
@@ -286,7 +307,9 @@ def test_bad_contributions_are_rejected_and_leave_the_global_model_unchanged(wha
     rejection = s.last_rejection()
     assert what in rejection["detail"]
     assert s.versions() == [0] and torch.equal(s.fragments[0].values[0], before[0])
-    recorded = s.rounds[0].rejected if 0 <= rejection["fragment"] < 1 else [e for e in s.tape if e["event"] == "rejected"]
+    recorded = (
+        s.rounds[0].rejected if 0 <= rejection["fragment"] < 1 else [e for e in s.tape if e["event"] == "rejected"]
+    )
     assert recorded[-1] == rejection or recorded[-1].to_json() == rejection
     # the round is still usable by a good contribution
     s.on_contribution(contrib(1, 2.0), 4.2)
@@ -298,8 +321,9 @@ def test_a_replayed_or_duplicated_contribution_is_merged_once():
     c = contrib(0, 2.0)
     close_round(s, 4.0, [c, c])  # a duplicate right behind the original
     rounds = lambda: [e for e in s.tape if e["event"] == "round"]  # noqa: E731
-    rejected = lambda: [r["reason"] for e in s.tape for r in (e["rejected"] if e["event"] == "round" else [e])
-                        if e["event"] != "late"]  # noqa: E731
+    rejected = lambda: [
+        r["reason"] for e in s.tape for r in (e["rejected"] if e["event"] == "round" else [e]) if e["event"] != "late"
+    ]  # noqa: E731
     assert s.versions() == [1] and len(rounds()[-1]["merged"]) == 1 and rejected() == ["duplicate"]
     beat(s, 7.0)
     close_round(s, 8.0, [c])  # a byte-identical replay in a later round
@@ -326,8 +350,14 @@ def test_a_restarted_learner_replaces_its_predecessor_and_its_messages_are_dropp
 
 def test_join_sends_only_the_fragments_the_learner_lacks():
     layout = balanced_layout([TensorSpec("a", (4,)), TensorSpec("b", (4,))], 2)
-    s = Driver(Syncer(dataclasses.replace(BASE, num_fragments=2), layout, {"a": torch.zeros(4), "b": torch.ones(4)},
-                      [False, False]))
+    s = Driver(
+        Syncer(
+            dataclasses.replace(BASE, num_fragments=2),
+            layout,
+            {"a": torch.zeros(4), "b": torch.ones(4)},
+            [False, False],
+        )
+    )
     assert sorted(o.fragment for o in s.on_join(0, 0.0)) == [0, 1]  # a fresh process needs all
     assert s.on_join(0, 0.1, bases=[0, 0]) == []  # already holds the current versions
     assert [o.fragment for o in s.on_join(0, 0.2, bases=[0, 3])] == [1]  # a version it cannot have

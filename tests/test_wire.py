@@ -19,8 +19,18 @@ from ddiloco.service.wire import SCHEMA, WireError, decode, encode
 
 
 def contribution(values, **kw):
-    fields = dict(learner=1, incarnation=5, fragment=2, base_version=3, seq=11, values=values, steps=4, tokens=100,
-                  data_position=7, step=9)
+    fields = dict(
+        learner=1,
+        incarnation=5,
+        fragment=2,
+        base_version=3,
+        seq=11,
+        values=values,
+        steps=4,
+        tokens=100,
+        data_position=7,
+        step=9,
+    )
     return Contribution(**{**fields, **kw})
 
 
@@ -36,7 +46,12 @@ MESSAGES = [
     Leave(3, 5),
     SyncerHeartbeat(12, 1),
     PeerStateRequest(2, 5),
-    PeerState(2, 0, [{"lr": 0.001, "params": [0, 1], "betas": [0.9, 0.95]}], {"0.exp_avg": torch.randn(3), "0.step": torch.tensor(5.0), "1.bf": torch.randn(2).bfloat16()}),
+    PeerState(
+        2,
+        0,
+        [{"lr": 0.001, "params": [0, 1], "betas": [0.9, 0.95]}],
+        {"0.exp_avg": torch.randn(3), "0.step": torch.tensor(5.0), "1.bf": torch.randn(2).bfloat16()},
+    ),
     FetchGlobal("evaluator"),
     GlobalState({"0": 3}, 10.0, {"0.0": torch.randn(4)}),
 ]
@@ -62,8 +77,12 @@ def test_round_trip(msg):
 
 
 def header(**kw):
-    h = {"v": SCHEMA, "type": "Heartbeat", "fields": {"learner": 1, "incarnation": 1, "step": 2, "step_time_s": 0.1},
-         "tensors": []}
+    h = {
+        "v": SCHEMA,
+        "type": "Heartbeat",
+        "fields": {"learner": 1, "incarnation": 1, "step": 2, "step_time_s": 0.1},
+        "tensors": [],
+    }
     h.update(kw)
     return json.dumps(h).encode()
 
@@ -77,7 +96,14 @@ BAD = [
     ("field type", [header(fields={"learner": "one", "incarnation": 1, "step": 2, "step_time_s": 0.1})]),
     ("missing field", [header(fields={"learner": 1})]),
     ("unknown field", [header(fields={"learner": 1, "incarnation": 1, "step": 2, "step_time_s": 0.1, "x": 1})]),
-    ("non-finite", [header(fields={"learner": 1, "incarnation": 1, "step": 2, "step_time_s": float("inf")}).replace(b"Infinity", b"1e999")]),
+    (
+        "non-finite",
+        [
+            header(fields={"learner": 1, "incarnation": 1, "step": 2, "step_time_s": float("inf")}).replace(
+                b"Infinity", b"1e999"
+            )
+        ],
+    ),
     ("missing frames", [bytes(GOOD[0])]),
     ("extra frames", [bytes(GOOD[0]), bytes(memoryview(GOOD[1])), b"x"]),
     ("byte size", [bytes(GOOD[0]), b"\x00" * 15]),

@@ -63,7 +63,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides.append(f"run.method={method}")
     cfg = load_config(args.config, overrides, base=PRESETS[method])
     console = Console(stderr=True)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}% of virtual time"), TimeElapsedColumn(), console=console, transient=False) as progress:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}% of virtual time"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         task = progress.add_task(f"simulating {method}, M={cfg.run.num_learners}", total=1.0)
         result = simulate(cfg, on_progress=lambda t, T: progress.update(task, completed=t / T))
     out = write_run_dir(cfg.run.run_dir, cfg, result)
@@ -115,7 +122,9 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     if not args.syncer and not args.standalone:
-        raise DDiLoCoError("ddiloco learner needs --syncer tcp://HOST:PORT (one per shard), or --standalone to train alone")
+        raise DDiLoCoError(
+            "ddiloco learner needs --syncer tcp://HOST:PORT (one per shard), or --standalone to train alone"
+        )
     device = ("cuda" if _cuda() else "cpu") if args.device == "auto" else args.device
     return run_learner(cfg, args.syncer, args.id, args.run_dir, device, args.threads or cfg.run.threads)
 
@@ -156,36 +165,53 @@ def progress_table(st: dict):
     for m, (ls, alive) in enumerate(zip(st["learners"], st["alive"])):
         rate = 1.0 / ls["step_time_ema"] if ls.get("step_time_ema") else 0.0
         loss = f"{ls['loss']:.3f}" if ls.get("loss") is not None else "-"
-        t.add_row(str(m), "up" if alive else "down", str(ls.get("steps", 0)), f"{rate:.1f}", loss, str(ls.get("applied", 0)))
+        t.add_row(
+            str(m), "up" if alive else "down", str(ls.get("steps", 0)), f"{rate:.1f}", loss, str(ls.get("applied", 0))
+        )
     sy = st["syncer"]
     if sy:
         versions = list(sy.get("versions", {}).values())
-        t.caption = f"syncer: live {sy.get('live')}, min/max version {min(versions, default=0)}/{max(versions, default=0)}, merged tokens {sy.get('global_tokens', 0):,.0f}, malformed {sy.get('malformed', 0)}"
+        t.caption = (
+            f"syncer: live {sy.get('live')}, min/max version {min(versions, default=0)}/{max(versions, default=0)}, "
+            f"merged tokens {sy.get('global_tokens', 0):,.0f}, malformed {sy.get('malformed', 0)}"
+        )
     return t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo: resilient, low-communication distributed pre-training.")
+    parser = argparse.ArgumentParser(
+        prog="ddiloco", description="Decoupled DiLoCo: resilient, low-communication distributed pre-training."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="train in deterministic virtual time (M learners in one process)")
     sim.add_argument("config", nargs="?", help="TOML config file (sections run, workload, algo, inner, sim, chaos)")
-    sim.add_argument("--method", choices=["dp", "diloco", "streaming", "decoupled"], help="method preset (default: decoupled)")
+    sim.add_argument(
+        "--method", choices=["dp", "diloco", "streaming", "decoupled"], help="method preset (default: decoupled)"
+    )
     sim.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
     sim.set_defaults(func=cmd_simulate)
     sy = sub.add_parser("syncer", help="run a syncer service (one shard)")
     sy.add_argument("config", nargs="?", help="TOML config (the same for syncer and learners)")
     sy.add_argument("--bind", required=True, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555")
-    sy.add_argument("--run-dir", required=True, help="durable state, tape and final model go here; restarting on it resumes")
-    sy.add_argument("--shard", type=int, default=0, help="this shard's index (fragments p with p %% num_shards == shard)")
+    sy.add_argument(
+        "--run-dir", required=True, help="durable state, tape and final model go here; restarting on it resumes"
+    )
+    sy.add_argument(
+        "--shard", type=int, default=0, help="this shard's index (fragments p with p %% num_shards == shard)"
+    )
     sy.add_argument("--num-shards", type=int, default=1, help="number of syncer shards")
     sy.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
     sy.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     sy.set_defaults(func=cmd_syncer)
     le = sub.add_parser("learner", help="run one learner process")
     le.add_argument("config", nargs="?")
-    le.add_argument("--syncer", action="append", default=[], help="syncer shard address (repeat for each shard, in shard order)")
+    le.add_argument(
+        "--syncer", action="append", default=[], help="syncer shard address (repeat for each shard, in shard order)"
+    )
     le.add_argument("--standalone", action="store_true", help="train without any syncer (the 'syncing off' reference)")
-    le.add_argument("--id", type=int, required=True, help="learner id (also picks the data shard: id mod run.num_learners)")
+    le.add_argument(
+        "--id", type=int, required=True, help="learner id (also picks the data shard: id mod run.num_learners)"
+    )
     le.add_argument("--run-dir", default="runs/latest", help="where status files go")
     le.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     le.add_argument("--threads", type=int, default=0, help="torch threads (default: run.threads)")
@@ -202,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="run a syncer, M learners and an evaluator as local processes")
     tr.add_argument("config", nargs="?")
     tr.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
-    tr.add_argument("--chaos", action="store_true", help="turn on the [chaos] section (kills, stragglers, syncer kills)")
+    tr.add_argument(
+        "--chaos", action="store_true", help="turn on the [chaos] section (kills, stragglers, syncer kills)"
+    )
     tr.add_argument("--run-dir", help="run folder (default: run.run_dir)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     tr.set_defaults(func=cmd_train)

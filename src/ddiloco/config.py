@@ -143,7 +143,7 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """[runtime]"""
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         r = self.run
         if r.method not in METHODS:
             raise ConfigError(f"run.method = {r.method!r} is not known; allowed: {', '.join(METHODS)}")
@@ -179,23 +179,43 @@ class Config:
             if not ok:
                 raise ConfigError(f"sim.{name} = {getattr(s, name)!r} is out of range; allowed: {allowed}")
         if s.speeds and (len(s.speeds) != r.num_learners or min(s.speeds) <= 0):
-            raise ConfigError(f"sim.speeds = {list(s.speeds)} must list {r.num_learners} positive factors (one per learner) or be empty")
+            raise ConfigError(
+                f"sim.speeds = {list(s.speeds)} must list {r.num_learners} positive factors (one per learner) or be "
+                "empty"
+            )
         rt = self.runtime
-        for name in ("heartbeat_interval_s", "syncer_liveness_s", "backoff_initial_s", "backoff_max_s", "join_timeout_s", "snapshot_interval_s", "eval_interval_s", "duration_s", "status_interval_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "syncer_liveness_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "join_timeout_s",
+            "snapshot_interval_s",
+            "eval_interval_s",
+            "duration_s",
+            "status_interval_s",
+        ):
             if not getattr(rt, name) > 0:
                 raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
         for name in ("restart_limit", "restart_delay_s", "step_sleep_s"):
             if getattr(rt, name) < 0:
                 raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: >= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
-            raise ConfigError(f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = {self.algo.liveness_timeout_s}, or every learner looks dead")
+            raise ConfigError(
+                f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = "
+                f"{self.algo.liveness_timeout_s}, or every learner looks dead"
+            )
         self.algo.validate()
         self.workload.validate()
         self.chaos.validate(r.num_learners)
         if (self.algo.quorum_size or 0) > r.num_learners:
             import warnings
 
-            warnings.warn(f"algo.quorum = {self.algo.quorum} exceeds run.num_learners = {r.num_learners}; the effective quorum is capped at the live learners (the fleet is elastic)", stacklevel=2)
+            warnings.warn(
+                f"algo.quorum = {self.algo.quorum} exceeds run.num_learners = {r.num_learners}; the effective "
+                "quorum is capped at the live learners (the fleet is elastic)",
+                stacklevel=2,
+            )
         return self
 
 
@@ -268,10 +288,20 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-SECTIONS = {"run": RunSection, "workload": WorkloadConfig, "algo": DiLoCoConfig, "inner": InnerConfig, "sim": SimConfig, "chaos": ChaosConfig, "runtime": RuntimeConfig}
+SECTIONS = {
+    "run": RunSection,
+    "workload": WorkloadConfig,
+    "algo": DiLoCoConfig,
+    "inner": InnerConfig,
+    "sim": SimConfig,
+    "chaos": ChaosConfig,
+    "runtime": RuntimeConfig,
+}
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, dict[str, Any]] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, dict[str, Any]] | None = None
+) -> Config:
     """Defaults <- ``base`` (e.g. a method preset) <- TOML file <- ``--set`` overrides."""
     data: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (base or {}).items()}
     if path is not None:

@@ -11,7 +11,14 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # Synchronous DiLoCo: one fragment, every live learner, no grace, lock-step.
     "diloco": {
         "run": {"method": "diloco"},
-        "algo": {"num_fragments": 1, "quorum": "all", "grace": False, "late_fragment": "wait", "overlap": 0, "alpha": 0.0},
+        "algo": {
+            "num_fragments": 1,
+            "quorum": "all",
+            "grace": False,
+            "late_fragment": "wait",
+            "overlap": 0,
+            "alpha": 0.0,
+        },
     },
     # Streaming DiLoCo: staggered fragments with overlap, blend 0.5, every live learner, lock-step.
     "streaming": {

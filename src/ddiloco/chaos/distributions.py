@@ -32,8 +32,16 @@ __all__ = [
 ]
 
 SECONDS_PER_YEAR = 365.25 * 86400.0
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
-          "w": 7 * 86400.0, "y": SECONDS_PER_YEAR}
+_UNITS = {
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+    "w": 7 * 86400.0,
+    "y": SECONDS_PER_YEAR,
+}
 
 
 @runtime_checkable
@@ -43,8 +51,7 @@ class Distribution(Protocol):
     @property
     def mean(self) -> float: ...
 
-    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None
-               ) -> float | np.ndarray: ...
+    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> float | np.ndarray: ...
 
     def spec(self) -> str: ...
 
@@ -70,8 +77,7 @@ class Fixed:
     def mean(self) -> float:
         return float(self.seconds)
 
-    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None
-               ) -> float | np.ndarray:
+    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> float | np.ndarray:
         # Draw nothing: a Fixed duration must not shift the generator's stream.
         return float(self.seconds) if size is None else np.full(size, float(self.seconds))
 
@@ -93,8 +99,7 @@ class Exponential:
     def mean(self) -> float:
         return float(self.mean_s)
 
-    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None
-               ) -> float | np.ndarray:
+    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> float | np.ndarray:
         # Scale a standard draw so that the same seed gives durations proportional to the mean
         # (common random numbers: a fit sees a smooth objective).
         x = rng.standard_exponential(size)
@@ -128,8 +133,7 @@ class Weibull:
     def mean(self) -> float:
         return self.scale * math.gamma(1.0 + 1.0 / self.shape)
 
-    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None
-               ) -> float | np.ndarray:
+    def sample(self, rng: np.random.Generator, size: int | tuple[int, ...] | None = None) -> float | np.ndarray:
         # Inverse transform of a standard exponential: smooth in shape and scale for a fixed seed.
         x = rng.standard_exponential(size) ** (1.0 / self.shape) * self.scale
         return float(x) if size is None else x
@@ -145,8 +149,10 @@ def parse_duration(text: str | float | int, field: str = "duration") -> float:
     else:
         m = re.fullmatch(r"\s*([-+0-9.eE]+)\s*([a-z]*)\s*", str(text))
         if m is None or m.group(2) not in ("", *_UNITS):
-            raise ConfigError(f"{field} = {text!r}: expected a number with an optional unit "
-                              f"({', '.join(_UNITS)}), e.g. '90s' or '2h'")
+            raise ConfigError(
+                f"{field} = {text!r}: expected a number with an optional unit "
+                f"({', '.join(_UNITS)}), e.g. '90s' or '2h'"
+            )
         try:
             value = float(m.group(1)) * _UNITS.get(m.group(2) or "s", 1.0)
         except ValueError:
@@ -197,12 +203,15 @@ def parse_distribution(text: str, field: str = "distribution") -> Distribution:
         raise ConfigError(f"{field} = {text!r}: {exc}") from None
     except (KeyError, ValueError):
         pass  # fall through to the one message that shows every accepted form
-    raise ConfigError(f"{field} = {text!r}: expected fixed:DUR, exponential:MEAN, "
-                      f"weibull:MEAN,shape=K or weibull:scale=DUR,shape=K")
+    raise ConfigError(
+        f"{field} = {text!r}: expected fixed:DUR, exponential:MEAN, "
+        f"weibull:MEAN,shape=K or weibull:scale=DUR,shape=K"
+    )
 
 
-def poisson_failure_times(rng: np.random.Generator, rate_per_s: float, horizon_s: float,
-                          start_s: float = 0.0) -> np.ndarray:
+def poisson_failure_times(
+    rng: np.random.Generator, rate_per_s: float, horizon_s: float, start_s: float = 0.0
+) -> np.ndarray:
     """Sorted event times of a homogeneous Poisson process on [start_s, start_s + horizon_s).
 
     Draws the count first, then uniform times: exact, vectorised, and cheap for millions.
@@ -213,8 +222,7 @@ def poisson_failure_times(rng: np.random.Generator, rate_per_s: float, horizon_s
     return start_s + np.sort(rng.uniform(0.0, horizon_s, size=n))
 
 
-def unit_failures(rng: np.random.Generator, rates_per_s: np.ndarray, horizon_s: float
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def unit_failures(rng: np.random.Generator, rates_per_s: np.ndarray, horizon_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Independent Poisson failures of many units (chips, slices, learners) on [0, horizon_s).
 
     Unit u fails at ``rates_per_s[u]`` whether or not it is already down; ``repair_mask``
@@ -245,13 +253,13 @@ def repair_mask(unit: np.ndarray, t: np.ndarray, repair_s: np.ndarray) -> np.nda
         return np.zeros(0, bool)
     first = np.r_[True, unit[1:] != unit[:-1]]
     start = np.flatnonzero(first)
-    row = np.cumsum(first) - 1                      # dense index of the unit
-    rank = np.arange(n) - start[row]                # k-th failure of its unit
+    row = np.cumsum(first) - 1  # dense index of the unit
+    rank = np.arange(n) - start[row]  # k-th failure of its unit
     times = np.full((start.size, int(rank.max()) + 1), np.inf)
     ends = np.full_like(times, np.inf)
     times[row, rank] = t
     ends[row, rank] = t + repair_s
-    back = np.full(start.size, -np.inf)             # when each unit is next up
+    back = np.full(start.size, -np.inf)  # when each unit is next up
     kept = np.zeros_like(times, dtype=bool)
     for k in range(times.shape[1]):
         hit = times[:, k] >= back
@@ -260,9 +268,9 @@ def repair_mask(unit: np.ndarray, t: np.ndarray, repair_s: np.ndarray) -> np.nda
     return kept[row, rank]
 
 
-def failure_repair_cycles(rng: np.random.Generator, rates_per_s: np.ndarray,
-                          repair: Distribution, horizon_s: float
-                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def failure_repair_cycles(
+    rng: np.random.Generator, rates_per_s: np.ndarray, repair: Distribution, horizon_s: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Alternating up/down cycles of many independent units (e.g. learners in a chaos run).
 
     Unit u fails at ``rates_per_s[u]`` while up, then is down for a ``repair`` draw; all start

@@ -40,7 +40,9 @@ class ChaosConfig:
         if not 0.0 <= self.downtime_fraction < 1.0:
             raise ConfigError(f"chaos.downtime_fraction = {self.downtime_fraction} is out of range; allowed: [0, 1)")
         if self.failures_per_learner < 0:
-            raise ConfigError(f"chaos.failures_per_learner = {self.failures_per_learner} is out of range; allowed: >= 0")
+            raise ConfigError(
+                f"chaos.failures_per_learner = {self.failures_per_learner} is out of range; allowed: >= 0"
+            )
         if self.restart_s < 0:
             raise ConfigError(f"chaos.restart_s = {self.restart_s} is out of range; allowed: >= 0")
         for s in self.stragglers:
@@ -48,7 +50,9 @@ class ChaosConfig:
         if self.kill_mtbf_s < 0 or self.syncer_down_s < 0:
             raise ConfigError("chaos.kill_mtbf_s and chaos.syncer_down_s must be >= 0")
         if any(not 0.0 < f < 1.0 for f in self.syncer_kills):
-            raise ConfigError(f"chaos.syncer_kills = {list(self.syncer_kills)}: each must be a fraction of the run in (0, 1)")
+            raise ConfigError(
+                f"chaos.syncer_kills = {list(self.syncer_kills)}: each must be a fraction of the run in (0, 1)"
+            )
         for m in self.learners:
             if not 0 <= m < num_learners:
                 raise ConfigError(f"chaos.learners contains {m}; allowed: 0 .. {num_learners - 1}")
@@ -98,9 +102,14 @@ def parse_straggler(text: str, num_learners: int, horizon_s: float = 1.0) -> Str
         m, factor = int(parts[0]), float(parts[1])
         start, end = (float(parts[2]), float(parts[3])) if len(parts) == 4 else (0.0, 1.0)
     except ValueError:
-        raise ConfigError(f"chaos.stragglers entry {text!r} is malformed; use 'LEARNER:FACTOR' or 'LEARNER:FACTOR:START:END'") from None
+        raise ConfigError(
+            f"chaos.stragglers entry {text!r} is malformed; use 'LEARNER:FACTOR' or 'LEARNER:FACTOR:START:END'"
+        ) from None
     if not 0 <= m < num_learners or factor < 1.0 or not 0 <= start < end <= 1.0:
-        raise ConfigError(f"chaos.stragglers entry {text!r} is out of range; learner in 0..{num_learners - 1}, factor >= 1, 0 <= START < END <= 1")
+        raise ConfigError(
+            f"chaos.stragglers entry {text!r} is out of range; learner in 0..{num_learners - 1}, factor >= 1, 0 <= "
+            "START < END <= 1"
+        )
     return Straggler(m, factor, start * horizon_s, end * horizon_s)
 
 

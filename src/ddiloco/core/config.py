@@ -6,6 +6,7 @@ Baselines are configurations of these same knobs (see ``methods.py``), not separ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ddiloco.errors import require
 
@@ -68,13 +69,34 @@ class DiLoCoConfig:
     so one bad counter would dominate a merge."""
     max_delta_norm: float = 1e6
     """Validation bound on the L2 norm of a contribution's outer gradient."""
+
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
-        _check(self.num_fragments == "auto" or (_is_int(self.num_fragments) and self.num_fragments >= 1), "num_fragments", self.num_fragments, 'an integer >= 1, or "auto"')
-        _check(self.fragment_strategy in FRAGMENT_STRATEGIES, "fragment_strategy", self.fragment_strategy, f"one of {FRAGMENT_STRATEGIES}")
+        _check(
+            self.num_fragments == "auto" or (_is_int(self.num_fragments) and self.num_fragments >= 1),
+            "num_fragments",
+            self.num_fragments,
+            'an integer >= 1, or "auto"',
+        )
+        _check(
+            self.fragment_strategy in FRAGMENT_STRATEGIES,
+            "fragment_strategy",
+            self.fragment_strategy,
+            f"one of {FRAGMENT_STRATEGIES}",
+        )
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
-        _check(0 <= self.overlap < self.sync_every, "overlap", self.overlap, f"0 <= overlap < sync_every ({self.sync_every})")
-        _check(self.quorum == "all" or (_is_int(self.quorum) and self.quorum >= 1), "quorum", self.quorum, 'an integer >= 1, or "all" (every live learner)')
+        _check(
+            0 <= self.overlap < self.sync_every,
+            "overlap",
+            self.overlap,
+            f"0 <= overlap < sync_every ({self.sync_every})",
+        )
+        _check(
+            self.quorum == "all" or (_is_int(self.quorum) and self.quorum >= 1),
+            "quorum",
+            self.quorum,
+            'an integer >= 1, or "all" (every live learner)',
+        )
         _check(0.0 <= self.grace_gamma <= 1.0, "grace_gamma", self.grace_gamma, "[0, 1]")
         _check(self.max_grace_steps >= 0, "max_grace_steps", self.max_grace_steps, ">= 0")
         _check(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
@@ -91,7 +113,6 @@ class DiLoCoConfig:
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
 
-
     @property
     def fixed_fragments(self) -> int | None:
         """P as a number, or None for the model default."""
@@ -103,7 +124,7 @@ class DiLoCoConfig:
         return None if self.quorum == "all" else int(self.quorum)
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

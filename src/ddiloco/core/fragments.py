@@ -12,8 +12,8 @@ import heapq
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -109,7 +109,10 @@ def _whole(spec: TensorSpec) -> Piece:
 def _halve(pc: Piece) -> list[Piece]:
     mid = pc.row_start + (pc.row_end - pc.row_start) // 2
     rest = pc.shape[1:]
-    return [Piece(pc.name, pc.row_start, mid, (mid - pc.row_start, *rest)), Piece(pc.name, mid, pc.row_end, (pc.row_end - mid, *rest))]
+    return [
+        Piece(pc.name, pc.row_start, mid, (mid - pc.row_start, *rest)),
+        Piece(pc.name, mid, pc.row_end, (pc.row_end - mid, *rest)),
+    ]
 
 
 def _pack(pieces: list[Piece], num_fragments: int) -> FragmentLayout:
@@ -153,7 +156,10 @@ def strided_layout(specs: Sequence[TensorSpec], num_fragments: int) -> FragmentL
     for i, s in enumerate(specs):
         bins[i % num_fragments].append(_whole(s))
     if any(not b for b in bins):
-        raise ConfigError(f"num_fragments = {num_fragments} exceeds the model's {len(specs)} tensors for strided fragments; use fewer fragments or fragment_strategy = 'balanced'")
+        raise ConfigError(
+            f"num_fragments = {num_fragments} exceeds the model's {len(specs)} tensors for strided fragments; use "
+            "fewer fragments or fragment_strategy = 'balanced'"
+        )
     return FragmentLayout(tuple(tuple(b) for b in bins))
 
 
@@ -172,7 +178,9 @@ def default_num_fragments(specs: Sequence[TensorSpec], sync_every: int, max_rati
     return 1
 
 
-def make_layout(specs: Sequence[TensorSpec], num_fragments: int | None, strategy: str, sync_every: int) -> FragmentLayout:
+def make_layout(
+    specs: Sequence[TensorSpec], num_fragments: int | None, strategy: str, sync_every: int
+) -> FragmentLayout:
     """Build the layout a config asks for (num_fragments = None picks the default P)."""
     if not specs:
         raise ConfigError("the model has no parameters to fragment; check the workload's build_model()")
@@ -196,7 +204,9 @@ def read_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> l
     return out
 
 
-def write_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0) -> None:
+def write_fragment(
+    params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0
+) -> None:
     """Write values into the tensors in place: overwrite (alpha = 0) or blend alpha*local + (1-alpha)*value."""
     with torch.no_grad():
         for pc, v in zip(pieces, values):

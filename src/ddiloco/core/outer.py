@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +20,8 @@ class OuterNesterov:
         self.buffers: list[torch.Tensor] | None = None
 
     def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Return the new parameter values (inputs are not modified)."""
+        """Return the new parameter values. ``params`` are not modified; ``grads`` are used as
+        scratch space and overwritten (the syncer hands over its merge buffers)."""
         if self.momentum > 0:
             if self.buffers is None:
                 # torch's SGD starts the buffer at the first gradient, not at zero.
@@ -28,11 +29,10 @@ class OuterNesterov:
             else:
                 for b, g in zip(self.buffers, grads):
                     b.mul_(self.momentum).add_(g)
-            # the same operations as torch.optim.SGD(nesterov=True), without extra temporaries
-            updates = [torch.add(g, b, alpha=self.momentum) for g, b in zip(grads, self.buffers)]
-        else:
-            updates = list(grads)
-        return [torch.add(p, u, alpha=-self.lr) for p, u in zip(params, updates)]
+            # the same operations as torch.optim.SGD(nesterov=True), in place of the gradient
+            for g, b in zip(grads, self.buffers):
+                g.add_(b, alpha=self.momentum)
+        return [torch.add(p, g, alpha=-self.lr) for p, g in zip(params, grads)]
 
     def state_dict(self) -> dict[str, list[torch.Tensor] | None]:
         """The momentum buffers (lr and momentum come from the config, not the state)."""

@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
 from ddiloco.core.fragments import FragmentLayout, due_fragments, read_fragment
-from ddiloco.core.merge import Term, delta_norm, merge_fragment, token_weight
+from ddiloco.core.merge import Accumulator, make_delta, token_weight
 from ddiloco.core.messages import (
     Ack,
     Contribution,
@@ -40,8 +41,8 @@ from ddiloco.core.tape import (
     CloseReason,
     Late,
     MergedEntry,
-    RejectReason,
     Rejection,
+    RejectReason,
     RoundRecord,
     TapeRecord,
 )
@@ -113,6 +114,9 @@ class FragmentState:
     """This fragment's outer optimizer."""
     tokens_merged: int = 0
     """Tokens merged into this fragment so far."""
+    scratch: list[torch.Tensor] | None = None
+    """Merge accumulators of this fragment's open round, reused round after round (one round
+    of a fragment is open at a time): large fresh allocations cost page faults every time."""
 
     @property
     def values(self) -> list[torch.Tensor]:
@@ -127,18 +131,19 @@ class FragmentState:
 
 @dataclass
 class Pending:
-    """An accepted contribution waiting in a round: the learner's tensors as received (the only
-    copy the syncer keeps), the anchor they are measured against, and the delta's norms."""
+    """An accepted contribution waiting in a round. Its tensors now hold its outer gradient
+    (computed in place on arrival): the only copy of it the syncer keeps."""
 
     contribution: Contribution
-    values: list[torch.Tensor]
-    anchor: list[torch.Tensor] | None
+    deltas: list[torch.Tensor]
     norms: list[float]
+    weight: float
     arrived_at: float
 
-    def terms(self) -> list[Term]:
-        anchors: Sequence[torch.Tensor | None] = self.anchor or [None] * len(self.norms)
-        return [Term(a, v, n) for a, v, n in zip(anchors, self.values, self.norms)]
+
+def _anchors(anchor: list[torch.Tensor] | None, n: int) -> list[torch.Tensor | None]:
+    """Per piece, the tensor a payload is measured against (None: the payload is the delta)."""
+    return [None] * n if anchor is None else list(anchor)
 
 
 @dataclass
@@ -157,6 +162,8 @@ class Round:
     in_grace: set[int] = field(default_factory=set)
     rejected: list[Rejection] = field(default_factory=list)
     rejected_total: int = 0
+    merge: list[Accumulator] = field(default_factory=list)
+    """The running merge, one accumulator per piece, fed as contributions arrive."""
 
 
 class Syncer:
@@ -274,7 +281,8 @@ class Syncer:
             out.messages.append(self._update(c.learner, c.fragment, "stale", now))
             return
         # The fragment only changes when its round closes, so the anchor chosen now is the one
-        # the merge uses; it is a reference to kept values, not a copy.
+        # the merge would use at the close. The payload becomes the delta in place: the syncer
+        # takes ownership of the tensors it is handed.
         values = c.values
         anchor: list[torch.Tensor] | None = base if self.cfg.anchor == "base" else frag.values
         if c.kind == "delta":
@@ -282,8 +290,7 @@ class Syncer:
                 anchor = None  # the payload already is the outer gradient against its base
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
-        anchors: Sequence[torch.Tensor | None] = anchor if anchor is not None else [None] * len(values)
-        norms = [delta_norm(a, v) for a, v in zip(anchors, values)]
+        norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
         problem = check_norm(norms, self.cfg)
         if problem is not None:
             self._reject(c, *problem, now, out)
@@ -299,7 +306,13 @@ class Syncer:
                 return
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
         info.last_seq[c.fragment] = c.seq
-        rnd.pending[c.learner] = Pending(c, values, anchor, norms, now)  # newer replaces older
+        old = rnd.pending.get(c.learner)
+        if old is not None:  # a newer answer replaces the older one: take that one back out
+            for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
+                acc.add(d, n, old.weight, sign=-1.0)
+        pending = rnd.pending[c.learner] = Pending(c, values, norms, token_weight(c.tokens, c.steps), now)
+        for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
+            acc.add(d, n, pending.weight)
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
@@ -362,7 +375,11 @@ class Syncer:
 
     def _open(self, p: int, now: float) -> Round:
         self._round_ids += 1
-        rnd = Round(self._round_ids, p, now, set(self.live(now)))
+        frag = self.fragments[p]
+        if frag.scratch is None:
+            frag.scratch = [torch.empty_like(v) for v in frag.values]
+        merge = [Accumulator(t, rda=self.cfg.merge == "rda" and not emb) for t, emb in zip(frag.scratch, self._emb[p])]
+        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge)
         self.rounds[p] = rnd
         return rnd
 
@@ -449,7 +466,7 @@ class Syncer:
         frag = self.fragments[rnd.fragment]
         pending = [rnd.pending[m] for m in sorted(rnd.pending)]
         contribs = [pd.contribution for pd in pending]
-        weights = [token_weight(c.tokens, c.steps) for c in contribs]
+        weights = [pd.weight for pd in pending]
         record = RoundRecord(
             rnd.fragment,
             rnd.round_id,
@@ -463,7 +480,7 @@ class Syncer:
             rejected_total=rnd.rejected_total,
         )
         if contribs and sum(weights) > 0:
-            merged = merge_fragment([pd.terms() for pd in pending], weights, self._emb[rnd.fragment], self.cfg.merge)
+            merged = [acc.result() for acc in rnd.merge]
             frag.outer.lr = self.outer_lr()
             frag.version += 1
             frag.history.append((frag.version, frag.outer.step(frag.values, merged)))
@@ -478,7 +495,14 @@ class Syncer:
             staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
             record.merged.append(
                 MergedEntry(
-                    c.learner, c.incarnation, c.seq, c.base_version, staleness, w, c.tokens, c.steps,
+                    c.learner,
+                    c.incarnation,
+                    c.seq,
+                    c.base_version,
+                    staleness,
+                    w,
+                    c.tokens,
+                    c.steps,
                     c.learner in rnd.in_grace,
                 )
             )
@@ -518,7 +542,9 @@ class Syncer:
     def _update(self, learner: int, p: int, reason: UpdateReason, now: float) -> FragmentUpdate:
         frag = self.fragments[p]
         live = max(1, len(self.live(now)))
-        return FragmentUpdate(learner, p, frag.version, frag.values, self.global_tokens, live, self.max_step_seen, reason)
+        return FragmentUpdate(
+            learner, p, frag.version, frag.values, self.global_tokens, live, self.max_step_seen, reason
+        )
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global model as a name -> tensor map (row-split pieces joined back)."""
@@ -574,7 +600,9 @@ class Syncer:
         self.max_step_seen = int(meta["max_step_seen"])
         self._round_ids = int(meta["round_ids"])
         for m, rec in meta["learners"].items():
-            info = self.learners.setdefault(int(m), LearnerInfo(int(rec["incarnation"]), -math.inf, Ema(self.cfg.ema_decay)))
+            info = self.learners.setdefault(
+                int(m), LearnerInfo(int(rec["incarnation"]), -math.inf, Ema(self.cfg.ema_decay))
+            )
             info.data_position = int(rec["data_position"])
             info.incarnation = int(rec["incarnation"])
             # Replays of contributions merged before the restart stay refused after it.

@@ -8,7 +8,8 @@ a value is not finite (or the norm overflows), and ``check_norm`` refuses both.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -20,7 +21,7 @@ from ddiloco.core.tape import RejectReason
 Problem = tuple[RejectReason, str]
 
 
-def check_counters(steps: int, tokens: int, cfg: DiLoCoConfig) -> Problem | None:
+def check_counters(steps: object, tokens: object, cfg: DiLoCoConfig) -> Problem | None:
     """The weight is tokens^2/steps, so one inflated counter would otherwise dominate a merge."""
     if not isinstance(steps, int) or not isinstance(tokens, int):
         return "bad_counters", "counters must be integers"
@@ -41,11 +42,14 @@ def check_payload(c: Contribution, pieces: Sequence[Piece]) -> Problem | None:
         return "bad_payload", f"unknown payload kind {c.kind!r}"
     if len(c.values) != len(pieces):
         return "bad_payload", f"fragment {c.fragment} has {len(pieces)} tensors, contribution has {len(c.values)}"
-    for pc, v in zip(pieces, c.values):
+    for pc, v in zip(pieces, cast(list[object], c.values)):  # decoded from outside: check, don't trust
         if not isinstance(v, torch.Tensor):
             return "bad_payload", f"{pc.name}: not a tensor"
         if tuple(v.shape) != pc.shape:
-            return "bad_payload", f"{pc.name}[{pc.row_start}:{pc.row_end}]: shape {tuple(v.shape)} != expected {pc.shape}"
+            return (
+                "bad_payload",
+                f"{pc.name}[{pc.row_start}:{pc.row_end}]: shape {tuple(v.shape)} != expected {pc.shape}",
+            )
         if v.dtype != torch.float32:
             return "bad_payload", f"{pc.name}: dtype {v.dtype} != expected torch.float32"
     return None

@@ -12,8 +12,14 @@ from ddiloco.report.accounting import Goodput
 
 def summarise_tape(tape: list[dict[str, Any]], num_fragments: int) -> dict[str, float]:
     """Rounds per fragment, mean learners per merge, grace admissions, rejections, late answers."""
-    merges = [e for e in tape if e.get("event") == "round" and e["merged"] and e["version"] > 0 and any(m["weight"] > 0 for m in e["merged"])]
-    rejected = sum(e.get("rejected_total", len(e.get("rejected", []))) for e in tape if e.get("event") == "round") + sum(1 for e in tape if e.get("event") == "rejected")
+    merges = [
+        e
+        for e in tape
+        if e.get("event") == "round" and e["merged"] and e["version"] > 0 and any(m["weight"] > 0 for m in e["merged"])
+    ]
+    rejected = sum(
+        e.get("rejected_total", len(e.get("rejected", []))) for e in tape if e.get("event") == "round"
+    ) + sum(1 for e in tape if e.get("event") == "rejected")
     return {
         "rounds_per_fragment": len(merges) / num_fragments,
         "learners_per_merge": sum(len(e["merged"]) for e in merges) / len(merges) if merges else 0.0,

@@ -14,10 +14,10 @@ import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
-from ddiloco.training.evaluate import evaluate
-from ddiloco.training.layout import layout_for
 from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.training.evaluate import evaluate
+from ddiloco.training.layout import layout_for
 from ddiloco.workloads.config import load_workload
 
 
@@ -83,11 +83,16 @@ def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = Fa
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)
-                rec = {"event": "eval", "time": time.time(), "loss": loss, "merged_tokens": sum(s.global_tokens for s in states) / len(states), "versions": versions}
+                rec = {
+                    "event": "eval",
+                    "time": time.time(),
+                    "loss": loss,
+                    "merged_tokens": sum(s.global_tokens for s in states) / len(states),
+                    "versions": versions,
+                }
                 with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             if once:
                 return 0
         time.sleep(0.1)
     return 0
-

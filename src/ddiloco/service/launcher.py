@@ -15,9 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import tomli_w
 
@@ -52,8 +53,10 @@ class Proc:
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         if self.log is not None:
             self.log.close()
-        self.log = open(log_dir / f"{self.name}.log", "ab")
-        self.popen = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.log = open(log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 (open for the child's lifetime)
+        self.popen = subprocess.Popen(
+            self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.started_at = time.time()
 
     def alive(self) -> bool:
@@ -82,7 +85,9 @@ class LearnerBook:
 
 
 class Launcher:
-    def __init__(self, cfg: Config, run_dir: str | Path, host: str = "127.0.0.1", on_status: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: str | Path, host: str = "127.0.0.1", on_status: Callable[[dict], None] | None = None
+    ) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -93,8 +98,16 @@ class Launcher:
         py = [sys.executable, "-m", "ddiloco"]
         rd = str(self.run_dir)
         self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, str(self.cfg_path)])
-        self.learners = [Proc(f"learner-{m}", [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, str(self.cfg_path)]) for m in range(cfg.run.num_learners)]
-        self.evaluator = Proc("evaluator", [*py, "evaluator", "--syncer", self.addr, "--run-dir", rd, str(self.cfg_path)])
+        self.learners = [
+            Proc(
+                f"learner-{m}",
+                [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, str(self.cfg_path)],
+            )
+            for m in range(cfg.run.num_learners)
+        ]
+        self.evaluator = Proc(
+            "evaluator", [*py, "evaluator", "--syncer", self.addr, "--run-dir", rd, str(self.cfg_path)]
+        )
         self.books = [LearnerBook() for _ in self.learners]
         self.faults: list[dict] = []
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -115,7 +128,9 @@ class Launcher:
             if st and st.get("pid") == self.syncer.popen.pid:
                 return
             time.sleep(0.1)
-        raise DDiLoCoError(f"the syncer did not come up within {timeout:.0f} s; see {self.run_dir / 'logs' / 'syncer.log'}")
+        raise DDiLoCoError(
+            f"the syncer did not come up within {timeout:.0f} s; see {self.run_dir / 'logs' / 'syncer.log'}"
+        )
 
     def _bank(self, m: int) -> dict | None:
         """Add a finished incarnation's figures (from its last status) to the learner's book."""
@@ -176,7 +191,10 @@ class Launcher:
                         if code == EXIT_REFUSED:
                             raise DDiLoCoError(f"learner {m} was refused by the syncer; see {logs / p.name}.log")
                         if p.restarts >= rt.restart_limit:
-                            raise DDiLoCoError(f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = {rt.restart_limit}); see {logs / p.name}.log")
+                            raise DDiLoCoError(
+                                f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = "
+                                f"{rt.restart_limit}); see {logs / p.name}.log"
+                            )
                         pending_restarts.append((now + rt.restart_delay_s, m))
                 for when, m in list(pending_restarts):
                     if now >= when:
@@ -268,15 +286,21 @@ class Launcher:
 
     def status(self, t0: float) -> dict:
         learners = [read_status(self.run_dir / "status" / f"learner-{m}.json") or {} for m in range(len(self.learners))]
-        return {"t": time.time() - t0, "T": self.cfg.runtime.duration_s, "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
-                "learners": learners, "alive": [p.alive() for p in self.learners], "faults": len(self.faults)}
+        return {
+            "t": time.time() - t0,
+            "T": self.cfg.runtime.duration_s,
+            "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
+            "learners": learners,
+            "alive": [p.alive() for p in self.learners],
+            "faults": len(self.faults),
+        }
 
     def finish(self, elapsed: float) -> dict:
         """Final evaluation of the global model and the run folder."""
         from safetensors.torch import load_file
 
-        from ddiloco.training.evaluate import evaluate
         from ddiloco.report.rundir import write_run_dir
+        from ddiloco.training.evaluate import evaluate
         from ddiloco.workloads.config import load_workload
 
         wl = load_workload(self.cfg.workload)
@@ -284,7 +308,11 @@ class Launcher:
         model.load_state_dict(load_file(str(self.run_dir / "final" / "model.safetensors")))
         final_loss = evaluate(wl, model, wl.eval_batches())
         tape = read_tape(self.run_dir / "state" / "tape.jsonl")
-        evals = [json.loads(l) for l in (self.run_dir / "metrics" / "eval.jsonl").read_text().splitlines()] if (self.run_dir / "metrics" / "eval.jsonl").exists() else []
+        evals = (
+            [json.loads(line) for line in (self.run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+            if (self.run_dir / "metrics" / "eval.jsonl").exists()
+            else []
+        )
         evals.append({"time": time.time(), "loss": final_loss, "final": True})
         for e in evals:
             e["time"] -= self._t0  # seconds since the learners started, like the fault log's "t"
@@ -297,11 +325,30 @@ class Launcher:
         outages = [(m, a, min(b, elapsed)) for m, bk in enumerate(self.books) for a, b in bk.outages]
         need = self.cfg.algo.quorum_size or 1
         result = RunResult(
-            method=f"{self.cfg.run.method} (real)", final_loss=final_loss, evals=[{"time": e["time"], "tokens": 0, "merged_tokens": e.get("merged_tokens", 0.0), "loss": e["loss"], "final": e.get("final", False)} for e in evals],
-            horizon_s=elapsed, tokens_processed=sum(b.tokens for b in self.books), tokens_merged=float(syncer_status.get("global_tokens", 0.0)),
-            goodput=Goodput(compute / alloc, 0.0, down / alloc, restarting / alloc), uptime=uptime(outages, len(self.books), min(need, len(self.books)), elapsed),
-            lost_steps=sum(b.lost_steps for b in self.books), failures=sum(b.failures for b in self.books), num_fragments=P, tape=tape,
-            log=self.faults, state=dict(model.state_dict()), **summarise_tape(tape, P),
+            method=f"{self.cfg.run.method} (real)",
+            final_loss=final_loss,
+            evals=[
+                {
+                    "time": e["time"],
+                    "tokens": 0,
+                    "merged_tokens": e.get("merged_tokens", 0.0),
+                    "loss": e["loss"],
+                    "final": e.get("final", False),
+                }
+                for e in evals
+            ],
+            horizon_s=elapsed,
+            tokens_processed=sum(b.tokens for b in self.books),
+            tokens_merged=float(syncer_status.get("global_tokens", 0.0)),
+            goodput=Goodput(compute / alloc, 0.0, down / alloc, restarting / alloc),
+            uptime=uptime(outages, len(self.books), min(need, len(self.books)), elapsed),
+            lost_steps=sum(b.lost_steps for b in self.books),
+            failures=sum(b.failures for b in self.books),
+            num_fragments=P,
+            tape=tape,
+            log=self.faults,
+            state=dict(model.state_dict()),
+            **summarise_tape(tape, P),
         )
         write_run_dir(self.run_dir, self.cfg, result)
         summary = result.summary()

@@ -14,8 +14,9 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -97,15 +98,31 @@ class LearnerProcess:
         self.comm: LearnerComm | None = None
         if syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
             rt = cfg.runtime
-            factory = connect or (lambda addrs, ident: ZmqLearnerSocket(addrs, ident, rt.backoff_initial_s, rt.backoff_max_s))
+            factory = connect or (
+                lambda addrs, ident: ZmqLearnerSocket(addrs, ident, rt.backoff_initial_s, rt.backoff_max_s)
+            )
             sock = factory(syncers, learner_identity(learner_id))
             self.comm = LearnerComm(
-                rt, learner_id, self.incarnation, param_spec(self.model), self.layout.digest, syncers, sock, clock,
+                rt,
+                learner_id,
+                self.incarnation,
+                param_spec(self.model),
+                self.layout.digest,
+                syncers,
+                sock,
+                clock,
                 str(self.device),
             )
         self.stats: dict[str, Any] = {
-            "steps": 0, "tokens": 0, "compute_s": 0.0, "sync_s": 0.0, "blocked_s": 0.0, "loss": None,
-            "applied": 0, "started": clock.wall(), "first_step_at": None,
+            "steps": 0,
+            "tokens": 0,
+            "compute_s": 0.0,
+            "sync_s": 0.0,
+            "blocked_s": 0.0,
+            "loss": None,
+            "applied": 0,
+            "started": clock.wall(),
+            "first_step_at": None,
         }
         self._step_ema = 0.0
 
@@ -128,12 +145,16 @@ class LearnerProcess:
                 if msg.source >= 0 and msg.tensors:
                     problem = load_state(self.opt, msg, self.device)
                     if problem is not None:
-                        log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem)
+                        log.warning(
+                            "learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem
+                        )
                 continue
             receipt = self.core.on_update(msg)
             if receipt.mode == "ignore":
                 continue
-            write_fragment(self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha)
+            write_fragment(
+                self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha
+            )
             self.stats["applied"] += 1
             if self.comm is not None:
                 self.comm.post(Ack(self.id, self.incarnation, msg.fragment, msg.version))
@@ -201,7 +222,10 @@ class LearnerProcess:
         if len(got) < total and not comm.stop.is_set():
             log.warning(
                 "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
-                self.id, len(got), total, self.cfg.runtime.join_timeout_s,
+                self.id,
+                len(got),
+                total,
+                self.cfg.runtime.join_timeout_s,
             )
 
     # -- the loop ----------------------------------------------------------------------------
@@ -315,11 +339,18 @@ class LearnerProcess:
         write_status(
             self.run_dir / "status" / f"{name}.json",
             {
-                "rank": self.rank, "world": self.world, "param_checksum": checksum, "learner": self.id,
-                "incarnation": self.incarnation, "pid": os.getpid(), "time": self.clock.wall(),
-                "step_time_ema": self._step_ema, "base_versions": list(self.core.base_version),
+                "rank": self.rank,
+                "world": self.world,
+                "param_checksum": checksum,
+                "learner": self.id,
+                "incarnation": self.incarnation,
+                "pid": os.getpid(),
+                "time": self.clock.wall(),
+                "step_time_ema": self._step_ema,
+                "base_versions": list(self.core.base_version),
                 "pending_steps": sum(self.core.steps) / len(self.core.steps),
-                "answered": 0 if comm is None else comm.answered, "comm_cpu_s": 0.0 if comm is None else comm.cpu_s,
+                "answered": 0 if comm is None else comm.answered,
+                "comm_cpu_s": 0.0 if comm is None else comm.cpu_s,
                 **self.stats,
             },
         )

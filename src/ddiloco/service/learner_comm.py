@@ -163,7 +163,9 @@ class LearnerComm:
                         link.warned = True
                         log.warning(
                             "learner %d: syncer %s unreachable for %.1f s; training on and retrying with backoff",
-                            self.learner, link.address, silent,
+                            self.learner,
+                            link.address,
+                            silent,
                         )
                 if not link.joined and now >= link.next_join:
                     self.sock.send(index, encode(self._register()))
@@ -177,7 +179,9 @@ class LearnerComm:
 
     def _register(self) -> Register:
         bases = list(self.progress.base_versions) if self.first_join.is_set() else []
-        return Register(self.learner, self.incarnation, self.params, self.layout_digest, bases, os.getpid(), self.device)
+        return Register(
+            self.learner, self.incarnation, self.params, self.layout_digest, bases, os.getpid(), self.device
+        )
 
     def _route(self, msg: Any) -> list[int]:
         frag = getattr(msg, "fragment", None)

@@ -42,7 +42,21 @@ FORMAT = 2
 """Version of the files in ``state/`` (2: records carry incarnations and sequence numbers;
 the folder has a FORMAT file). Another version is refused at restore."""
 # Only these dtypes may be named in a file; the name is never eval'd or used to import anything.
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class StateError(DDiLoCoError):
@@ -104,7 +118,9 @@ def _tensors(buf: bytearray, header: dict[str, Any]) -> Tensors:
         if nbytes == 0:
             out[name] = torch.empty(shape, dtype=dt)
         else:  # clone first: frombuffer at an odd offset may be misaligned for the dtype
-            out[name] = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off).clone().view(dt).reshape(shape)
+            out[name] = (
+                torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off).clone().view(dt).reshape(shape)
+            )
         off += nbytes
     return out
 
@@ -145,7 +161,9 @@ class SyncerStore:
 
     def __init__(self, run_dir: str | Path, shard: int = 0, num_shards: int = 1, fsync: bool = True) -> None:
         if not 0 <= shard < num_shards:
-            raise StateError(f"syncer shard {shard} is out of range for {num_shards} shards; allowed: 0..{num_shards - 1}")
+            raise StateError(
+                f"syncer shard {shard} is out of range for {num_shards} shards; allowed: 0..{num_shards - 1}"
+            )
         if sys.byteorder != "little":
             raise StateError("syncer state files are little-endian; this host is big-endian")
         self.root = Path(run_dir) / "state"
@@ -239,8 +257,14 @@ class SyncerStore:
             ts, meta = _encode(rec)
             tensors.update({f"{rec.fragment}/{k}": v for k, v in ts.items()})
             frags.append(meta)
-        header = {"snapshot": self._snap_no, "seq": self._seq, "signature": self.signature, "owned": self.owned,
-                  "fragments": frags, "syncer": syncer_meta}
+        header = {
+            "snapshot": self._snap_no,
+            "seq": self._seq,
+            "signature": self.signature,
+            "owned": self.owned,
+            "fragments": frags,
+            "syncer": syncer_meta,
+        }
         tmp, final, prev = self.dir / "snapshot.tmp", self.dir / "snapshot.bin", self.dir / "snapshot.prev.bin"
         with open(tmp, "wb") as f:
             for b in _frame(_SNAPSHOT, header, tensors):
@@ -289,7 +313,10 @@ class SyncerStore:
         sharded = self.root.exists() and any(self.root.glob("shard-*"))
         if (self.num_shards > 1 and flat) or (self.num_shards == 1 and sharded):
             other = "1 syncer shard" if flat else "several syncer shards"
-            raise StateError(f"{self.root} was written by {other}, not {self.num_shards}; use the same number of shards or a fresh --run-dir")
+            raise StateError(
+                f"{self.root} was written by {other}, not {self.num_shards}; use the same number of shards or a "
+                "fresh --run-dir"
+            )
 
     def _check_layout(self, saved: list[Any], fragments: list[int], what: str) -> None:
         mine = self.signature

@@ -90,7 +90,9 @@ class SyncerService:
         fsync: bool = True,
     ) -> None:
         if not 0 <= shard < num_shards:
-            raise DDiLoCoError(f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}")
+            raise DDiLoCoError(
+                f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}"
+            )
         self.cfg, self.run_dir, self.shard, self.num_shards = cfg, Path(run_dir), shard, num_shards
         self.clock = clock
         wl = load_workload(cfg.workload)
@@ -154,7 +156,9 @@ class SyncerService:
             claimed = msg.source if isinstance(msg, PeerState) else msg.learner
             if self.identities.get(claimed) != identity:
                 # Unknown here (e.g. this syncer restarted): a heartbeat with our epoch makes it re-join.
-                self._count_bad("unknown_sender", f"message from unregistered sender {identity!r} claiming learner {claimed}")
+                self._count_bad(
+                    "unknown_sender", f"message from unregistered sender {identity!r} claiming learner {claimed}"
+                )
                 self._send(identity, SyncerHeartbeat(self.epoch, self.shard))
                 return
             if isinstance(msg, RELAYED):
@@ -216,7 +220,10 @@ class SyncerService:
         end = None if max_seconds is None else self.clock.monotonic() + max_seconds
         log.info(
             "syncer shard %d/%d: %d fragments, versions %s",
-            self.shard, self.num_shards, len(self.core.owned), "restored" if self.restored else "fresh",
+            self.shard,
+            self.num_shards,
+            len(self.core.owned),
+            "restored" if self.restored else "fresh",
         )
         while not self.stopping and (end is None or self.clock.monotonic() < end):
             now = self.clock.monotonic()
@@ -248,10 +255,16 @@ class SyncerService:
     def write_status(self) -> None:
         now = self.clock.monotonic()
         status = {
-            "shard": self.shard, "time": self.clock.wall(), "epoch": self.epoch, "pid": os.getpid(),
+            "shard": self.shard,
+            "time": self.clock.wall(),
+            "epoch": self.epoch,
+            "pid": os.getpid(),
             "versions": {p: self.core.fragments[p].version for p in self.core.owned},
-            "live": self.core.live(now), "global_tokens": self.core.global_tokens,
-            "cpu_s": time.process_time(), "wall_s": now - self._started, **self.counts,
+            "live": self.core.live(now),
+            "global_tokens": self.core.global_tokens,
+            "cpu_s": time.process_time(),
+            "wall_s": now - self._started,
+            **self.counts,
         }
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
 
@@ -289,4 +302,3 @@ def bind_syncer(cfg: Config, bind: str, run_dir: str | Path, shard: int = 0, num
     except BaseException:
         sock.close()
         raise
-

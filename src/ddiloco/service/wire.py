@@ -32,8 +32,18 @@ from ddiloco.service.protocol import (
 
 SCHEMA = 2  # 2: incarnations and sequence numbers, Register replaces Join
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
-MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "int8": torch.int8}
+MESSAGES: dict[str, type] = {
+    cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState)
+}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
 _NP_VIEW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: move the bits as int16
 MAX_HEADER = 1 << 20
 
@@ -93,7 +103,10 @@ def decode(frames: list[Any]) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise WireError("header is not UTF-8 JSON") from None
     if not isinstance(header, dict) or header.get("v") != SCHEMA:
-        raise WireError(f"unsupported schema version {header.get('v') if isinstance(header, dict) else None!r} (this build speaks {SCHEMA})")
+        raise WireError(
+            f"unsupported schema version {header.get('v') if isinstance(header, dict) else None!r} (this build "
+            f"speaks {SCHEMA})"
+        )
     cls = MESSAGES.get(header.get("type"))
     if cls is None:
         raise WireError(f"unknown message type {header.get('type')!r}")
@@ -115,7 +128,11 @@ def decode(frames: list[Any]) -> Any:
             kwargs[f].append(t)
         else:
             kwargs[f][str(key)] = t
-    defaults = {fl.name for fl in dataclasses.fields(cls) if fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING}
+    defaults = {
+        fl.name
+        for fl in dataclasses.fields(cls)
+        if fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
+    }
     for f, tp in hints.items():
         if f in tensor_fields:
             continue

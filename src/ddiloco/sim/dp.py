@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ddiloco.config import Config
 from ddiloco.report.accounting import Goodput
+from ddiloco.report.result import RunResult
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
-from ddiloco.report.result import RunResult
 from ddiloco.workloads.base import Workload
 
 
-def run_data_parallel(cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None) -> RunResult:
+def run_data_parallel(
+    cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None
+) -> RunResult:
     """Train one model on the M shards' batches together (no failures: the healthy reference).
 
     Each step averages the loss over one batch from every shard, which equals averaging M
@@ -24,7 +26,9 @@ def run_data_parallel(cfg: Config, workload: Workload, on_progress: Callable[[fl
     if cfg.chaos.enabled:
         from ddiloco.errors import ConfigError
 
-        raise ConfigError("chaos is not modelled for run.method = 'dp' (it is the healthy reference); set chaos.enabled = false")
+        raise ConfigError(
+            "chaos is not modelled for run.method = 'dp' (it is the healthy reference); set chaos.enabled = false"
+        )
     torch.use_deterministic_algorithms(True)
     r = cfg.run
     model = workload.build_model(r.seed)
@@ -45,12 +49,33 @@ def run_data_parallel(cfg: Config, workload: Workload, on_progress: Callable[[fl
         tokens += sum(b.tokens for b in batches)
         if step in eval_at or step == steps:
             t = step * cfg.sim.step_time_s
-            evals.append({"time": t, "tokens": tokens, "merged_tokens": tokens, "loss": evaluate(workload, model, eval_batches), "final": step == steps})
+            evals.append(
+                {
+                    "time": t,
+                    "tokens": tokens,
+                    "merged_tokens": tokens,
+                    "loss": evaluate(workload, model, eval_batches),
+                    "final": step == steps,
+                }
+            )
             if on_progress:
                 on_progress(t, horizon)
     return RunResult(
-        method="dp", final_loss=evals[-1]["loss"], evals=evals, horizon_s=horizon, tokens_processed=tokens,
-        tokens_merged=tokens, goodput=Goodput(1.0, 0.0, 0.0, 0.0), uptime=1.0, lost_steps=0.0, failures=0,
-        num_fragments=1, rounds_per_fragment=float(steps), learners_per_merge=float(r.num_learners),
-        grace_admissions=0, rejected=0, late=0, state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        method="dp",
+        final_loss=evals[-1]["loss"],
+        evals=evals,
+        horizon_s=horizon,
+        tokens_processed=tokens,
+        tokens_merged=tokens,
+        goodput=Goodput(1.0, 0.0, 0.0, 0.0),
+        uptime=1.0,
+        lost_steps=0.0,
+        failures=0,
+        num_fragments=1,
+        rounds_per_fragment=float(steps),
+        learners_per_merge=float(r.num_learners),
+        grace_admissions=0,
+        rejected=0,
+        late=0,
+        state={k: v.detach().clone() for k, v in model.state_dict().items()},
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -12,7 +12,9 @@ from ddiloco.workloads.base import Workload
 from ddiloco.workloads.config import load_workload
 
 
-def simulate(cfg: Config, workload: Workload | None = None, on_progress: Callable[[float, float], None] | None = None) -> RunResult:
+def simulate(
+    cfg: Config, workload: Workload | None = None, on_progress: Callable[[float, float], None] | None = None
+) -> RunResult:
     """Train ``cfg.run.method`` in virtual time and return its result."""
     torch.set_num_threads(cfg.run.threads)
     wl = workload if workload is not None else load_workload(cfg.workload)

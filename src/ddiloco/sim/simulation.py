@@ -12,8 +12,9 @@ import copy
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,10 +28,10 @@ from ddiloco.core.messages import Ack, FragmentRequest, FragmentUpdate, Heartbea
 from ddiloco.core.syncer import Output, Syncer
 from ddiloco.core.tape import TapeRecord
 from ddiloco.report.accounting import TimeAccount, fleet_goodput, uptime
+from ddiloco.report.result import RunResult, summarise_tape
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for
-from ddiloco.report.result import RunResult, summarise_tape
 from ddiloco.workloads.base import DataStream, Workload
 
 SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)
@@ -62,7 +63,9 @@ class SimLearner:
 class Simulation:
     """Runs one configured method in virtual time and returns a RunResult."""
 
-    def __init__(self, cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None) -> None:
+    def __init__(
+        self, cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None
+    ) -> None:
         self.cfg, self.wl, self.on_progress = cfg, workload, on_progress
         a, s, r = cfg.algo, cfg.sim, cfg.run
         torch.use_deterministic_algorithms(True)
@@ -79,7 +82,18 @@ class Simulation:
         for m in range(m_count):
             model = copy.deepcopy(base)
             stream = workload.train_stream(m, m_count, r.seed)
-            self.learners.append(SimLearner(m, model, dict(model.named_parameters()), make_optimizer(model, cfg.inner), stream, LearnerCore(a, m, self.layout.num_fragments), speeds[m], np.random.default_rng([r.seed, 0x5EED, m])))
+            self.learners.append(
+                SimLearner(
+                    m,
+                    model,
+                    dict(model.named_parameters()),
+                    make_optimizer(model, cfg.inner),
+                    stream,
+                    LearnerCore(a, m, self.layout.num_fragments),
+                    speeds[m],
+                    np.random.default_rng([r.seed, 0x5EED, m]),
+                )
+            )
         first = self.learners[0].stream.next_batch()
         self.learners[0].stream.seek(0)
         self.tokens_per_step = first.tokens
@@ -219,7 +233,9 @@ class Simulation:
         if peer is not None:
             ln.opt.load_state_dict(copy.deepcopy(peer.opt.state_dict()))
         ln.stream.seek(self.syncer.data_position(ln.id))
-        self.log.append({"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id})
+        self.log.append(
+            {"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id}
+        )
         ln.account.switch("compute", self.now)
         self._dispatch(out)
         self._start_step(ln)
@@ -232,7 +248,15 @@ class Simulation:
 
     def _record_eval(self, final: bool = False) -> None:
         loss = self._evaluate()
-        self.evals.append({"time": self.now, "tokens": sum(ln.core.tokens_processed for ln in self.learners), "merged_tokens": self.syncer.global_tokens, "loss": loss, "final": final})
+        self.evals.append(
+            {
+                "time": self.now,
+                "tokens": sum(ln.core.tokens_processed for ln in self.learners),
+                "merged_tokens": self.syncer.global_tokens,
+                "loss": loss,
+                "final": final,
+            }
+        )
 
     # -- main loop -------------------------------------------------------------------------
 
@@ -251,8 +275,12 @@ class Simulation:
             "fail": lambda ln, d: self._on_fail(ln, *d),
             "restart_begin": lambda ln, d: ln.account.switch("restarting", self.now),
             "rejoin": lambda ln, d: self._on_rejoin(ln),
-            "unblock_check": lambda ln, gen: gen == ln.gen and ln.account.state == "blocked" and self._continue_or_block(ln),
-            "blocked_heartbeat": lambda ln, gen: gen == ln.gen and ln.account.state == "blocked" and self._blocked_heartbeat(ln),
+            "unblock_check": lambda ln, gen: gen == ln.gen
+            and ln.account.state == "blocked"
+            and self._continue_or_block(ln),
+            "blocked_heartbeat": lambda ln, gen: gen == ln.gen
+            and ln.account.state == "blocked"
+            and self._blocked_heartbeat(ln),
         }
         while self.events and self.events[0][0] <= self.horizon:
             t, actor, _, kind, data = heapq.heappop(self.events)

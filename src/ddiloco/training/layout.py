@@ -33,6 +33,8 @@ class ModelLayout:
 
 def layout_for(model: nn.Module, workload: Workload, algo: DiLoCoConfig) -> ModelLayout:
     """The layout ``algo`` asks for on ``model``; the workload says which tensors are embedding-like."""
-    fragments = make_layout(specs_of(model.named_parameters()), algo.fixed_fragments, algo.fragment_strategy, algo.sync_every)
+    fragments = make_layout(
+        specs_of(model.named_parameters()), algo.fixed_fragments, algo.fragment_strategy, algo.sync_every
+    )
     flags = tuple(workload.is_embedding_like(pc.name) for frag in fragments.fragments for pc in frag)
     return ModelLayout(fragments, flags)

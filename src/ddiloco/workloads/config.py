@@ -8,8 +8,9 @@ That is how a user's own model and dataset plug in without editing this package.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ddiloco.errors import ConfigError
 from ddiloco.workloads.base import Workload
@@ -82,9 +83,7 @@ def _split_factory(spec: str) -> tuple[str, str]:
     """Split ``"package.module:callable"`` into its module and attribute path."""
     module, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not module.strip() or not attr.strip() or ":" in attr:
-        raise ConfigError(
-            f"workload.factory {spec!r} is malformed; write it as 'package.module:callable'"
-        )
+        raise ConfigError(f"workload.factory {spec!r} is malformed; write it as 'package.module:callable'")
     return module.strip(), attr.strip()
 
 

