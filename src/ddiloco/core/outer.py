@@ -28,7 +28,7 @@ class OuterNesterov:
                 self.buffers = [g.detach().clone() for g in grads]
             else:
                 for b, g in zip(self.buffers, grads):
-                    b.mul_(self.momentum).add_(g)
+                    torch.add(g, b, alpha=self.momentum, out=b)  # b = momentum * b + g, in one pass
             # the same operations as torch.optim.SGD(nesterov=True), in place of the gradient
             for g, b in zip(grads, self.buffers):
                 g.add_(b, alpha=self.momentum)
