@@ -1,5 +1,6 @@
 """Bad configs fail before any work with one line naming the field and its allowed range."""
 
+import json
 import subprocess
 import sys
 
@@ -136,3 +137,25 @@ def test_simulate_cli_writes_the_run_folder(tmp_path):
     model = load_workload(cfg.workload).build_model(0)
     model.load_state_dict(load_file(str(run_dir / "final" / "model.safetensors")))
     assert cfg.chaos.enabled  # the demo defaults: chaos on
+
+
+def test_run_folders_of_another_format_are_refused_before_anything_is_written(tmp_path):
+    from ddiloco.errors import DDiLoCoError
+    from ddiloco.report.rundir import RUN_FORMAT, prepare_run_dir
+
+    fresh = prepare_run_dir(tmp_path / "new", "test")
+    assert json.loads((fresh / "run.json").read_text())["format"] == RUN_FORMAT
+    assert prepare_run_dir(fresh, "test again") == fresh  # ours: fine
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "syncer.log").write_text("a log a user redirected here first")
+    assert (prepare_run_dir(logs, "test") / "run.json").exists()  # not a run folder yet: becomes one
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.toml").write_text("")  # a folder an older ddiloco wrote: no run.json
+    with pytest.raises(DDiLoCoError, match="no run.json.*another folder"):
+        prepare_run_dir(old, "test")
+    (old / "run.json").write_text('{"format": 0}')
+    with pytest.raises(DDiLoCoError, match="format 0"):
+        prepare_run_dir(old, "test")
+    assert sorted(p.name for p in old.iterdir()) == ["config.toml", "run.json"]  # nothing written

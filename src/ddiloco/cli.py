@@ -50,7 +50,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from ddiloco.config import load_config
     from ddiloco.methods import PRESETS
-    from ddiloco.report.rundir import write_run_dir
+    from ddiloco.report.rundir import prepare_run_dir, write_run_dir
     from ddiloco.sim.run import simulate
 
     overrides = list(args.set or [])
@@ -62,6 +62,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         overrides = ["chaos.enabled=true", 'chaos.stragglers=["1:2.0"]', *overrides]
     overrides.append(f"run.method={method}")
     cfg = load_config(args.config, overrides, base=PRESETS[method])
+    prepare_run_dir(cfg.run.run_dir, "ddiloco simulate")  # refuse a foreign folder before any work
     console = Console(stderr=True)
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
             return int(args.func(args) or 0)
     except DDiLoCoError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # the one line a user reads; no logger prefix
         return 2
 
 

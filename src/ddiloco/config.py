@@ -1,7 +1,7 @@
 """A run's whole configuration: TOML file + ``--set key=value`` overrides -> frozen dataclasses.
 
 Sections map one to one onto dataclasses: ``[run]`` RunSection, ``[workload]`` WorkloadConfig,
-``[algo]`` DiLoCoConfig, ``[inner]`` InnerConfig, ``[sim]`` SimConfig, ``[chaos]`` ChaosConfig.
+``[algo]`` DiLoCoConfig, ``[inner]`` InnerConfig, ``[sim]`` VirtualTimeConfig, ``[chaos]`` ChaosConfig.
 Unknown keys and out-of-range values fail before any work starts, with one line.
 """
 
@@ -70,7 +70,7 @@ class InnerConfig:
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class VirtualTimeConfig:
     """The virtual-time cost model."""
 
     step_time_s: float = 1.0
@@ -136,7 +136,7 @@ class Config:
     """[algo]"""
     inner: InnerConfig = field(default_factory=InnerConfig)
     """[inner]"""
-    sim: SimConfig = field(default_factory=SimConfig)
+    sim: VirtualTimeConfig = field(default_factory=VirtualTimeConfig)
     """[sim]"""
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """[chaos]"""
@@ -293,7 +293,7 @@ SECTIONS = {
     "workload": WorkloadConfig,
     "algo": DiLoCoConfig,
     "inner": InnerConfig,
-    "sim": SimConfig,
+    "sim": VirtualTimeConfig,
     "chaos": ChaosConfig,
     "runtime": RuntimeConfig,
 }

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-STATES = ("compute", "blocked", "down", "restarting")
+State = Literal["compute", "blocked", "down", "restarting"]
+STATES: tuple[State, ...] = get_args(State)
 
 
 @dataclass
 class TimeAccount:
     """Time spent in each state by one learner (states change at event times)."""
 
-    state: str = "compute"
+    state: State = "compute"
     since: float = 0.0
-    totals: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STATES})
+    totals: dict[State, float] = field(default_factory=lambda: {s: 0.0 for s in STATES})
 
-    def switch(self, state: str, now: float) -> None:
+    def switch(self, state: State, now: float) -> None:
         self.totals[self.state] += now - self.since
         self.state, self.since = state, now
 

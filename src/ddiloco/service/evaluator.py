@@ -7,13 +7,13 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
+from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.training.evaluate import evaluate
@@ -73,7 +73,7 @@ def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = Fa
     model = wl.build_model(cfg.run.seed)
     layout = layout_for(model, wl, cfg.algo).fragments
     batches = wl.eval_batches()
-    out = Path(run_dir) / "metrics" / "eval.jsonl"
+    out = prepare_run_dir(run_dir, "ddiloco evaluator") / "metrics" / "eval.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     next_at = time.monotonic()
     while not stop["flag"]:

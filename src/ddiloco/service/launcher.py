@@ -27,6 +27,7 @@ from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import Goodput, uptime
 from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.tape import read_tape
 from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.status import read_status
@@ -88,8 +89,7 @@ class Launcher:
     def __init__(
         self, cfg: Config, run_dir: str | Path, host: str = "127.0.0.1", on_status: Callable[[dict], None] | None = None
     ) -> None:
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg, self.run_dir = cfg, prepare_run_dir(run_dir, "ddiloco train")
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.cfg_path = self.run_dir / "config.toml"
         self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))

@@ -25,6 +25,7 @@ from ddiloco.core.fragments import write_fragment
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentUpdate
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.learner_comm import LearnerComm, Progress
 from ddiloco.service.peer_state import load_state, state_message
@@ -75,6 +76,7 @@ class LearnerProcess:
                     "baselines with one process per learner"
                 )
         self.device = torch.device(device)
+        prepare_run_dir(self.run_dir, f"ddiloco learner {learner_id}")
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.wl = load_workload(cfg.workload)
         self.model = self.wl.build_model(cfg.run.seed).to(self.device)

@@ -21,6 +21,7 @@ from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Output, Syncer
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.protocol import (
     FetchGlobal,
@@ -93,7 +94,8 @@ class SyncerService:
             raise DDiLoCoError(
                 f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}"
             )
-        self.cfg, self.run_dir, self.shard, self.num_shards = cfg, Path(run_dir), shard, num_shards
+        self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
+        self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
         self.clock = clock
         wl = load_workload(cfg.workload)
         model = wl.build_model(cfg.run.seed)

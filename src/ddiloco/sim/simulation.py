@@ -1,6 +1,6 @@
 """Deterministic virtual-time runtime: M real torch learners and the syncer in one process.
 
-Every duration comes from the cost model in ``SimConfig`` (step time / speed x straggler
+Every duration comes from the cost model in ``VirtualTimeConfig`` (step time / speed x straggler
 factor x noise, transfer = latency + bytes / bandwidth), never from the wall clock. Events run
 in (time, actor, sequence) order on one thread, so the same config and seed give bit-identical
 results. Chaos, data and speed noise each draw from their own seeded stream.

@@ -18,9 +18,9 @@ def make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
 
 
-def lr_at(tokens: float, total_tokens: float, cfg: InnerConfig, lr_scale: float = 1.0) -> float:
+def lr_at(tokens: float, total_tokens: float, cfg: InnerConfig) -> float:
     """Linear warm-up, then cosine decay to min_lr_frac, as a function of global tokens."""
-    peak = cfg.lr * lr_scale
+    peak = cfg.lr
     warm = cfg.warmup_frac * total_tokens
     if tokens < warm:
         return peak * (tokens + 1) / (warm + 1)
