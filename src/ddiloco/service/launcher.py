@@ -67,6 +67,16 @@ class Proc:
         if self.alive():
             os.kill(self.popen.pid, sig)
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the process to end; past ``timeout`` it is SIGKILLed."""
+        if self.popen is None:
+            return
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
 
 @dataclass
 class LearnerBook:
@@ -85,12 +95,32 @@ class LearnerBook:
     outages: list[tuple[float, float]] = field(default_factory=list)  # (death, first step after)
 
 
+@dataclass
+class _Plan:
+    """What the chaos schedule still has in store, and the restarts that are due."""
+
+    schedule: Any
+    kills: list[tuple[float, int, float]]
+    syncer_kills: list[float]
+    restarts: list[tuple[float, int]] = field(default_factory=list)
+    syncer_back_at: float | None = None
+
+    @classmethod
+    def of(cls, cfg: Config, learners: int) -> _Plan:
+        T = cfg.runtime.duration_s
+        schedule = make_schedule(cfg.chaos, learners, T, cfg.run.seed)
+        kills = sorted((o.start_s, o.learner, o.end_s) for o in schedule.outages)
+        syncer_kills = sorted(f * T for f in cfg.chaos.syncer_kills) if cfg.chaos.enabled else []
+        return cls(schedule, kills, syncer_kills)
+
+
 class Launcher:
     def __init__(
         self, cfg: Config, run_dir: str | Path, host: str = "127.0.0.1", on_status: Callable[[dict], None] | None = None
     ) -> None:
         self.cfg, self.run_dir = cfg, prepare_run_dir(run_dir, "ddiloco train")
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(exist_ok=True)
         self.cfg_path = self.run_dir / "config.toml"
         self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
         self.addr = f"tcp://{host}:{free_port(host)}"
@@ -146,108 +176,114 @@ class Launcher:
 
     def run(self) -> dict:
         """Run for ``runtime.duration_s``; returns the summary (and writes the run folder)."""
-        rt, chaos = self.cfg.runtime, self.cfg.chaos
+        rt = self.cfg.runtime
         (self.run_dir / "metrics").mkdir(exist_ok=True)
-        logs = self.run_dir / "logs"
-        T = rt.duration_s
-        schedule = make_schedule(chaos, len(self.learners), T, self.cfg.run.seed)
-        kills = sorted((o.start_s, o.learner, o.end_s) for o in schedule.outages)
-        syncer_kills = sorted(f * T for f in chaos.syncer_kills) if chaos.enabled else []
-        self.syncer.start(self.env, logs)
+        plan = _Plan.of(self.cfg, len(self.learners))
+        self.syncer.start(self.env, self.logs)
         self._wait_syncer_ready()
-        t0 = self._t0 = time.time()
+        self._t0 = time.time()
         for m, p in enumerate(self.learners):
-            p.start(self.env, logs)
+            p.start(self.env, self.logs)
             self.books[m].restart_spawned = p.started_at  # start-up counts as restarting time
-        self.evaluator.start(self.env, logs)
-        pending_restarts: list[tuple[float, int]] = []
-        syncer_back_at: float | None = None
+        self.evaluator.start(self.env, self.logs)
         last_view = 0.0
         try:
-            while (now := time.time()) - t0 < T:
-                t = now - t0
-                while kills and kills[0][0] <= t:
-                    _, m, back = kills.pop(0)
-                    if self.learners[m].alive():
-                        self.learners[m].signal(signal.SIGKILL)
-                        self.learners[m].popen.wait()
-                        self._on_learner_death(m, now, t0, kind="sigkill")
-                        pending_restarts.append((t0 + max(back, t), m))  # back when its outage ends
-                while syncer_kills and syncer_kills[0] <= t:
-                    syncer_kills.pop(0)
-                    self.syncer.signal(signal.SIGKILL)
-                    self.syncer.popen.wait()
-                    self._fault("sigkill", "syncer", t0)
-                    syncer_back_at = now + chaos.syncer_down_s
-                if syncer_back_at is not None and now >= syncer_back_at:
-                    syncer_back_at = None
-                    self.syncer.start(self.env, logs)
-                    self._fault("restart", "syncer", t0)
-                self._duty_cycle(schedule, t)
-                for m, p in enumerate(self.learners):
-                    if p.popen is not None and not p.alive() and not any(mm == m for _, mm in pending_restarts):
-                        code = p.popen.returncode
-                        self._on_learner_death(m, now, t0, kind=f"exit {code}")
-                        if code == EXIT_REFUSED:
-                            raise DDiLoCoError(f"learner {m} was refused by the syncer; see {logs / p.name}.log")
-                        if p.restarts >= rt.restart_limit:
-                            raise DDiLoCoError(
-                                f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = "
-                                f"{rt.restart_limit}); see {logs / p.name}.log"
-                            )
-                        pending_restarts.append((now + rt.restart_delay_s, m))
-                for when, m in list(pending_restarts):
-                    if now >= when:
-                        pending_restarts.remove((when, m))
-                        p = self.learners[m]
-                        p.restarts += 1
-                        p.start(self.env, logs)
-                        b = self.books[m]
-                        if b.down_since is not None:
-                            b.down_s += now - b.down_since
-                            b.down_since = None
-                        b.restart_spawned = p.started_at
-                        self._fault("restart", p.name, t0)
+            while (now := time.time()) - self._t0 < rt.duration_s:
+                self._inject_chaos(plan, now)
+                self._reap_dead(plan, now)
+                self._restart_due(plan, now)
                 self._track_restarts()
                 if self.on_status and now - last_view >= 0.5:
                     last_view = now
-                    self.on_status(self.status(t0))
+                    self.on_status(self.status(self._t0))
                 time.sleep(0.02)
         finally:
-            for p in self.learners:
-                if p.stopped:
-                    p.signal(signal.SIGCONT)
-            end = time.time()
-            for p in self.learners:
-                p.signal(signal.SIGTERM)
-            for m, p in enumerate(self.learners):
-                if p.popen is not None:
-                    try:
-                        p.popen.wait(timeout=15)
-                    except subprocess.TimeoutExpired:
-                        p.signal(signal.SIGKILL)
-                        p.popen.wait()
-                    self._bank(m)
-                b = self.books[m]
-                if b.down_since is not None:
-                    b.down_s += end - b.down_since
-                if b.restart_spawned is not None:
-                    b.restarting_s += end - b.restart_spawned
-            self.evaluator.signal(signal.SIGTERM)
-            if not self.syncer.alive():
-                self.syncer.start(self.env, logs)  # bring it back to flush and write the final model
-                self._wait_syncer_ready()
-            self.syncer.signal(signal.SIGTERM)
-            self.syncer.popen.wait(timeout=60)
-            if self.evaluator.popen:
-                try:
-                    self.evaluator.popen.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    self.evaluator.signal(signal.SIGKILL)
-            for p in (self.syncer, self.evaluator, *self.learners):
-                if p.log is not None:
-                    p.log.close()
-        return self.finish(end - t0)
+            end = self._stop_all()
+        return self.finish(end - self._t0)
+
+    def _inject_chaos(self, plan: _Plan, now: float) -> None:
+        """Scheduled SIGKILLs of learners and of the syncer, syncer restarts, straggler duty cycles."""
+        t0, t = self._t0, now - self._t0
+        while plan.kills and plan.kills[0][0] <= t:
+            _, m, back = plan.kills.pop(0)
+            if self.learners[m].alive():
+                self.learners[m].signal(signal.SIGKILL)
+                self.learners[m].wait()
+                self._on_learner_death(m, now, t0, kind="sigkill")
+                plan.restarts.append((t0 + max(back, t), m))  # back when its outage ends
+        while plan.syncer_kills and plan.syncer_kills[0] <= t:
+            plan.syncer_kills.pop(0)
+            self.syncer.signal(signal.SIGKILL)
+            self.syncer.wait()
+            self._fault("sigkill", "syncer", t0)
+            plan.syncer_back_at = now + self.cfg.chaos.syncer_down_s
+        if plan.syncer_back_at is not None and now >= plan.syncer_back_at:
+            plan.syncer_back_at = None
+            self.syncer.start(self.env, self.logs)
+            self._fault("restart", "syncer", t0)
+        self._duty_cycle(plan.schedule, t)
+
+    def _reap_dead(self, plan: _Plan, now: float) -> None:
+        """A learner that exited by itself is restarted (bounded), unless the syncer refused it."""
+        rt = self.cfg.runtime
+        for m, p in enumerate(self.learners):
+            if p.popen is None or p.alive() or any(mm == m for _, mm in plan.restarts):
+                continue
+            code = p.popen.returncode
+            self._on_learner_death(m, now, self._t0, kind=f"exit {code}")
+            if code == EXIT_REFUSED:
+                raise DDiLoCoError(f"learner {m} was refused by the syncer; see {self.logs / p.name}.log")
+            if p.restarts >= rt.restart_limit:
+                raise DDiLoCoError(
+                    f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = "
+                    f"{rt.restart_limit}); see {self.logs / p.name}.log"
+                )
+            plan.restarts.append((now + rt.restart_delay_s, m))
+
+    def _restart_due(self, plan: _Plan, now: float) -> None:
+        for when, m in list(plan.restarts):
+            if now < when:
+                continue
+            plan.restarts.remove((when, m))
+            p = self.learners[m]
+            p.restarts += 1
+            p.start(self.env, self.logs)
+            b = self.books[m]
+            if b.down_since is not None:
+                b.down_s += now - b.down_since
+                b.down_since = None
+            b.restart_spawned = p.started_at
+            self._fault("restart", p.name, self._t0)
+
+    def _stop_all(self) -> float:
+        """Stop the learners (they leave cleanly), the evaluator, then the syncer, which flushes
+        and writes the final model; returns when the learners' time stopped counting."""
+        for p in self.learners:
+            if p.stopped:
+                p.signal(signal.SIGCONT)
+        end = time.time()
+        for p in self.learners:
+            p.signal(signal.SIGTERM)
+        for m, p in enumerate(self.learners):
+            if p.popen is not None:
+                p.wait(timeout=15)
+                self._bank(m)
+            b = self.books[m]
+            if b.down_since is not None:
+                b.down_s += end - b.down_since
+            if b.restart_spawned is not None:
+                b.restarting_s += end - b.restart_spawned
+        self.evaluator.signal(signal.SIGTERM)
+        if not self.syncer.alive():
+            self.syncer.start(self.env, self.logs)  # bring it back to flush and write the final model
+            self._wait_syncer_ready()
+        self.syncer.signal(signal.SIGTERM)
+        self.syncer.wait(timeout=60)
+        self.evaluator.wait(timeout=30)
+        for p in (self.syncer, self.evaluator, *self.learners):
+            if p.log is not None:
+                p.log.close()
+        return end
 
     def _on_learner_death(self, m: int, now: float, t0: float, kind: str) -> None:
         st = self._bank(m)
