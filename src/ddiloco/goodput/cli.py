@@ -223,7 +223,7 @@ def _grid(a: argparse.Namespace) -> int:
         b = {(x["strategy"], x["chips"]): Band(x["median"], x["lo"], x["hi"])
              for x in band_set["cells"]}
         cs = band_set["consistent_set"]
-        print_table(f"goodput %: default calibration, mean ± 95% CI over seeds | median "
+        print_table(f"goodput %: the model above, mean ± 95% CI over seeds · median "
                     f"[90% band] over the {cs['size']} consistent parameter sets (tolerance "
                     f"{cs['tolerance']:g} points)", *band_rows(b, cells))
         for name, v in cs["spread"].items():

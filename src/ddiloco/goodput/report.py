@@ -63,7 +63,7 @@ def band_rows(bands: dict[tuple[str, int], Band], cells: Sequence[Cell] | None =
             b, c = bands.get((name, n)), by.get((name, n))
             text = fmt_band(b) if b else ""
             if c is not None:
-                text = f"{fmt_pct(c.goodput.mean, c.goodput.ci95)} | {text}"
+                text = f"{fmt_pct(c.goodput.mean, c.goodput.ci95)} · {text}"
             row.append(text)
         rows.append(row)
     return ["strategy"] + [fmt_chips(n) for n in sizes], rows
