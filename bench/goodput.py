@@ -120,6 +120,15 @@ def sensitivity(failure: FailureModel, costs: CostModel, seeds: int) -> list[dic
     for sc in (64, 256, 1024, 4096):
         knobs.append(("slice size (repair time fixed)", f"{sc} chips",
                       replace(failure, slice_chips=sc), costs))
+    # Slice size and repair time enter the DP rows through their product only: moving along
+    # that product shows whether the unidentified split matters for the predictions.
+    repair = failure.repair.mean
+    for sc in (64, 256, 1024, 4096):
+        knobs.append(("slice size x repair time held constant (the DP rows' identifiable "
+                      "product)", f"{sc} chips, {repair * failure.slice_chips / sc / 3600:.3g} h",
+                      replace(failure, slice_chips=sc,
+                              repair=Exponential(repair * failure.slice_chips / sc)),
+                      costs))
     for h in (0.5, 2.0, 8.0, 24.0):
         knobs.append(("mean repair time", f"{h:g} h",
                       replace(failure, repair=Exponential(h * 3600.0)), costs))

@@ -33,6 +33,7 @@ from ddiloco.goodput.simulate import DEFAULT_LEARNERS, PAPER_CHIPS, simulate_gri
 
 log = logging.getLogger(__name__)
 
+
 def log_axis(lo: float, hi: float, n: int) -> tuple[float, ...]:
     """``n`` values from ``lo`` to ``hi``, evenly spaced in log, four significant digits."""
     return tuple(float(f"{v:.4g}") for v in np.geomspace(lo, hi, n))
