@@ -8,6 +8,7 @@ cross-site bandwidth each training method needs. See docs/goodput.md.
     >>> cells = simulate_grid([1_200_000], default_strategies([8]))
 """
 
+from ddiloco.goodput.bands import Band, ConsistentSet, bands, consistent_set, median_member
 from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement, required_bandwidth
 from ddiloco.goodput.calibrate import (
     PAPER_DDILOCO,
@@ -28,6 +29,7 @@ from ddiloco.goodput.simulate import (
 )
 from ddiloco.goodput.strategies import CATEGORIES, Outcome, run_strategy
 from ddiloco.goodput.timeline import FleetTimeline, make_timeline
+from ddiloco.goodput.valley import ValleyConfig, ValleyMap, load_map, map_valley
 
 __all__ = [
     "CALIBRATED",
@@ -36,9 +38,11 @@ __all__ = [
     "PAPER_DDILOCO",
     "PAPER_DP",
     "PAPER_ELASTIC",
+    "Band",
     "BandwidthConfig",
     "Calibration",
     "Cell",
+    "ConsistentSet",
     "CostModel",
     "FailureModel",
     "FleetTimeline",
@@ -47,10 +51,17 @@ __all__ = [
     "SimConfig",
     "Stat",
     "Strategy",
+    "ValleyConfig",
+    "ValleyMap",
+    "bands",
     "calibrate",
+    "consistent_set",
     "default_strategies",
     "lookup",
+    "load_map",
     "make_timeline",
+    "map_valley",
+    "median_member",
     "models_from",
     "required_bandwidth",
     "run_strategy",

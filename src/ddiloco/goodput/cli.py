@@ -1,6 +1,7 @@
 """``ddiloco goodput``: the goodput grid, ``bandwidth`` and ``calibrate`` subcommands.
 
     ddiloco goodput [grid options]           goodput/uptime table over fleet sizes and strategies
+    ddiloco goodput --bands [--valley PATH]  ... and the prediction bands over the consistent set
     ddiloco goodput bandwidth [options]      cross-site bandwidth per training method
     ddiloco goodput calibrate [options]      least-squares fit to the paper's DP rows
 """
@@ -37,6 +38,7 @@ from ddiloco.goodput.simulate import (
     PAPER_CHIPS,
     simulate_grid,
 )
+from ddiloco.goodput.valley import band_strategies
 
 SUBCOMMANDS = ("grid", "bandwidth", "calibrate")
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
@@ -126,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quorum", type=int, default=1, help="quorum K (capped at M; paper: 1)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of goodput vs chips")
+    g.add_argument("--bands", action="store_true",
+                   help="also print each cell's median and 90%% band over the parameter sets "
+                        "consistent with the paper's DP rows (adds K = M/2 cells)")
+    g.add_argument("--valley", metavar="PATH",
+                   help="valley map for --bands: docs/results/goodput.json or a saved map "
+                        "(default: map the valley now, minutes)")
+    g.add_argument("--tolerance", type=float, default=1.5,
+                   help="--bands: model error in points (sd) of the likelihood")
+    g.add_argument("--workers", type=int, default=1,
+                   help="--bands without --valley: worker processes for the mapping")
     _add_model_options(g)
 
     b = sub.add_parser("bandwidth", help="cross-site bandwidth per training method")
@@ -181,6 +193,9 @@ def _grid(a: argparse.Namespace) -> int:
             raise ConfigError(f"quorum (K) = {a.quorum}: must be in [1, M = {m}]")
     strategies = [Strategy("dp"), Strategy("elastic")] + [
         Strategy("decoupled", m, a.quorum) for m in learners]
+    if a.bands:
+        strategies = list(dict.fromkeys(strategies + band_strategies(learners)))
+    band_set = _band_set(a) if a.bands else None
     t0 = time.perf_counter()
     cells = simulate_grid(chips, strategies, failure, costs, sim)
     seconds = time.perf_counter() - t0
@@ -190,15 +205,56 @@ def _grid(a: argparse.Namespace) -> int:
                  "DDiLoCo M=8": {n: v for (m, n), v in PAPER_DDILOCO.items() if m == 8}}
         plot_goodput(cells, a.plot, paper=paper)
     if a.json:
-        print(json.dumps({"config": config_json(failure, costs, sim), "seconds": seconds,
-                          "cells": [c.to_json() for c in cells]}, indent=2))
+        out = {"config": config_json(failure, costs, sim), "seconds": seconds,
+               "cells": [c.to_json() for c in cells]}
+        if band_set is not None:
+            out["bands"] = band_set
+        print(json.dumps(out, indent=2))
         return 0
     for metric in ("goodput", "uptime"):
         header, rows = grid_rows(cells, metric)
         print_table(f"{metric} % (mean ± 95% CI over {sim.seeds} seeds, MTBI "
                     f"{failure.mtbi_s / 86400 / 365.25:g} y)", header, rows)
     print(f"{len(cells)} cells x {sim.seeds} seeds in {seconds:.2f} s")
+    if band_set is not None:
+        from ddiloco.goodput.bands import Band
+        from ddiloco.goodput.report import band_rows
+
+        b = {(x["strategy"], x["chips"]): Band(x["median"], x["lo"], x["hi"])
+             for x in band_set["cells"]}
+        cs = band_set["consistent_set"]
+        print_table(f"goodput %: the model above, mean ± 95% CI over seeds · median "
+                    f"[90% band] over the {cs['size']} consistent parameter sets (tolerance "
+                    f"{cs['tolerance']:g} points)", *band_rows(b, cells))
+        for name, v in cs["spread"].items():
+            print(f"  {name}: median {v['median']:.4g}, range [{v['min']:.4g}, {v['max']:.4g}]"
+                  + (" (reaches the prior box's edge)" if v["at_lower_edge"]
+                     or v["at_upper_edge"] else ""))
     return 0
+
+
+def _band_set(a: argparse.Namespace) -> dict:
+    """Bands (JSON-ready) of the valley map named by --valley, or of one mapped now."""
+    from ddiloco.goodput.bands import bands, consistent_set, spread
+    from ddiloco.goodput.valley import ValleyConfig, load_map, map_valley
+
+    if not (a.tolerance >= 0):
+        raise ConfigError(f"tolerance = {a.tolerance}: must be >= 0 (points)")
+    if a.valley:
+        try:
+            vm = load_map(a.valley)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"valley = {a.valley!r}: not a readable valley map ({exc})") from None
+    else:
+        vm = map_valley(ValleyConfig(max_tolerance=max(a.tolerance, 2.0)), workers=a.workers)
+    if a.tolerance > vm.config.max_tolerance:
+        raise ConfigError(f"tolerance = {a.tolerance:g}: must be <= {vm.config.max_tolerance:g}, "
+                          f"the largest the valley map was made for")
+    cs = consistent_set(vm, a.tolerance)
+    return {"consistent_set": {"tolerance": a.tolerance, "mass": cs.mass, "size": cs.size,
+                               "grid_points": cs.grid_points, "spread": spread(vm, cs)},
+            "cells": [{"strategy": name, "chips": n, **b.to_json()}
+                      for (name, n), b in bands(vm, cs).items()]}
 
 
 def _bandwidth(a: argparse.Namespace) -> int:

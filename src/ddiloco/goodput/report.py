@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from ddiloco.goodput.bands import Band
 from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement
-from ddiloco.goodput.calibrate import Calibration
+from ddiloco.goodput.calibrate import Calibration, Residual
 from ddiloco.goodput.simulate import Cell
 
 
@@ -43,6 +44,31 @@ def grid_rows(cells: Sequence[Cell], metric: str = "goodput") -> tuple[list[str]
     return ["strategy"] + [fmt_chips(n) for n in sizes], rows
 
 
+def fmt_band(b: Band) -> str:
+    """'median [lo, hi]', goodput %."""
+    return f"{b.median:.1f} [{b.lo:.1f}, {b.hi:.1f}]"
+
+
+def band_rows(bands: dict[tuple[str, int], Band], cells: Sequence[Cell] | None = None
+              ) -> tuple[list[str], list[list[str]]]:
+    """One row per strategy, one column per fleet size: the band, and beside it the seed CI of
+    ``cells`` (the default calibration) where it has that cell."""
+    sizes = sorted({n for _, n in bands})
+    names = list(dict.fromkeys(name for name, _ in bands))
+    by = {(c.strategy.name, c.chips): c for c in cells or ()}
+    rows = []
+    for name in names:
+        row = [name]
+        for n in sizes:
+            b, c = bands.get((name, n)), by.get((name, n))
+            text = fmt_band(b) if b else ""
+            if c is not None:
+                text = f"{fmt_pct(c.goodput.mean, c.goodput.ci95)} · {text}"
+            row.append(text)
+        rows.append(row)
+    return ["strategy"] + [fmt_chips(n) for n in sizes], rows
+
+
 def rich_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
     table = Table(title=title, title_justify="left")
     for i, h in enumerate(header):
@@ -60,9 +86,13 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def calibration_rows(cal: Calibration) -> tuple[list[str], list[list[str]]]:
+    return residual_rows(cal.residuals)
+
+
+def residual_rows(residuals: Sequence[Residual]) -> tuple[list[str], list[list[str]]]:
     header = ["strategy", "chips", "paper %", "model %", "± 95% CI", "residual (pts)"]
     rows = [[r.strategy, fmt_chips(r.chips), f"{r.paper:.0f}", f"{r.model:.1f}",
-             f"{r.ci95:.1f}", f"{r.residual:+.1f}"] for r in cal.residuals]
+             f"{r.ci95:.1f}", f"{r.residual:+.1f}"] for r in residuals]
     return header, rows
 
 
