@@ -39,14 +39,23 @@ def ddl(m: int, k: int = 1) -> Strategy:
     return Strategy("decoupled", learners=m, quorum=k)
 
 
-def hand_timeline(events: list[tuple[float, int, bool, float, float]], slices: int = 4,
-                  chips: int = 100, horizon: float = 1000.0) -> FleetTimeline:
+def hand_timeline(
+    events: list[tuple[float, int, bool, float, float]], slices: int = 4, chips: int = 100, horizon: float = 1000.0
+) -> FleetTimeline:
     """(time, slice, is_failure, reconfig_s, restart_s) events on ``slices`` x ``chips``."""
     t, s, f, rc, rs = (np.array(x) for x in zip(*events))
-    return FleetTimeline(slice_chips=np.full(slices, chips), slice_speed=np.ones(slices),
-                         t=t.astype(float), slice_id=s.astype(np.int64), is_failure=f.astype(bool),
-                         hits_spare=np.zeros(t.size, bool), reconfig_s=rc.astype(float),
-                         restart_s=rs.astype(float), warmup_s=0.0, horizon_s=horizon)
+    return FleetTimeline(
+        slice_chips=np.full(slices, chips),
+        slice_speed=np.ones(slices),
+        t=t.astype(float),
+        slice_id=s.astype(np.int64),
+        is_failure=f.astype(bool),
+        hits_spare=np.zeros(t.size, bool),
+        reconfig_s=rc.astype(float),
+        restart_s=rs.astype(float),
+        warmup_s=0.0,
+        horizon_s=horizon,
+    )
 
 
 COSTS = CostModel(step_s=7.0, checkpoint_s=30.0)
@@ -55,6 +64,7 @@ ONE_FAILURE = [(100.0, 0, True, 10.0, 50.0), (300.0, 0, False, 20.0, 0.0)]
 
 
 # ---- analytic cases, exact ---------------------------------------------------------------
+
 
 def test_no_failures_is_full_goodput() -> None:
     failure = FailureModel(mtbi_s=1e30)  # no failure within the horizon
@@ -121,8 +131,7 @@ def test_hot_spare_failures_hit_only_the_non_elastic_job() -> None:
     tl = replace(tl, hits_spare=np.array([False, False, True]))
     dp = run_strategy(tl, DP, COSTS)
     assert dp.failures == 2 and dp.chip_time["recovery"] == pytest.approx(400 * (50 + 50))
-    assert run_strategy(tl, ELASTIC, COSTS) == run_strategy(hand_timeline(ONE_FAILURE), ELASTIC,
-                                                            COSTS)
+    assert run_strategy(tl, ELASTIC, COSTS) == run_strategy(hand_timeline(ONE_FAILURE), ELASTIC, COSTS)
 
 
 def test_warmup_window_is_excluded() -> None:
@@ -132,6 +141,7 @@ def test_warmup_window_is_excluded() -> None:
 
 
 # ---- closed forms as cross-checks of the simulated timelines -------------------------------
+
 
 def test_non_elastic_matches_laplace_transform_of_restart() -> None:
     # Preempted restarts: goodput = E[exp(-lambda R)]; 1/(1 + lambda r) for exponential R.
@@ -155,6 +165,7 @@ def test_elastic_without_pauses_loses_only_chips_in_repair() -> None:
 
 
 # ---- accounting, reproducibility, speed ------------------------------------------------------
+
 
 def test_chip_time_categories_sum_to_allocated() -> None:
     failure = FailureModel(speed_cv=0.02)
@@ -188,8 +199,7 @@ def test_speed_variance_hurts_one_big_group_more() -> None:
 
 
 def test_more_learners_more_goodput_and_quorum_costs() -> None:
-    cells = simulate_grid([1_200_000], default_strategies([2, 8]) + [ddl(8, 8)],
-                          sim=SimConfig(seeds=3))
+    cells = simulate_grid([1_200_000], default_strategies([2, 8]) + [ddl(8, 8)], sim=SimConfig(seeds=3))
     g = {c.strategy.name: c.goodput.mean for c in cells}
     assert g["DP"] < g["elastic DP"] < g["DDiLoCo M=2"] < g["DDiLoCo M=8"]
     assert g["DDiLoCo M=8 K=8"] < g["DDiLoCo M=8"]
@@ -202,39 +212,57 @@ def test_documented_calibration_still_fits() -> None:
 
 
 def test_nelder_mead_finds_quadratic_minimum() -> None:
-    r = nelder_mead(lambda x: float(np.sum((x - [1.0, -2.0, 3.0]) ** 2)), np.zeros(3),
-                    step=0.5, max_evals=2000, xtol=1e-6, ftol=1e-12)
+    r = nelder_mead(
+        lambda x: float(np.sum((x - [1.0, -2.0, 3.0]) ** 2)),
+        np.zeros(3),
+        step=0.5,
+        max_evals=2000,
+        xtol=1e-6,
+        ftol=1e-12,
+    )
     assert np.allclose(r.x, [1.0, -2.0, 3.0], atol=1e-4)
 
 
 # ---- bad input ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make,field", [
-    (lambda: simulate_grid([0], [DP]), "chips"),
-    (lambda: simulate_grid([-5], [DP]), "chips"),
-    (lambda: FailureModel(mtbi_s=0.0), "mtbi"),
-    (lambda: FailureModel(mtbi_s=-1.0), "mtbi"),
-    (lambda: FailureModel(slice_chips=0), "slice_chips"),
-    (lambda: simulate_grid([1000], [ddl(8)], FailureModel(slice_chips=256)), "learners"),
-    (lambda: ddl(4, 0), "quorum"),
-    (lambda: ddl(4, 5), "quorum"),
-    (lambda: Strategy("decoupled", learners=0), "learners"),
-    (lambda: SimConfig(seeds=0), "seeds"),
-    (lambda: BandwidthConfig(params=-1), "params"),
-    (lambda: BandwidthConfig(fragments=48, sync_every=24), "fragments"),
-    (lambda: BandwidthConfig(encoding="int2"), "encoding"),
-])
+
+@pytest.mark.parametrize(
+    "make,field",
+    [
+        (lambda: simulate_grid([0], [DP]), "chips"),
+        (lambda: simulate_grid([-5], [DP]), "chips"),
+        (lambda: FailureModel(mtbi_s=0.0), "mtbi"),
+        (lambda: FailureModel(mtbi_s=-1.0), "mtbi"),
+        (lambda: FailureModel(slice_chips=0), "slice_chips"),
+        (lambda: simulate_grid([1000], [ddl(8)], FailureModel(slice_chips=256)), "learners"),
+        (lambda: ddl(4, 0), "quorum"),
+        (lambda: ddl(4, 5), "quorum"),
+        (lambda: Strategy("decoupled", learners=0), "learners"),
+        (lambda: SimConfig(seeds=0), "seeds"),
+        (lambda: BandwidthConfig(params=-1), "params"),
+        (lambda: BandwidthConfig(fragments=48, sync_every=24), "fragments"),
+        (lambda: BandwidthConfig(encoding="int2"), "encoding"),
+    ],
+)
 def test_bad_input_names_the_field(make, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         make()
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--chips", "-5"], "chips"), (["--chips", "0"], "chips"), (["--mtbi", "0"], "mtbi"),
-    (["--slice-chips", "0"], "slice_chips"), (["--chips", "1000", "--learners", "8"], "learners"),
-    (["--quorum", "0"], "quorum"), (["--learners", "2", "--quorum", "3"], "quorum"),
-    (["--repair", "weibull:2h"], "repair"), (["bandwidth", "--params", "x"], "params"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--chips", "-5"], "chips"),
+        (["--chips", "0"], "chips"),
+        (["--mtbi", "0"], "mtbi"),
+        (["--slice-chips", "0"], "slice_chips"),
+        (["--chips", "1000", "--learners", "8"], "learners"),
+        (["--quorum", "0"], "quorum"),
+        (["--learners", "2", "--quorum", "3"], "quorum"),
+        (["--repair", "weibull:2h"], "repair"),
+        (["bandwidth", "--params", "x"], "params"),
+    ],
+)
 def test_cli_bad_input_is_one_line(argv: list[str], field: str, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -243,23 +271,24 @@ def test_cli_bad_input_is_one_line(argv: list[str], field: str, capsys) -> None:
 
 # ---- bandwidth ------------------------------------------------------------------------------
 
+
 def test_bandwidth_defaults_reproduce_the_blog_order_of_magnitude() -> None:
     r = {x.method: x for x in required_bandwidth(BandwidthConfig())}
     assert r["data-parallel"].gbps == pytest.approx(198.0, rel=0.01)
     assert 0.3 < r["Decoupled DiLoCo"].gbps < 3.0  # blog: 0.84 Gbps
     assert r["Decoupled DiLoCo"].hub_gbps == pytest.approx(8 * r["Decoupled DiLoCo"].gbps)
-    assert (r["data-parallel"].gbps > r["DiLoCo"].gbps > r["Streaming DiLoCo"].gbps
-            > r["Decoupled DiLoCo"].gbps)
+    assert r["data-parallel"].gbps > r["DiLoCo"].gbps > r["Streaming DiLoCo"].gbps > r["Decoupled DiLoCo"].gbps
 
 
 def test_bandwidth_formula_by_hand() -> None:
-    cfg = BandwidthConfig(params=1e9, step_s=1.0, sites=4, fragments=4, sync_every=8,
-                          overlap=1, encoding="bf16", dp_encoding="fp32")
+    cfg = BandwidthConfig(
+        params=1e9, step_s=1.0, sites=4, fragments=4, sync_every=8, overlap=1, encoding="bf16", dp_encoding="fp32"
+    )
     r = {x.method: x.gbps for x in required_bandwidth(cfg)}
     assert r["data-parallel"] == pytest.approx(2 * 3 / 4 * 1e9 * 32 / 1e9)
-    assert r["DiLoCo"] == pytest.approx(2 * 3 / 4 * 16)           # whole model within 1 step
+    assert r["DiLoCo"] == pytest.approx(2 * 3 / 4 * 16)  # whole model within 1 step
     assert r["Streaming DiLoCo"] == pytest.approx(2 * 3 / 4 * 16 / 4)
-    assert r["Decoupled DiLoCo"] == pytest.approx(16 / 4)          # a fragment every 2 steps,
+    assert r["Decoupled DiLoCo"] == pytest.approx(16 / 4)  # a fragment every 2 steps,
     # but it must arrive within tau = 1 step: the window, not the interval, sets the rate
 
 
@@ -274,10 +303,10 @@ def test_bits_per_value_match_the_wire_encoder() -> None:
 
 # ---- CLI ------------------------------------------------------------------------------------
 
+
 def test_cli_grid_json_and_plot(tmp_path, capsys) -> None:
     png = tmp_path / "g.png"
-    assert main(["--chips", "150k,300k", "--learners", "2,4", "--seeds", "2", "--json",
-                 "--plot", str(png)]) == 0
+    assert main(["--chips", "150k,300k", "--learners", "2,4", "--seeds", "2", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["cells"]) == 2 * 4 and out["config"]["failure"]["slice_chips"] == 256
     assert png.stat().st_size > 10_000

@@ -35,25 +35,32 @@ from ddiloco.goodput.valley import (
     map_valley,
 )
 
-TINY = ValleyConfig(shapes=(0.7, 0.8, 0.9), restart_s=log_axis(60.0, 140.0, 5),
-                    pause_s=log_axis(6.0, 16.0, 4), repair_s=log_axis(1800.0, 14400.0, 4),
-                    chips=(40_000, 80_000, 160_000), learners=(2, 4), seeds=2,
-                    warmup_s=4 * 3600.0, measure_s=12 * 3600.0)
+TINY = ValleyConfig(
+    shapes=(0.7, 0.8, 0.9),
+    restart_s=log_axis(60.0, 140.0, 5),
+    pause_s=log_axis(6.0, 16.0, 4),
+    repair_s=log_axis(1800.0, 14400.0, 4),
+    chips=(40_000, 80_000, 160_000),
+    learners=(2, 4),
+    seeds=2,
+    warmup_s=4 * 3600.0,
+    measure_s=12 * 3600.0,
+)
 TRUTH = (0.8, TINY.restart_s[2], TINY.pause_s[1], TINY.repair_s[1])
 """A grid point (shape, restart, pause, repair) that generates the synthetic 'paper'."""
 TOLERANCES = (0.5, 1.0, 1.5, 2.0)
 
 
-def truth_goodput(strategies: list[Strategy], seed: int = 100, seeds: int = 6
-                  ) -> list[list[float]]:
+def truth_goodput(strategies: list[Strategy], seed: int = 100, seeds: int = 6) -> list[list[float]]:
     """The model at TRUTH on ``seeds`` seeds from ``seed``: [strategy][chips], %."""
     return _goodput(replace(TINY, seed=seed, seeds=seeds), _params(*TRUTH), strategies)
 
 
 def truth_ci(strategies: list[Strategy], seed: int, seeds: int) -> list[list[float]]:
     """95% CI half-widths (points) of ``truth_goodput``."""
-    cells = simulate_grid(TINY.chips, strategies, *models_from(_params(*TRUTH)),
-                          replace(TINY, seed=seed, seeds=seeds).sim())
+    cells = simulate_grid(
+        TINY.chips, strategies, *models_from(_params(*TRUTH)), replace(TINY, seed=seed, seeds=seeds).sim()
+    )
     by = {(c.strategy, c.chips): 100 * c.goodput.ci95 for c in cells}
     return [[by[(s, n)] for n in TINY.chips] for s in strategies]
 
@@ -70,6 +77,7 @@ def members(vm: ValleyMap, tolerance: float) -> set[tuple[int, ...]]:
 
 
 # ---- likelihood --------------------------------------------------------------------------
+
 
 def test_hpd_takes_lowest_sse_first_until_the_mass() -> None:
     sse = np.array([5.0, 0.0, 1.0, 100.0])
@@ -89,18 +97,22 @@ def test_weighted_median() -> None:
 
 # ---- recovery from synthetic data ----------------------------------------------------------
 
+
 def test_recovers_known_parameters_within_the_band(synthetic: ValleyMap) -> None:
     vm = synthetic
     cs = consistent_set(vm, 1.5)
     c = TINY
-    truth_index = (c.shapes.index(TRUTH[0]), c.restart_s.index(TRUTH[1]),
-                   c.pause_s.index(TRUTH[2]), c.repair_s.index(TRUTH[3]))
+    truth_index = (
+        c.shapes.index(TRUTH[0]),
+        c.restart_s.index(TRUTH[1]),
+        c.pause_s.index(TRUTH[2]),
+        c.repair_s.index(TRUTH[3]),
+    )
     assert truth_index in members(vm, 1.5)
     # The set is informative: a strict subset of the grid, and each parameter's range holds
     # the truth.
     assert 0 < cs.size < cs.grid_points
-    for name, v in zip(("recovery_shape", "restart_mean_s", "reconfig_mean_s",
-                        "repair_mean_s"), TRUTH):
+    for name, v in zip(("recovery_shape", "restart_mean_s", "reconfig_mean_s", "repair_mean_s"), TRUTH):
         s = spread(vm, cs)[name]
         assert s["min"] <= v <= s["max"]
     # The non-elastic row identifies the restart mean much better than the prior box does.
@@ -126,6 +138,7 @@ def test_far_parameters_are_not_consistent(synthetic: ValleyMap) -> None:
 
 # ---- nesting --------------------------------------------------------------------------------
 
+
 def test_sets_and_bands_are_nested_as_the_tolerance_grows(synthetic: ValleyMap) -> None:
     vm = synthetic
     prev_set, prev_bands = None, None
@@ -149,11 +162,11 @@ def test_predictions_cover_the_largest_tolerance(synthetic: ValleyMap) -> None:
     cs = consistent_set(synthetic, TINY.max_tolerance)
     for s in band_strategies(TINY.learners):
         assert not np.isnan(cell_values(synthetic, cs, s.name, TINY.chips[0])).any()
-    assert [s.name for s in synthetic.strategies] == ["DDiLoCo M=2", "DDiLoCo M=4",
-                                                      "DDiLoCo M=4 K=2"]
+    assert [s.name for s in synthetic.strategies] == ["DDiLoCo M=2", "DDiLoCo M=4", "DDiLoCo M=4 K=2"]
 
 
 # ---- default, JSON, CLI -----------------------------------------------------------------------
+
 
 def test_median_member_is_consistent_and_near_the_medians(synthetic: ValleyMap) -> None:
     cs = consistent_set(synthetic, 1.5)
@@ -180,8 +193,7 @@ def test_json_round_trip(synthetic: ValleyMap, tmp_path) -> None:
 def test_cli_prints_bands(synthetic: ValleyMap, tmp_path, capsys) -> None:
     path = tmp_path / "valley.json"
     path.write_text(json.dumps(synthetic.to_json()))
-    argv = ["--chips", "20k,40k", "--learners", "2,4", "--seeds", "2", "--bands", "--valley",
-            str(path)]
+    argv = ["--chips", "20k,40k", "--learners", "2,4", "--seeds", "2", "--bands", "--valley", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "90% band" in out and "DDiLoCo M=4 K=2" in out and "[" in out

@@ -68,8 +68,7 @@ class ConsistentSet:
         return int(self.sse.size)
 
 
-def consistent_set(vm: ValleyMap, tolerance: float = 1.5, mass: float | None = None
-                   ) -> ConsistentSet:
+def consistent_set(vm: ValleyMap, tolerance: float = 1.5, mass: float | None = None) -> ConsistentSet:
     """The consistent set of ``vm`` at ``tolerance`` (points of model error)."""
     mass = vm.config.mass if mass is None else mass
     if not (math.isfinite(tolerance) and tolerance >= 0):
@@ -79,8 +78,7 @@ def consistent_set(vm: ValleyMap, tolerance: float = 1.5, mass: float | None = N
         raise ValueError("the valley map has no evaluated point")
     m = hpd_mask(sse, tolerance, mass)
     w = posterior(sse, tolerance)[m]
-    return ConsistentSet(tolerance, mass, tuple(a[m] for a in idx), sse[m], w / w.sum(),
-                         int(sse.size))
+    return ConsistentSet(tolerance, mass, tuple(a[m] for a in idx), sse[m], w / w.sum(), int(sse.size))
 
 
 def member_params(vm: ValleyMap, cs: ConsistentSet) -> dict[str, np.ndarray]:
@@ -102,8 +100,10 @@ def cell_values(vm: ValleyMap, cs: ConsistentSet, name: str, chips: int) -> np.n
         k = [s.name for s in vm.strategies].index(name)
         v = vm.predicted[si, pi, mi, k, c]
     if np.isnan(v).any():
-        raise ValueError(f"{name} at {chips} chips: not simulated at every member; map the "
-                         f"valley with max_tolerance >= {cs.tolerance}")
+        raise ValueError(
+            f"{name} at {chips} chips: not simulated at every member; map the "
+            f"valley with max_tolerance >= {cs.tolerance}"
+        )
     return v
 
 
@@ -129,15 +129,17 @@ def spread(vm: ValleyMap, cs: ConsistentSet) -> dict[str, dict[str, float | bool
     axes = dict(zip(PARAMS, (c.shapes, c.restart_s, c.pause_s, c.repair_s)))
     for name, v in member_params(vm, cs).items():
         ax = axes[name]
-        out[name] = {"median": weighted_median(v, cs.weight), "min": float(v.min()),
-                     "max": float(v.max()),
-                     "at_lower_edge": bool(len(ax) > 1 and v.min() <= ax[0]),
-                     "at_upper_edge": bool(len(ax) > 1 and v.max() >= ax[-1])}
+        out[name] = {
+            "median": weighted_median(v, cs.weight),
+            "min": float(v.min()),
+            "max": float(v.max()),
+            "at_lower_edge": bool(len(ax) > 1 and v.min() <= ax[0]),
+            "at_upper_edge": bool(len(ax) > 1 and v.max() >= ax[-1]),
+        }
     return out
 
 
-def median_member(vm: ValleyMap, cs: ConsistentSet,
-                  strategies: list[Strategy] | None = None) -> dict[str, float]:
+def median_member(vm: ValleyMap, cs: ConsistentSet, strategies: list[Strategy] | None = None) -> dict[str, float]:
     """The default calibration: the member of the set whose Decoupled DiLoCo predictions are
     closest (least squares over all those cells) to the bands' medians. Ties go to the lower
     SSE."""
@@ -151,8 +153,9 @@ def median_member(vm: ValleyMap, cs: ConsistentSet,
     return {k: float(v[best]) for k, v in member_params(vm, cs).items()}
 
 
-def valley_points(vm: ValleyMap, cs: ConsistentSet
-                  ) -> tuple[dict[str, list[float]], dict[tuple[str, int], list[float]]]:
+def valley_points(
+    vm: ValleyMap, cs: ConsistentSet
+) -> tuple[dict[str, list[float]], dict[tuple[str, int], list[float]]]:
     """The set's distinct (shape, pause, repair) points, with their summed posterior weight
     (over restarts), and each Decoupled DiLoCo cell's prediction there (``plot_valley``'s
     input)."""
@@ -162,9 +165,15 @@ def valley_points(vm: ValleyMap, cs: ConsistentSet
     weight = np.zeros(len(keys))
     np.add.at(weight, [pos[k] for k in zip(si.tolist(), pi.tolist(), mi.tolist())], cs.weight)
     c = vm.config
-    points = {"recovery_shape": [c.shapes[k[0]] for k in keys],
-              "reconfig_mean_s": [c.pause_s[k[1]] for k in keys],
-              "repair_mean_s": [c.repair_s[k[2]] for k in keys], "weight": weight.tolist()}
-    preds = {(s.name, n): [float(vm.predicted[i, p, m, j, ci]) for i, p, m in keys]
-             for j, s in enumerate(vm.strategies) for ci, n in enumerate(c.chips)}
+    points = {
+        "recovery_shape": [c.shapes[k[0]] for k in keys],
+        "reconfig_mean_s": [c.pause_s[k[1]] for k in keys],
+        "repair_mean_s": [c.repair_s[k[2]] for k in keys],
+        "weight": weight.tolist(),
+    }
+    preds = {
+        (s.name, n): [float(vm.predicted[i, p, m, j, ci]) for i, p, m in keys]
+        for j, s in enumerate(vm.strategies)
+        for ci, n in enumerate(c.chips)
+    }
     return points, preds

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from ddiloco.errors import ConfigError
 
-BITS_PER_VALUE: dict[str, float] = {"fp32": 32.0, "bf16": 16.0,
-                                    "int8": 8.0 + 32.0 / 128, "int4": 4.0 + 32.0 / 128}
+BITS_PER_VALUE: dict[str, float] = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0 + 32.0 / 128, "int4": 4.0 + 32.0 / 128}
 """Wire bits per value of each encoding, scales included (see ddiloco.core.compress)."""
 METHODS = ("data-parallel", "DiLoCo", "Streaming DiLoCo", "Decoupled DiLoCo")
 
@@ -64,8 +63,10 @@ class BandwidthConfig:
         if self.sites < 2:
             raise ConfigError(f"sites = {self.sites}: must be >= 2 for cross-site traffic")
         if self.fragments > self.sync_every:
-            raise ConfigError(f"fragments (P) = {self.fragments}: must be <= sync_every (H) = "
-                              f"{self.sync_every}, at most one fragment is due per step")
+            raise ConfigError(
+                f"fragments (P) = {self.fragments}: must be <= sync_every (H) = "
+                f"{self.sync_every}, at most one fragment is due per step"
+            )
         for name in ("encoding", "dp_encoding"):
             v = getattr(self, name)
             if v not in BITS_PER_VALUE:
@@ -90,9 +91,14 @@ class Requirement:
     """Decoupled DiLoCo: the syncer site's aggregate (all learners); else equal to ``gbps``."""
 
     def to_json(self) -> dict:
-        return {"method": self.method, "payload_bits": self.payload_bits,
-                "interval_steps": self.interval_steps, "window_steps": self.window_steps,
-                "gbps": self.gbps, "hub_gbps": self.hub_gbps}
+        return {
+            "method": self.method,
+            "payload_bits": self.payload_bits,
+            "interval_steps": self.interval_steps,
+            "window_steps": self.window_steps,
+            "gbps": self.gbps,
+            "hub_gbps": self.hub_gbps,
+        }
 
 
 def required_bandwidth(cfg: BandwidthConfig) -> list[Requirement]:
@@ -101,11 +107,12 @@ def required_bandwidth(cfg: BandwidthConfig) -> list[Requirement]:
     ring = 2.0 * (s - 1) / s  # share of the buffer each site sends in a ring all-reduce
     b_dp, b = BITS_PER_VALUE[cfg.dp_encoding], BITS_PER_VALUE[cfg.encoding]
     frag_interval = cfg.sync_every / cfg.fragments
-    rows = [("data-parallel", ring * n * b_dp, 1.0, 1.0, 1),
-            ("DiLoCo", ring * n * b, float(cfg.sync_every), float(cfg.overlap), 1),
-            ("Streaming DiLoCo", ring * n * b / cfg.fragments, frag_interval,
-             float(cfg.overlap), 1),
-            ("Decoupled DiLoCo", n * b / cfg.fragments, frag_interval, float(cfg.overlap), s)]
+    rows = [
+        ("data-parallel", ring * n * b_dp, 1.0, 1.0, 1),
+        ("DiLoCo", ring * n * b, float(cfg.sync_every), float(cfg.overlap), 1),
+        ("Streaming DiLoCo", ring * n * b / cfg.fragments, frag_interval, float(cfg.overlap), 1),
+        ("Decoupled DiLoCo", n * b / cfg.fragments, frag_interval, float(cfg.overlap), s),
+    ]
     out = []
     for method, bits, interval, window, fan_in in rows:
         rate = max(bits / (interval * t), bits / (window * t)) / 1e9

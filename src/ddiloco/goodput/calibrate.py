@@ -27,21 +27,24 @@ PAPER_DDILOCO = {(8, 1_200_000): 88.0}
 """Paper: goodput (%) of Decoupled DiLoCo, M = 8, K = 1: the one published cell (not fitted)."""
 FIT_WARMUP_S = 8 * 3600.0
 FIT_MEASURE_S = 48 * 3600.0
-FIT_START = {"restart_mean_s": 60.0, "reconfig_mean_s": 30.0, "recovery_shape": 1.0,
-             "repair_mean_s": 3600.0}
+FIT_START = {"restart_mean_s": 60.0, "reconfig_mean_s": 30.0, "recovery_shape": 1.0, "repair_mean_s": 3600.0}
 """Where the fit starts: round numbers, not the answer."""
 PARAM_NAMES = ("restart_mean_s", "reconfig_mean_s", "recovery_shape", "repair_mean_s")
 
 
-def models_from(params: dict[str, float], base_failure: FailureModel | None = None,
-                base_costs: CostModel | None = None) -> tuple[FailureModel, CostModel]:
+def models_from(
+    params: dict[str, float], base_failure: FailureModel | None = None, base_costs: CostModel | None = None
+) -> tuple[FailureModel, CostModel]:
     """The failure and cost models that a parameter set (as in ``CALIBRATED``) stands for."""
     f = replace(base_failure or FailureModel(), repair=Exponential(params["repair_mean_s"]))
     shape = params["recovery_shape"]
     reconfig = Weibull.from_mean(params["reconfig_mean_s"], shape)
-    c = replace(base_costs or CostModel(), restart=Weibull.from_mean(params["restart_mean_s"],
-                                                                     shape),
-                downscale=reconfig, upscale=reconfig)
+    c = replace(
+        base_costs or CostModel(),
+        restart=Weibull.from_mean(params["restart_mean_s"], shape),
+        downscale=reconfig,
+        upscale=reconfig,
+    )
     return f, c
 
 
@@ -94,8 +97,7 @@ class Calibration:
         return max(abs(r.residual) for r in self.residuals)
 
 
-def dp_residuals(params: dict[str, float], sim: SimConfig,
-                 base_failure: FailureModel | None = None) -> list[Residual]:
+def dp_residuals(params: dict[str, float], sim: SimConfig, base_failure: FailureModel | None = None) -> list[Residual]:
     """Simulate the two data-parallel rows under ``params`` and compare with the paper."""
     failure, costs = models_from(params, base_failure)
     cells = simulate_grid(PAPER_CHIPS, [Strategy("dp"), Strategy("elastic")], failure, costs, sim)
@@ -107,10 +109,15 @@ def dp_residuals(params: dict[str, float], sim: SimConfig,
     return out
 
 
-def calibrate(fit_seeds: int = 4, check_seeds: int = 20, x0: dict[str, float] | None = None,
-              max_evals: int = 250, sim: SimConfig | None = None,
-              base_failure: FailureModel | None = None,
-              fixed: dict[str, float] | None = None) -> Calibration:
+def calibrate(
+    fit_seeds: int = 4,
+    check_seeds: int = 20,
+    x0: dict[str, float] | None = None,
+    max_evals: int = 250,
+    sim: SimConfig | None = None,
+    base_failure: FailureModel | None = None,
+    fixed: dict[str, float] | None = None,
+) -> Calibration:
     """Fit ``PARAM_NAMES`` (less those in ``fixed``) by least squares on the ten DP cells.
 
     The objective reuses the same seeds at every evaluation (common random numbers), so it is
@@ -129,15 +136,19 @@ def calibrate(fit_seeds: int = 4, check_seeds: int = 20, x0: dict[str, float] | 
         return {**dict(zip(free, np.exp(x).tolist())), **fixed}
 
     def sse(x: np.ndarray) -> float:
-        return float(sum(r.residual ** 2 for r in dp_residuals(params_of(x), fit_sim,
-                                                                base_failure)))
+        return float(sum(r.residual**2 for r in dp_residuals(params_of(x), fit_sim, base_failure)))
 
     t0 = time.perf_counter()
-    res = nelder_mead(sse, np.log([start[k] for k in free]), step=0.25,
-                      max_evals=max_evals, xtol=2e-3, ftol=1e-3)
+    res = nelder_mead(sse, np.log([start[k] for k in free]), step=0.25, max_evals=max_evals, xtol=2e-3, ftol=1e-3)
     seconds = time.perf_counter() - t0
     params = {k: float(f"{params_of(res.x)[k]:.4g}") for k in PARAM_NAMES}
     check = replace(sim, seeds=check_seeds, seed=sim.seed + 1000)
-    return Calibration(params=params, residuals=dp_residuals(params, check, base_failure),
-                       sse=res.fun, evals=res.evals, seconds=seconds, fit_seeds=fit_seeds,
-                       fitted=tuple(free))
+    return Calibration(
+        params=params,
+        residuals=dp_residuals(params, check, base_failure),
+        sse=res.fun,
+        evals=res.evals,
+        seconds=seconds,
+        fit_seeds=fit_seeds,
+        fitted=tuple(free),
+    )

@@ -1,9 +1,9 @@
 """``ddiloco goodput``: the goodput grid, ``bandwidth`` and ``calibrate`` subcommands.
 
-    ddiloco goodput [grid options]           goodput/uptime table over fleet sizes and strategies
-    ddiloco goodput --bands [--valley PATH]  ... and the prediction bands over the consistent set
-    ddiloco goodput bandwidth [options]      cross-site bandwidth per training method
-    ddiloco goodput calibrate [options]      least-squares fit to the paper's DP rows
+ddiloco goodput [grid options]           goodput/uptime table over fleet sizes and strategies
+ddiloco goodput --bands [--valley PATH]  ... and the prediction bands over the consistent set
+ddiloco goodput bandwidth [options]      cross-site bandwidth per training method
+ddiloco goodput calibrate [options]      least-squares fit to the paper's DP rows
 """
 
 from __future__ import annotations
@@ -73,10 +73,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("simulation")
     s.add_argument("--seeds", type=int, default=20, help="seeds per cell (CI over seeds)")
     s.add_argument("--seed", type=int, default=0, help="first seed")
-    s.add_argument("--measure-repairs", type=float, default=20.0,
-                   help="measured window in mean repair times")
-    s.add_argument("--warmup-repairs", type=float, default=5.0,
-                   help="discarded warm-up in mean repair times")
+    s.add_argument("--measure-repairs", type=float, default=20.0, help="measured window in mean repair times")
+    s.add_argument("--warmup-repairs", type=float, default=5.0, help="discarded warm-up in mean repair times")
 
 
 def models_from_args(a: argparse.Namespace) -> tuple[FailureModel, CostModel, SimConfig]:
@@ -97,8 +95,7 @@ def models_from_args(a: argparse.Namespace) -> tuple[FailureModel, CostModel, Si
         c_kw["checkpoint_s"] = parse_duration(a.checkpoint, "checkpoint")
     failure = FailureModel(**{**_fields(failure), **f_kw})
     costs = CostModel(**{**_fields(costs), **c_kw})
-    sim = SimConfig(seeds=a.seeds, seed=a.seed, measure_repairs=a.measure_repairs,
-                    warmup_repairs=a.warmup_repairs)
+    sim = SimConfig(seeds=a.seeds, seed=a.seed, measure_repairs=a.measure_repairs, warmup_repairs=a.warmup_repairs)
     return failure, costs, sim
 
 
@@ -108,36 +105,49 @@ def _fields(obj: object) -> dict:
 
 def config_json(failure: FailureModel, costs: CostModel, sim: SimConfig) -> dict:
     """The configs, with distributions written as parseable strings."""
-    return {"failure": {"mtbi_s": failure.mtbi_s, "slice_chips": failure.slice_chips,
-                        "repair": failure.repair.spec(), "speed_cv": failure.speed_cv},
-            "costs": {"restart": costs.restart.spec(), "downscale": costs.downscale.spec(),
-                      "upscale": costs.upscale.spec(), "step_s": costs.step_s,
-                      "checkpoint_s": costs.checkpoint_s},
-            "sim": asdict(sim)}
+    return {
+        "failure": {
+            "mtbi_s": failure.mtbi_s,
+            "slice_chips": failure.slice_chips,
+            "repair": failure.repair.spec(),
+            "speed_cv": failure.speed_cv,
+        },
+        "costs": {
+            "restart": costs.restart.spec(),
+            "downscale": costs.downscale.spec(),
+            "upscale": costs.upscale.spec(),
+            "step_s": costs.step_s,
+            "checkpoint_s": costs.checkpoint_s,
+        },
+        "sim": asdict(sim),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddiloco goodput", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ddiloco goodput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command")
     g = sub.add_parser("grid", help="goodput and uptime over fleet sizes (the default)")
-    g.add_argument("--chips", default=",".join(str(n) for n in PAPER_CHIPS),
-                   help="fleet sizes, e.g. 150k,300k,1.2M")
-    g.add_argument("--learners", default=",".join(map(str, DEFAULT_LEARNERS)),
-                   help="Decoupled DiLoCo learner counts M")
+    g.add_argument("--chips", default=",".join(str(n) for n in PAPER_CHIPS), help="fleet sizes, e.g. 150k,300k,1.2M")
+    g.add_argument("--learners", default=",".join(map(str, DEFAULT_LEARNERS)), help="Decoupled DiLoCo learner counts M")
     g.add_argument("--quorum", type=int, default=1, help="quorum K (capped at M; paper: 1)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of goodput vs chips")
-    g.add_argument("--bands", action="store_true",
-                   help="also print each cell's median and 90%% band over the parameter sets "
-                        "consistent with the paper's DP rows (adds K = M/2 cells)")
-    g.add_argument("--valley", metavar="PATH",
-                   help="valley map for --bands: docs/results/goodput.json or a saved map "
-                        "(default: map the valley now, minutes)")
-    g.add_argument("--tolerance", type=float, default=1.5,
-                   help="--bands: model error in points (sd) of the likelihood")
-    g.add_argument("--workers", type=int, default=1,
-                   help="--bands without --valley: worker processes for the mapping")
+    g.add_argument(
+        "--bands",
+        action="store_true",
+        help="also print each cell's median and 90%% band over the parameter sets "
+        "consistent with the paper's DP rows (adds K = M/2 cells)",
+    )
+    g.add_argument(
+        "--valley",
+        metavar="PATH",
+        help="valley map for --bands: docs/results/goodput.json or a saved map "
+        "(default: map the valley now, minutes)",
+    )
+    g.add_argument("--tolerance", type=float, default=1.5, help="--bands: model error in points (sd) of the likelihood")
+    g.add_argument("--workers", type=int, default=1, help="--bands without --valley: worker processes for the mapping")
     _add_model_options(g)
 
     b = sub.add_parser("bandwidth", help="cross-site bandwidth per training method")
@@ -191,8 +201,7 @@ def _grid(a: argparse.Namespace) -> int:
     for m in learners:
         if a.quorum > m:
             raise ConfigError(f"quorum (K) = {a.quorum}: must be in [1, M = {m}]")
-    strategies = [Strategy("dp"), Strategy("elastic")] + [
-        Strategy("decoupled", m, a.quorum) for m in learners]
+    strategies = [Strategy("dp"), Strategy("elastic")] + [Strategy("decoupled", m, a.quorum) for m in learners]
     if a.bands:
         strategies = list(dict.fromkeys(strategies + band_strategies(learners)))
     band_set = _band_set(a) if a.bands else None
@@ -201,35 +210,44 @@ def _grid(a: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     if a.plot:
         from ddiloco.goodput.plot import plot_goodput
-        paper = {"DP": PAPER_DP, "elastic DP": PAPER_ELASTIC,
-                 "DDiLoCo M=8": {n: v for (m, n), v in PAPER_DDILOCO.items() if m == 8}}
+
+        paper = {
+            "DP": PAPER_DP,
+            "elastic DP": PAPER_ELASTIC,
+            "DDiLoCo M=8": {n: v for (m, n), v in PAPER_DDILOCO.items() if m == 8},
+        }
         plot_goodput(cells, a.plot, paper=paper)
     if a.json:
-        out = {"config": config_json(failure, costs, sim), "seconds": seconds,
-               "cells": [c.to_json() for c in cells]}
+        out = {"config": config_json(failure, costs, sim), "seconds": seconds, "cells": [c.to_json() for c in cells]}
         if band_set is not None:
             out["bands"] = band_set
         print(json.dumps(out, indent=2))
         return 0
     for metric in ("goodput", "uptime"):
         header, rows = grid_rows(cells, metric)
-        print_table(f"{metric} % (mean ± 95% CI over {sim.seeds} seeds, MTBI "
-                    f"{failure.mtbi_s / 86400 / 365.25:g} y)", header, rows)
+        print_table(
+            f"{metric} % (mean ± 95% CI over {sim.seeds} seeds, MTBI " f"{failure.mtbi_s / 86400 / 365.25:g} y)",
+            header,
+            rows,
+        )
     print(f"{len(cells)} cells x {sim.seeds} seeds in {seconds:.2f} s")
     if band_set is not None:
         from ddiloco.goodput.bands import Band
         from ddiloco.goodput.report import band_rows
 
-        b = {(x["strategy"], x["chips"]): Band(x["median"], x["lo"], x["hi"])
-             for x in band_set["cells"]}
+        b = {(x["strategy"], x["chips"]): Band(x["median"], x["lo"], x["hi"]) for x in band_set["cells"]}
         cs = band_set["consistent_set"]
-        print_table(f"goodput %: the model above, mean ± 95% CI over seeds · median "
-                    f"[90% band] over the {cs['size']} consistent parameter sets (tolerance "
-                    f"{cs['tolerance']:g} points)", *band_rows(b, cells))
+        print_table(
+            f"goodput %: the model above, mean ± 95% CI over seeds · median "
+            f"[90% band] over the {cs['size']} consistent parameter sets (tolerance "
+            f"{cs['tolerance']:g} points)",
+            *band_rows(b, cells),
+        )
         for name, v in cs["spread"].items():
-            print(f"  {name}: median {v['median']:.4g}, range [{v['min']:.4g}, {v['max']:.4g}]"
-                  + (" (reaches the prior box's edge)" if v["at_lower_edge"]
-                     or v["at_upper_edge"] else ""))
+            print(
+                f"  {name}: median {v['median']:.4g}, range [{v['min']:.4g}, {v['max']:.4g}]"
+                + (" (reaches the prior box's edge)" if v["at_lower_edge"] or v["at_upper_edge"] else "")
+            )
     return 0
 
 
@@ -248,13 +266,21 @@ def _band_set(a: argparse.Namespace) -> dict:
     else:
         vm = map_valley(ValleyConfig(max_tolerance=max(a.tolerance, 2.0)), workers=a.workers)
     if a.tolerance > vm.config.max_tolerance:
-        raise ConfigError(f"tolerance = {a.tolerance:g}: must be <= {vm.config.max_tolerance:g}, "
-                          f"the largest the valley map was made for")
+        raise ConfigError(
+            f"tolerance = {a.tolerance:g}: must be <= {vm.config.max_tolerance:g}, "
+            f"the largest the valley map was made for"
+        )
     cs = consistent_set(vm, a.tolerance)
-    return {"consistent_set": {"tolerance": a.tolerance, "mass": cs.mass, "size": cs.size,
-                               "grid_points": cs.grid_points, "spread": spread(vm, cs)},
-            "cells": [{"strategy": name, "chips": n, **b.to_json()}
-                      for (name, n), b in bands(vm, cs).items()]}
+    return {
+        "consistent_set": {
+            "tolerance": a.tolerance,
+            "mass": cs.mass,
+            "size": cs.size,
+            "grid_points": cs.grid_points,
+            "spread": spread(vm, cs),
+        },
+        "cells": [{"strategy": name, "chips": n, **b.to_json()} for (name, n), b in bands(vm, cs).items()],
+    }
 
 
 def _bandwidth(a: argparse.Namespace) -> int:
@@ -264,13 +290,19 @@ def _bandwidth(a: argparse.Namespace) -> int:
         params = float(a.params)
     except ValueError:
         raise ConfigError(f"params = {a.params!r}: expected a number such as 5e9") from None
-    cfg = BandwidthConfig(params=params, step_s=parse_duration(a.step_time, "step_time"),
-                          sites=a.sites, fragments=a.fragments, sync_every=a.sync_every,
-                          overlap=a.overlap, encoding=a.encoding, dp_encoding=a.dp_encoding)
+    cfg = BandwidthConfig(
+        params=params,
+        step_s=parse_duration(a.step_time, "step_time"),
+        sites=a.sites,
+        fragments=a.fragments,
+        sync_every=a.sync_every,
+        overlap=a.overlap,
+        encoding=a.encoding,
+        dp_encoding=a.dp_encoding,
+    )
     reqs = required_bandwidth(cfg)
     if a.json:
-        print(json.dumps({"config": asdict(cfg), "methods": [r.to_json() for r in reqs]},
-                         indent=2))
+        print(json.dumps({"config": asdict(cfg), "methods": [r.to_json() for r in reqs]}, indent=2))
         return 0
     print_table(bandwidth_title(cfg), *bandwidth_rows(reqs))
     return 0
@@ -284,13 +316,24 @@ def _calibrate(a: argparse.Namespace) -> int:
             raise ConfigError(f"{name} = {getattr(a, name)}: must be >= 1")
     cal = calibrate(fit_seeds=a.fit_seeds, check_seeds=a.check_seeds, max_evals=a.max_evals)
     if a.json:
-        print(json.dumps({"params": cal.params, "sse": cal.sse, "evals": cal.evals,
-                          "seconds": cal.seconds, "within_3_points": cal.within3,
-                          "max_abs_residual": cal.max_abs,
-                          "residuals": [{**asdict(r), "residual": r.residual}
-                                        for r in cal.residuals]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "params": cal.params,
+                    "sse": cal.sse,
+                    "evals": cal.evals,
+                    "seconds": cal.seconds,
+                    "within_3_points": cal.within3,
+                    "max_abs_residual": cal.max_abs,
+                    "residuals": [{**asdict(r), "residual": r.residual} for r in cal.residuals],
+                },
+                indent=2,
+            )
+        )
         return 0
     print_table(f"calibration: {cal.params}", *calibration_rows(cal))
-    print(f"{cal.within3}/10 cells within 3 points, max |residual| {cal.max_abs:.1f}; "
-          f"{cal.evals} evaluations in {cal.seconds:.1f} s")
+    print(
+        f"{cal.within3}/10 cells within 3 points, max |residual| {cal.max_abs:.1f}; "
+        f"{cal.evals} evaluations in {cal.seconds:.1f} s"
+    )
     return 0

@@ -64,16 +64,19 @@ class CostModel:
     slice that just died (or lacks the one that just came back).
     """
 
-    restart: Distribution = field(default_factory=lambda: Weibull.from_mean(
-        CALIBRATED["restart_mean_s"], CALIBRATED["recovery_shape"]))
+    restart: Distribution = field(
+        default_factory=lambda: Weibull.from_mean(CALIBRATED["restart_mean_s"], CALIBRATED["recovery_shape"])
+    )
     """Non-elastic data-parallel: time to reschedule the whole job on healthy slices (failed
     ones swapped for hot spares) and resume from the last checkpoint."""
-    downscale: Distribution = field(default_factory=lambda: Weibull.from_mean(
-        CALIBRATED["reconfig_mean_s"], CALIBRATED["recovery_shape"]))
+    downscale: Distribution = field(
+        default_factory=lambda: Weibull.from_mean(CALIBRATED["reconfig_mean_s"], CALIBRATED["recovery_shape"])
+    )
     """Elastic group (elastic DP, or one Decoupled DiLoCo learner): pause to drop a failed
     slice and re-form the mesh."""
-    upscale: Distribution = field(default_factory=lambda: Weibull.from_mean(
-        CALIBRATED["reconfig_mean_s"], CALIBRATED["recovery_shape"]))
+    upscale: Distribution = field(
+        default_factory=lambda: Weibull.from_mean(CALIBRATED["reconfig_mean_s"], CALIBRATED["recovery_shape"])
+    )
     """Elastic group: pause to add a repaired slice back."""
     step_s: float = STEP_S
     """Training step time; an elastic group loses the step in flight when a slice fails (its
@@ -110,8 +113,7 @@ class Strategy:
         if not isinstance(self.learners, int) or self.learners < 1:
             raise ConfigError(f"learners (M) = {self.learners!r}: must be an integer >= 1")
         if not isinstance(self.quorum, int) or not 1 <= self.quorum <= self.learners:
-            raise ConfigError(f"quorum (K) = {self.quorum!r}: must be an integer in "
-                              f"[1, M = {self.learners}]")
+            raise ConfigError(f"quorum (K) = {self.quorum!r}: must be an integer in " f"[1, M = {self.learners}]")
 
     @property
     def name(self) -> str:
@@ -162,15 +164,15 @@ class SimConfig:
         """(warm-up, horizon) in seconds for this failure model."""
         mean_repair = failure.repair.mean
         warm = self.warmup_repairs * mean_repair if self.warmup_s is None else self.warmup_s
-        measure = (max(self.measure_repairs * mean_repair, self.min_measure_s)
-                   if self.measure_s is None else self.measure_s)
+        measure = (
+            max(self.measure_repairs * mean_repair, self.min_measure_s) if self.measure_s is None else self.measure_s
+        )
         return warm, warm + measure
 
 
 def check_chips(chips: int) -> int:
     """A positive integer chip count, or ConfigError naming it."""
-    if isinstance(chips, bool) or not isinstance(chips, (int, float)) or chips != int(chips) \
-            or chips < 1:
+    if isinstance(chips, bool) or not isinstance(chips, (int, float)) or chips != int(chips) or chips < 1:
         raise ConfigError(f"chips = {chips!r}: must be an integer >= 1")
     return int(chips)
 
@@ -185,8 +187,10 @@ def check_fits(chips: int, failure: FailureModel, strategy: Strategy) -> None:
     check_chips(chips)
     slices = n_slices(chips, failure.slice_chips)
     if strategy.learners > slices:
-        raise ConfigError(f"learners (M) = {strategy.learners}: must be <= the number of "
-                          f"slices ({slices} = {chips} chips / {failure.slice_chips} per slice)")
+        raise ConfigError(
+            f"learners (M) = {strategy.learners}: must be <= the number of "
+            f"slices ({slices} = {chips} chips / {failure.slice_chips} per slice)"
+        )
 
 
 def _positive(name: str, value: float) -> None:

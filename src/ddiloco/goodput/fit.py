@@ -20,8 +20,14 @@ class FitResult:
     """Objective evaluations used."""
 
 
-def nelder_mead(fun: Callable[[np.ndarray], float], x0: np.ndarray, step: float | np.ndarray = 0.2,
-                max_evals: int = 400, xtol: float = 1e-3, ftol: float = 1e-6) -> FitResult:
+def nelder_mead(
+    fun: Callable[[np.ndarray], float],
+    x0: np.ndarray,
+    step: float | np.ndarray = 0.2,
+    max_evals: int = 400,
+    xtol: float = 1e-3,
+    ftol: float = 1e-6,
+) -> FitResult:
     """Minimise ``fun`` from ``x0`` with the standard simplex moves (Gao-Han adaptive
     coefficients, which behave better than the classic ones beyond a few dimensions)."""
     x0 = np.asarray(x0, float)
@@ -33,8 +39,7 @@ def nelder_mead(fun: Callable[[np.ndarray], float], x0: np.ndarray, step: float 
     while evals < max_evals:
         order = np.argsort(values)
         simplex, values = simplex[order], values[order]
-        if (np.max(np.abs(simplex[1:] - simplex[0])) < xtol
-                and values[-1] - values[0] < ftol):
+        if np.max(np.abs(simplex[1:] - simplex[0])) < xtol and values[-1] - values[0] < ftol:
             break
         centroid = simplex[:-1].mean(axis=0)
         xr = centroid + alpha * (centroid - simplex[-1])

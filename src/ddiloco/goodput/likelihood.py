@@ -18,7 +18,7 @@ ROUNDING_VAR = 1.0 / 12.0
 
 def two_sigma2(tolerance: float) -> float:
     """2 s^2 of the Gaussian likelihood: model error plus rounding of the paper's integers."""
-    return 2.0 * (tolerance ** 2 + ROUNDING_VAR)
+    return 2.0 * (tolerance**2 + ROUNDING_VAR)
 
 
 def posterior(sse: np.ndarray, tolerance: float) -> np.ndarray:
@@ -37,5 +37,5 @@ def hpd_mask(sse: np.ndarray, tolerance: float, mass: float = 0.9) -> np.ndarray
     cum = np.cumsum(posterior(sse, tolerance)[order])
     n = int(np.searchsorted(cum, mass * (1 - 1e-12))) + 1  # first prefix reaching the mass
     mask = np.zeros(sse.size, bool)
-    mask[order[:min(n, sse.size)]] = True
+    mask[order[: min(n, sse.size)]] = True
     return mask

@@ -49,8 +49,9 @@ def fmt_band(b: Band) -> str:
     return f"{b.median:.1f} [{b.lo:.1f}, {b.hi:.1f}]"
 
 
-def band_rows(bands: dict[tuple[str, int], Band], cells: Sequence[Cell] | None = None
-              ) -> tuple[list[str], list[list[str]]]:
+def band_rows(
+    bands: dict[tuple[str, int], Band], cells: Sequence[Cell] | None = None
+) -> tuple[list[str], list[list[str]]]:
     """One row per strategy, one column per fleet size: the band, and beside it the seed CI of
     ``cells`` (the default calibration) where it has that cell."""
     sizes = sorted({n for _, n in bands})
@@ -79,8 +80,10 @@ def rich_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]])
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -91,27 +94,40 @@ def calibration_rows(cal: Calibration) -> tuple[list[str], list[list[str]]]:
 
 def residual_rows(residuals: Sequence[Residual]) -> tuple[list[str], list[list[str]]]:
     header = ["strategy", "chips", "paper %", "model %", "± 95% CI", "residual (pts)"]
-    rows = [[r.strategy, fmt_chips(r.chips), f"{r.paper:.0f}", f"{r.model:.1f}",
-             f"{r.ci95:.1f}", f"{r.residual:+.1f}"] for r in residuals]
+    rows = [
+        [r.strategy, fmt_chips(r.chips), f"{r.paper:.0f}", f"{r.model:.1f}", f"{r.ci95:.1f}", f"{r.residual:+.1f}"]
+        for r in residuals
+    ]
     return header, rows
 
 
 def bandwidth_rows(reqs: Sequence[Requirement]) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "payload / sync", "every (steps)", "window (steps)", "Gbit/s per site",
-              "Gbit/s at hub"]
-    rows = [[r.method, f"{r.payload_bits / 8e9:.3g} GB", f"{r.interval_steps:g}",
-             f"{r.window_steps:g}", f"{r.gbps:.3g}", f"{r.hub_gbps:.3g}"] for r in reqs]
+    header = ["method", "payload / sync", "every (steps)", "window (steps)", "Gbit/s per site", "Gbit/s at hub"]
+    rows = [
+        [
+            r.method,
+            f"{r.payload_bits / 8e9:.3g} GB",
+            f"{r.interval_steps:g}",
+            f"{r.window_steps:g}",
+            f"{r.gbps:.3g}",
+            f"{r.hub_gbps:.3g}",
+        ]
+        for r in reqs
+    ]
     return header, rows
 
 
 def bandwidth_title(cfg: BandwidthConfig) -> str:
-    return (f"Cross-site bandwidth for full overlap: {cfg.params:.3g} params, "
-            f"{cfg.step_s:g} s/step, {cfg.sites} sites, P={cfg.fragments}, H={cfg.sync_every}, "
-            f"tau={cfg.overlap}, {cfg.encoding} (DP {cfg.dp_encoding})")
+    return (
+        f"Cross-site bandwidth for full overlap: {cfg.params:.3g} params, "
+        f"{cfg.step_s:g} s/step, {cfg.sites} sites, P={cfg.fragments}, H={cfg.sync_every}, "
+        f"tau={cfg.overlap}, {cfg.encoding} (DP {cfg.dp_encoding})"
+    )
 
 
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
-                console: Console | None = None) -> None:
+def print_table(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[str]], console: Console | None = None
+) -> None:
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or captured: don't squeeze the table to 80 columns

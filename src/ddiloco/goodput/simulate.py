@@ -25,9 +25,38 @@ DEFAULT_LEARNERS = (2, 4, 8, 16)
 """The Decoupled DiLoCo learner counts of the paper's grid."""
 
 # Two-sided 95% Student t quantiles for 1..30 degrees of freedom (no scipy dependency).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t975(df: int) -> float:
@@ -72,23 +101,35 @@ class Cell:
     """Mean slice failures per seed in the measured window."""
 
     def to_json(self) -> dict:
-        return {"chips": self.chips, "strategy": self.strategy.name, "kind": self.strategy.kind,
-                "learners": self.strategy.learners, "quorum": self.strategy.quorum,
-                "goodput": self.goodput.mean, "goodput_ci95": self.goodput.ci95,
-                "uptime": self.uptime.mean, "uptime_ci95": self.uptime.ci95,
-                "shares": self.shares, "failures_per_seed": self.failures}
+        return {
+            "chips": self.chips,
+            "strategy": self.strategy.name,
+            "kind": self.strategy.kind,
+            "learners": self.strategy.learners,
+            "quorum": self.strategy.quorum,
+            "goodput": self.goodput.mean,
+            "goodput_ci95": self.goodput.ci95,
+            "uptime": self.uptime.mean,
+            "uptime_ci95": self.uptime.ci95,
+            "shares": self.shares,
+            "failures_per_seed": self.failures,
+        }
 
 
-def default_strategies(learners: Iterable[int] = DEFAULT_LEARNERS, quorum: int = 1
-                       ) -> list[Strategy]:
+def default_strategies(learners: Iterable[int] = DEFAULT_LEARNERS, quorum: int = 1) -> list[Strategy]:
     """DP, elastic DP, and Decoupled DiLoCo for each M (quorum K capped at M)."""
     return [Strategy("dp"), Strategy("elastic")] + [
-        Strategy("decoupled", learners=m, quorum=min(quorum, m)) for m in learners]
+        Strategy("decoupled", learners=m, quorum=min(quorum, m)) for m in learners
+    ]
 
 
-def simulate_grid(chips: Iterable[int], strategies: Sequence[Strategy],
-                  failure: FailureModel | None = None, costs: CostModel | None = None,
-                  sim: SimConfig | None = None) -> list[Cell]:
+def simulate_grid(
+    chips: Iterable[int],
+    strategies: Sequence[Strategy],
+    failure: FailureModel | None = None,
+    costs: CostModel | None = None,
+    sim: SimConfig | None = None,
+) -> list[Cell]:
     """Every strategy at every fleet size, each seed's timeline shared by all strategies."""
     failure = failure or FailureModel()
     costs = costs or CostModel()
@@ -107,13 +148,16 @@ def simulate_grid(chips: Iterable[int], strategies: Sequence[Strategy],
             for j, s in enumerate(strategies):
                 runs[j].append(run_strategy(tl, s, costs))
         for s, outs in zip(strategies, runs):
-            cells.append(Cell(
-                chips=n, strategy=s,
-                goodput=Stat.of([o.goodput for o in outs]),
-                uptime=Stat.of([o.uptime for o in outs]),
-                shares={c: float(np.mean([o.chip_time[c] / o.allocated for o in outs]))
-                        for c in CATEGORIES},
-                failures=float(np.mean([o.failures for o in outs]))))
+            cells.append(
+                Cell(
+                    chips=n,
+                    strategy=s,
+                    goodput=Stat.of([o.goodput for o in outs]),
+                    uptime=Stat.of([o.uptime for o in outs]),
+                    shares={c: float(np.mean([o.chip_time[c] / o.allocated for o in outs])) for c in CATEGORIES},
+                    failures=float(np.mean([o.failures for o in outs])),
+                )
+            )
     return cells
 
 

@@ -86,12 +86,12 @@ def run_strategy(tl: FleetTimeline, strategy: Strategy, costs: CostModel) -> Out
 
     first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])  # one per group: its virtual start
     cs = np.cumsum(d)
-    up = group_chips[g] - (cs - (cs - d)[first][g])        # healthy chips after each event
+    up = group_chips[g] - (cs - (cs - d)[first][g])  # healthy chips after each event
     last = np.r_[g[1:] != g[:-1], True]
     nxt = np.where(last, tl.horizon_s, np.r_[t[1:], 0.0])
     ends_in_failure = ~last & np.r_[f[1:], False]
 
-    rec_end = np.minimum(t + p, nxt)                        # recovery, cut short by next event
+    rec_end = np.minimum(t + p, nxt)  # recovery, cut short by next event
     run_len = np.maximum(nxt - (t + p), 0.0)
     kept = np.where(ends_in_failure, np.floor(run_len / quantum) * quantum, run_len)
     running = (run_len > 0) & (up > 0)
@@ -129,7 +129,10 @@ def run_strategy(tl: FleetTimeline, strategy: Strategy, costs: CostModel) -> Out
         "blocked": float(np.sum((use + slow + lost) * seg * ~ok)),
     }
     allocated = float(group_chips.sum()) * span
-    return Outcome(goodput=chip_time["useful"] / allocated,
-                   uptime=float(np.sum(seg * ok)) / span,
-                   chip_time=chip_time, allocated=allocated,
-                   failures=int(np.count_nonzero(f & (t >= w0))))
+    return Outcome(
+        goodput=chip_time["useful"] / allocated,
+        uptime=float(np.sum(seg * ok)) / span,
+        chip_time=chip_time,
+        allocated=allocated,
+        failures=int(np.count_nonzero(f & (t >= w0))),
+    )

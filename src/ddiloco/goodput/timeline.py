@@ -50,10 +50,15 @@ class FleetTimeline:
         return int(self.slice_chips.sum())
 
 
-
-def make_timeline(chips: int, seed: int, failure: FailureModel, costs: CostModel,
-                  sim: SimConfig, horizon_s: float | None = None,
-                  warmup_s: float | None = None) -> FleetTimeline:
+def make_timeline(
+    chips: int,
+    seed: int,
+    failure: FailureModel,
+    costs: CostModel,
+    sim: SimConfig,
+    horizon_s: float | None = None,
+    warmup_s: float | None = None,
+) -> FleetTimeline:
     """Sample the timeline of a ``chips`` fleet for ``seed`` (reproducible bit for bit)."""
     chips = check_chips(chips)
     warm, horizon = sim.window(failure)
@@ -83,10 +88,18 @@ def make_timeline(chips: int, seed: int, failure: FailureModel, costs: CostModel
     up = np.asarray(costs.upscale.sample(rng, t.size), float)
     restart = np.asarray(costs.restart.sample(rng, t.size), float)
     speed = _slice_speeds(np.random.default_rng(s_speed), sizes, failure.speed_cv)
-    return FleetTimeline(slice_chips=sizes, slice_speed=speed, t=t, slice_id=sid.astype(np.int64),
-                         is_failure=is_fail, hits_spare=spare,
-                         reconfig_s=np.where(is_fail, down, up), restart_s=restart,
-                         warmup_s=float(warm), horizon_s=float(horizon))
+    return FleetTimeline(
+        slice_chips=sizes,
+        slice_speed=speed,
+        t=t,
+        slice_id=sid.astype(np.int64),
+        is_failure=is_fail,
+        hits_spare=spare,
+        reconfig_s=np.where(is_fail, down, up),
+        restart_s=restart,
+        warmup_s=float(warm),
+        horizon_s=float(horizon),
+    )
 
 
 def _slice_speeds(rng: np.random.Generator, sizes: np.ndarray, cv: float) -> np.ndarray:

@@ -84,8 +84,7 @@ class ValleyConfig:
     e^-cut of the best point's."""
 
     def sim(self) -> SimConfig:
-        return SimConfig(seeds=self.seeds, seed=self.seed, warmup_s=self.warmup_s,
-                         measure_s=self.measure_s)
+        return SimConfig(seeds=self.seeds, seed=self.seed, warmup_s=self.warmup_s, measure_s=self.measure_s)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -137,25 +136,36 @@ class ValleyMap:
 
     def to_json(self) -> dict:
         pts = np.argwhere(~np.isnan(self.predicted[..., 0, 0]))
-        return {"config": self.config.to_json(), "target_dp": list(self.target_dp),
-                "target_elastic": list(self.target_elastic),
-                "strategies": [[s.learners, s.quorum] for s in self.strategies],
-                "dp": _nested(self.dp), "elastic": _nested(self.elastic),
-                "predicted": [{"index": [int(x) for x in p],
-                               "goodput": _nested(self.predicted[tuple(p)])} for p in pts],
-                "evals": self.evals, "seconds": self.seconds}
+        return {
+            "config": self.config.to_json(),
+            "target_dp": list(self.target_dp),
+            "target_elastic": list(self.target_elastic),
+            "strategies": [[s.learners, s.quorum] for s in self.strategies],
+            "dp": _nested(self.dp),
+            "elastic": _nested(self.elastic),
+            "predicted": [{"index": [int(x) for x in p], "goodput": _nested(self.predicted[tuple(p)])} for p in pts],
+            "evals": self.evals,
+            "seconds": self.seconds,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> ValleyMap:
         cfg = ValleyConfig.from_json(d["config"])
         strategies = [Strategy("decoupled", m, k) for m, k in d["strategies"]]
-        pred = np.full((len(cfg.shapes), len(cfg.pause_s), len(cfg.repair_s), len(strategies),
-                        len(cfg.chips)), np.nan)
+        pred = np.full((len(cfg.shapes), len(cfg.pause_s), len(cfg.repair_s), len(strategies), len(cfg.chips)), np.nan)
         for p in d["predicted"]:
             pred[tuple(p["index"])] = _array(p["goodput"])
-        return cls(cfg, tuple(d["target_dp"]), tuple(d["target_elastic"]), _array(d["dp"]),
-                   _array(d["elastic"]), pred, strategies, dict(d.get("evals", {})),
-                   dict(d.get("seconds", {})))
+        return cls(
+            cfg,
+            tuple(d["target_dp"]),
+            tuple(d["target_elastic"]),
+            _array(d["dp"]),
+            _array(d["elastic"]),
+            pred,
+            strategies,
+            dict(d.get("evals", {})),
+            dict(d.get("seconds", {})),
+        )
 
 
 def load_map(path: str) -> ValleyMap:
@@ -175,8 +185,7 @@ def _sse(means: np.ndarray, target: Sequence[float]) -> np.ndarray:
 
 def _nested(a: np.ndarray) -> list:
     # JSON has no NaN: unevaluated points are null. Six decimals keep the set's borders exact.
-    return [_nested(x) for x in a] if a.ndim > 1 else [
-        None if math.isnan(v) else round(float(v), 6) for v in a]
+    return [_nested(x) for x in a] if a.ndim > 1 else [None if math.isnan(v) else round(float(v), 6) for v in a]
 
 
 def _array(x: list) -> np.ndarray:
@@ -185,13 +194,12 @@ def _array(x: list) -> np.ndarray:
 
 # ---- simulation of one grid point (top-level functions: picklable for worker processes) ----
 
+
 def _params(shape: float, restart: float, pause: float, repair: float) -> dict[str, float]:
-    return {"restart_mean_s": restart, "reconfig_mean_s": pause, "recovery_shape": shape,
-            "repair_mean_s": repair}
+    return {"restart_mean_s": restart, "reconfig_mean_s": pause, "recovery_shape": shape, "repair_mean_s": repair}
 
 
-def _goodput(cfg: ValleyConfig, params: dict[str, float],
-             strategies: Sequence[Strategy]) -> list[list[float]]:
+def _goodput(cfg: ValleyConfig, params: dict[str, float], strategies: Sequence[Strategy]) -> list[list[float]]:
     """[strategy][chips] mean goodput, %."""
     cells = simulate_grid(cfg.chips, strategies, *models_from(params), cfg.sim())
     by = {(c.strategy, c.chips): 100.0 * c.goodput.mean for c in cells}
@@ -202,8 +210,7 @@ def _eval_dp(task: tuple[ValleyConfig, float, float]) -> list[float]:
     cfg, shape, restart = task
     # The non-elastic job sees every failure whatever the repair time (hot spares), and never
     # pauses: any pause and repair give the same result in distribution.
-    return _goodput(cfg, _params(shape, restart, cfg.pause_s[0], cfg.repair_s[0]),
-                    [Strategy("dp")])[0]
+    return _goodput(cfg, _params(shape, restart, cfg.pause_s[0], cfg.repair_s[0]), [Strategy("dp")])[0]
 
 
 def _eval_elastic(task: tuple[ValleyConfig, float, float, float]) -> list[float]:
@@ -213,8 +220,7 @@ def _eval_elastic(task: tuple[ValleyConfig, float, float, float]) -> list[float]
 
 def _eval_predicted(task: tuple[ValleyConfig, float, float, float]) -> list[list[float]]:
     cfg, shape, pause, repair = task
-    return _goodput(cfg, _params(shape, cfg.restart_s[0], pause, repair),
-                    band_strategies(cfg.learners))
+    return _goodput(cfg, _params(shape, cfg.restart_s[0], pause, repair), band_strategies(cfg.learners))
 
 
 def _pmap(fn: Callable, tasks: list, workers: int) -> list:
@@ -226,22 +232,36 @@ def _pmap(fn: Callable, tasks: list, workers: int) -> list:
 
 # ---- the three stages ---------------------------------------------------------------------
 
-def map_valley(cfg: ValleyConfig | None = None,
-               target_dp: Sequence[float] | None = None,
-               target_elastic: Sequence[float] | None = None,
-               workers: int = 1) -> ValleyMap:
+
+def map_valley(
+    cfg: ValleyConfig | None = None,
+    target_dp: Sequence[float] | None = None,
+    target_elastic: Sequence[float] | None = None,
+    workers: int = 1,
+) -> ValleyMap:
     """Simulate the grid (the paper's DP rows are the default targets); see the module doc."""
     cfg = cfg or ValleyConfig()
     t_dp = tuple(float(v) for v in (target_dp or [PAPER_DP[n] for n in cfg.chips]))
     t_el = tuple(float(v) for v in (target_elastic or [PAPER_ELASTIC[n] for n in cfg.chips]))
     if len(t_dp) != len(cfg.chips) or len(t_el) != len(cfg.chips):
         raise ValueError("targets: need one value per fleet size in config.chips")
-    ns, nr, npause, nrep, nc = (len(cfg.shapes), len(cfg.restart_s), len(cfg.pause_s),
-                                len(cfg.repair_s), len(cfg.chips))
+    ns, nr, npause, nrep, nc = (
+        len(cfg.shapes),
+        len(cfg.restart_s),
+        len(cfg.pause_s),
+        len(cfg.repair_s),
+        len(cfg.chips),
+    )
     strategies = band_strategies(cfg.learners)
-    vm = ValleyMap(cfg, t_dp, t_el, np.full((ns, nr, nc), np.nan),
-                   np.full((ns, npause, nrep, nc), np.nan),
-                   np.full((ns, npause, nrep, len(strategies), nc), np.nan), strategies)
+    vm = ValleyMap(
+        cfg,
+        t_dp,
+        t_el,
+        np.full((ns, nr, nc), np.nan),
+        np.full((ns, npause, nrep, nc), np.nan),
+        np.full((ns, npause, nrep, len(strategies), nc), np.nan),
+        strategies,
+    )
 
     # 1. Non-elastic row over (shape, restart).
     t0 = time.perf_counter()
@@ -254,12 +274,10 @@ def map_valley(cfg: ValleyConfig | None = None,
     # 2. Elastic row over (shape, pause, repair), for the shapes the first row leaves plausible.
     t0 = time.perf_counter()
     prof = vm.sse_dp.min(axis=1)
-    keep = [i for i in range(ns) if prof[i] <= prof.min() + cfg.shape_cut
-            * two_sigma2(cfg.max_tolerance)]
+    keep = [i for i in range(ns) if prof[i] <= prof.min() + cfg.shape_cut * two_sigma2(cfg.max_tolerance)]
     log.info("valley: %d/%d shapes kept after the non-elastic row", len(keep), ns)
     idx3 = [(i, k, m) for i in keep for k in range(npause) for m in range(nrep)]
-    res = _pmap(_eval_elastic, [(cfg, cfg.shapes[i], cfg.pause_s[k], cfg.repair_s[m])
-                                for i, k, m in idx3], workers)
+    res = _pmap(_eval_elastic, [(cfg, cfg.shapes[i], cfg.pause_s[k], cfg.repair_s[m]) for i, k, m in idx3], workers)
     for (i, k, m), r in zip(idx3, res):
         vm.elastic[i, k, m] = r
     vm.evals["elastic"], vm.seconds["elastic"] = len(idx3), time.perf_counter() - t0
@@ -268,10 +286,8 @@ def map_valley(cfg: ValleyConfig | None = None,
     t0 = time.perf_counter()
     sse, (si, _, pk, rm) = vm.joint_sse()
     inside = hpd_mask(sse, cfg.max_tolerance, cfg.mass)
-    idx3 = sorted({(int(a), int(b), int(c)) for a, b, c in
-                   zip(si[inside], pk[inside], rm[inside])})
-    res = _pmap(_eval_predicted, [(cfg, cfg.shapes[i], cfg.pause_s[k], cfg.repair_s[m])
-                                  for i, k, m in idx3], workers)
+    idx3 = sorted({(int(a), int(b), int(c)) for a, b, c in zip(si[inside], pk[inside], rm[inside])})
+    res = _pmap(_eval_predicted, [(cfg, cfg.shapes[i], cfg.pause_s[k], cfg.repair_s[m]) for i, k, m in idx3], workers)
     for (i, k, m), r in zip(idx3, res):
         vm.predicted[i, k, m] = r
     vm.evals["predicted"], vm.seconds["predicted"] = len(idx3), time.perf_counter() - t0
