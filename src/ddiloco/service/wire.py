@@ -10,6 +10,7 @@ with a reason, so a malformed message is counted and dropped, never a crash.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -52,8 +53,20 @@ class WireError(ValueError):
     """A message that cannot be decoded; the reason names what is wrong."""
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    """Field annotations of a message class (resolving them is slow: once per class)."""
     return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _optional(cls: type) -> frozenset[str]:
+    """Fields of a message class that have a default (may be missing on the wire)."""
+    return frozenset(
+        fl.name
+        for fl in dataclasses.fields(cls)
+        if fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
+    )
 
 
 def _is_tensor_list(tp: Any) -> bool:
@@ -128,11 +141,7 @@ def decode(frames: list[Any]) -> Any:
             kwargs[f].append(t)
         else:
             kwargs[f][str(key)] = t
-    defaults = {
-        fl.name
-        for fl in dataclasses.fields(cls)
-        if fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
-    }
+    defaults = _optional(cls)
     for f, tp in hints.items():
         if f in tensor_fields:
             continue
