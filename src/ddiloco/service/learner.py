@@ -142,6 +142,7 @@ class LearnerProcess:
         return self.core.contribution(p, self._host_values(p), self.stream.position)
 
     def _apply(self, msgs: list[Any]) -> None:
+        acks = []
         for msg in msgs:
             if isinstance(msg, PeerState):
                 if msg.source >= 0 and msg.tensors:
@@ -158,8 +159,9 @@ class LearnerProcess:
                 self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha
             )
             self.stats["applied"] += 1
-            if self.comm is not None:
-                self.comm.post(Ack(self.id, self.incarnation, msg.fragment, msg.version))
+            acks.append(Ack(self.id, self.incarnation, msg.fragment, msg.version))
+        if self.comm is not None:
+            self.comm.post(*acks)
 
     def _boundary(self, sends: list[int]) -> None:
         """Everything the training thread does for the protocol between two inner steps."""
@@ -167,12 +169,13 @@ class LearnerProcess:
         comm = self.comm
         if comm is None:
             return
+        late = []
         for p, answered in _drain(comm.requests):
             self.core.on_request(p)
             if not answered:  # the comm thread had nothing ready for p: answer now
-                comm.post(self._contribution(p))
-        for p in sends:  # lock-step baselines push on their own schedule
-            comm.post(self._contribution(p))
+                late.append(self._contribution(p))
+        late += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
+        comm.post(*late)
         comm.prepare({p: self._contribution(p) for p in self.core.expected})
         comm.progress = Progress(self.core.step, self._step_ema, tuple(self.core.base_version))
 

@@ -93,9 +93,12 @@ class LearnerComm:
     def start(self) -> None:
         self._thread.start()
 
-    def post(self, msg: Any) -> None:
-        """Queue a message to the syncer and wake the comm thread."""
-        self.outbox.put(msg)
+    def post(self, *msgs: Any) -> None:
+        """Queue messages to the syncer and wake the comm thread (once for all of them)."""
+        if not msgs:
+            return
+        for msg in msgs:
+            self.outbox.put(msg)
         self.sock.wake()
 
     def prepare(self, ready: dict[int, Contribution]) -> None:

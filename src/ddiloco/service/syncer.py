@@ -229,8 +229,9 @@ class SyncerService:
         )
         while not self.stopping and (end is None or self.clock.monotonic() < end):
             now = self.clock.monotonic()
-            deadline = self.core.next_deadline(now)
-            wait = min(0.05, rt.heartbeat_interval_s, max(0.0, deadline - now) if deadline is not None else 0.05)
+            # Sleep until a message, the core's next deadline or the next chore: no idle spinning.
+            wake_at = min(t for t in (self.core.next_deadline(now), self._next_chore(rt)) if t is not None)
+            wait = min(max(0.0, wake_at - now), 0.25)  # 0.25 s: stop() is seen soon enough
             for identity, frames in self.sock.recv(wait, limit=1000):  # bounded so chores still run
                 self.handle(identity, frames)
             self._emit(self.core.poll(self.clock.monotonic()))
@@ -240,6 +241,13 @@ class SyncerService:
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
         self.stopping = True
+
+    def _next_chore(self, rt: RuntimeConfig) -> float:
+        return min(
+            self._last_heartbeat + rt.heartbeat_interval_s,
+            self._last_snapshot + rt.snapshot_interval_s,
+            self._last_status + rt.status_interval_s,
+        )
 
     def _chores(self, rt: RuntimeConfig) -> None:
         mono = self.clock.monotonic()
