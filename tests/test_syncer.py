@@ -12,7 +12,13 @@ from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Output, Syncer
 
+# The scripted timelines below test quorum, grace, anchoring and validation on toy values far
+# from any model's scale: the merge-influence bounds (tested on their own at the end) are off.
 BASE = DiLoCoConfig(
+    max_delta_floor=1e6,
+    weight_cap=0.0,
+    norm_screen_z=0.0,
+    quarantine_after=0,
     num_fragments=1,
     sync_every=4,
     overlap=2,

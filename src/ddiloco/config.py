@@ -205,6 +205,12 @@ class Config:
                 f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = "
                 f"{self.algo.liveness_timeout_s}, or every learner looks dead"
             )
+        if self.algo.takeover_after_s < 2 * rt.heartbeat_interval_s:
+            raise ConfigError(
+                f"algo.takeover_after_s = {self.algo.takeover_after_s} must be at least 2 x "
+                f"runtime.heartbeat_interval_s = {2 * rt.heartbeat_interval_s}, or a live learner's id can be "
+                "taken over"
+            )
         self.algo.validate()
         self.workload.validate()
         self.chaos.validate(r.num_learners)

@@ -68,7 +68,38 @@ class DiLoCoConfig:
     """Validation bound on a contribution's tokens/steps: the weight is quadratic in tokens,
     so one bad counter would dominate a merge."""
     max_delta_norm: float = 1e6
-    """Validation bound on the L2 norm of a contribution's outer gradient."""
+    """Validation bound on the L2 norm of a contribution's outer gradient (absolute)."""
+    max_delta_ratio: float = 1.0
+    """Bound on an outer gradient's norm relative to its fragment: at most max_delta_ratio x
+    |Theta_p| + max_delta_floor x sqrt(numel_p). Honest deltas are a few percent of it."""
+    max_delta_floor: float = 0.1
+    """Per-element floor of that bound (fragments near zero, such as biases, still move)."""
+    norm_screen_z: float = 8.0
+    """Robust screening: a contribution whose |delta|/sqrt(steps) exceeds the median of the
+    fragment's last 32 accepted ones by more than z robust standard deviations (1.4826 MAD,
+    at least 25% of the median: the threshold is at least 3x the median) is refused; 0 disables."""
+    norm_screen_min: int = 24
+    """Accepted contributions a fragment needs before screening starts: the first rounds (LR
+    warm-up) move far less than later ones, and must not set the reference alone."""
+    weight_cap: float = 4.0
+    """No learner's weight exceeds this multiple of the median of the live learners' recent
+    accepted weights: a larger one is clipped (and its tokens with it); 0 disables."""
+    max_speedup: float = 8.0
+    """A contribution may not claim more steps than elapsed time allows at max_speedup x the
+    fleet's median step time (plus one period of H steps)."""
+    quarantine_after: int = 3
+    """Rejections in a row after which a learner is quarantined: sent every fragment, and its
+    answers refused until it answers from them (0 disables)."""
+    min_step_time_s: float = 1e-3
+    """Reported step times below this are implausible and ignored (they would drive the
+    syncer's step clock)."""
+    max_step_time_s: float = 3600.0
+    """Reported step times above this are implausible and ignored."""
+    max_learners: int = 1024
+    """Learner ids the syncer registers at most; a join beyond that is refused."""
+    takeover_after_s: float = 1.0
+    """A new process may take over a learner id only once its holder has been silent this
+    long (at least 2 heartbeat intervals); before that the join is refused, to retry."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
@@ -112,6 +143,21 @@ class DiLoCoConfig:
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
+        _check(self.max_delta_ratio > 0, "max_delta_ratio", self.max_delta_ratio, "> 0")
+        _check(self.max_delta_floor >= 0, "max_delta_floor", self.max_delta_floor, ">= 0")
+        _check(self.norm_screen_z >= 0, "norm_screen_z", self.norm_screen_z, ">= 0 (0 disables)")
+        _check(self.norm_screen_min >= 2, "norm_screen_min", self.norm_screen_min, ">= 2")
+        _check(self.weight_cap == 0 or self.weight_cap >= 1, "weight_cap", self.weight_cap, ">= 1, or 0 to disable")
+        _check(self.max_speedup >= 1, "max_speedup", self.max_speedup, ">= 1")
+        _check(self.quarantine_after >= 0, "quarantine_after", self.quarantine_after, ">= 0 (0 disables)")
+        _check(
+            0 < self.min_step_time_s < self.max_step_time_s,
+            "min_step_time_s",
+            self.min_step_time_s,
+            f"0 < min_step_time_s < max_step_time_s ({self.max_step_time_s})",
+        )
+        _check(self.max_learners >= 1, "max_learners", self.max_learners, ">= 1")
+        _check(self.takeover_after_s > 0, "takeover_after_s", self.takeover_after_s, "> 0")
 
     @property
     def fixed_fragments(self) -> int | None:

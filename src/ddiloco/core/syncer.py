@@ -60,8 +60,11 @@ class Output:
     """Fragments that got a new version in this call (in order, each at most once)."""
     tape: list[TapeRecord] = field(default_factory=list)
     """Event-tape records produced in this call."""
+    refused: list[JoinRefusal] = field(default_factory=list)
+    """Joins refused in this call: the driver tells each learner why."""
 
     def extend(self, other: Output) -> Output:
+        self.refused += other.refused
         self.messages += other.messages
         self.durable += [p for p in other.durable if p not in self.durable]
         self.tape += other.tape
@@ -84,6 +87,19 @@ class FragmentRecord:
     """The outer optimizer's momentum buffers (None before the first outer step)."""
 
 
+@dataclass(frozen=True)
+class JoinRefusal:
+    """A join the syncer will not take."""
+
+    learner: int
+    """Who asked."""
+    reason: str
+    """Why, for a human."""
+    retry_after_s: float
+    """> 0: a passing condition (the id's holder may be gone soon): try again after this long;
+    0: final (the learner must not retry)."""
+
+
 @dataclass
 class LearnerInfo:
     """What the syncer knows of one learner id."""
@@ -100,6 +116,12 @@ class LearnerInfo:
     """Batches of its shard consumed, as of its last merged contribution."""
     last_seq: dict[int, int] = field(default_factory=dict)
     """Per fragment, the highest sequence number accepted from this incarnation."""
+    recent_weights: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    """Token weights of its last accepted contributions (after clipping)."""
+    strikes: int = 0
+    """Contributions refused in a row for what they carried (not for arriving late or twice)."""
+    quarantine: dict[int, int] | None = None
+    """While quarantined: per fragment, the version its answers must start from again."""
 
 
 @dataclass
@@ -108,12 +130,16 @@ class FragmentState:
 
     version: int
     """Current version (0 = the initial values)."""
-    history: deque[tuple[int, list[torch.Tensor]]]
-    """(version, values), newest last, at most keep_versions + 1 long."""
+    history: deque[tuple[int, list[torch.Tensor], float]]
+    """(version, values, time it was made), newest last, at most keep_versions + 1 long."""
     outer: OuterNesterov
     """This fragment's outer optimizer."""
     tokens_merged: int = 0
     """Tokens merged into this fragment so far."""
+    norm: float = 0.0
+    """|Theta_p| of the current version (bounds the outer gradients against it)."""
+    recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    """|delta|/sqrt(steps) of its recent accepted contributions (robust screening)."""
     scratch: list[torch.Tensor] | None = None
     """Merge accumulators of this fragment's open round, reused round after round (one round
     of a fragment is open at a time): large fresh allocations cost page faults every time."""
@@ -123,10 +149,17 @@ class FragmentState:
         return self.history[-1][1]
 
     def at(self, version: int) -> list[torch.Tensor] | None:
-        for v, vals in self.history:
+        for v, vals, _ in self.history:
             if v == version:
                 return vals
         return None
+
+    def made_at(self, version: int) -> float:
+        """When ``version`` was made (-inf when unknown: the initial or a restored version)."""
+        for v, _, t in self.history:
+            if v == version:
+                return t
+        return -math.inf
 
 
 @dataclass
@@ -139,6 +172,11 @@ class Pending:
     norms: list[float]
     weight: float
     arrived_at: float
+    clipped: bool = False
+
+
+def _norm(values: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(torch.linalg.vector_norm(v)) ** 2 for v in values))
 
 
 def _anchors(anchor: list[torch.Tensor] | None, n: int) -> list[torch.Tensor | None]:
@@ -166,6 +204,32 @@ class Round:
     """The running merge, one accumulator per piece, fed as contributions arrive."""
 
 
+STRIKES: frozenset[RejectReason] = frozenset(
+    {"bad_counters", "bad_payload", "bad_norm", "outlier", "implausible", "bad_version", "bad_fragment"}
+)
+"""Refusals that count towards quarantine: what the contribution carried was wrong. Arriving
+late, twice, from an old base or an old process is what honest learners do too."""
+
+
+def _tokens(pd: Pending) -> int:
+    """The tokens a contribution brings to the global count: clipped with its weight
+    (w = tokens^2/steps), so a clipped learner cannot inflate the count that drives every
+    learner's LR schedule either."""
+    c = pd.contribution
+    return c.tokens if not pd.clipped else int(math.sqrt(pd.weight * c.steps))
+
+
+SPREAD_FLOOR = 0.25
+"""The screening's spread is at least this share of the median: honest rounds can agree so
+closely that the MAD alone would refuse ordinary variation."""
+
+
+def _screened(norms: Sequence[float], steps: int) -> float:
+    """The statistic the robust screening watches: |delta| / sqrt(steps). Progress accumulated
+    over more steps (a learner that missed rounds) is larger, but not by more than that."""
+    return math.sqrt(sum(n * n for n in norms)) / math.sqrt(max(steps, 1))
+
+
 class Syncer:
     """Global state and round logic of Decoupled DiLoCo (and its lock-step baselines)."""
 
@@ -184,8 +248,9 @@ class Syncer:
         self.fragments: list[FragmentState] = []
         for pieces in layout.fragments:
             vals = [v.float() for v in read_fragment(initial, pieces)]
-            history = deque([(0, vals)], maxlen=cfg.keep_versions + 1)
-            self.fragments.append(FragmentState(0, history, OuterNesterov(cfg.outer_lr, cfg.outer_momentum)))
+            history = deque([(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
+            frag = FragmentState(0, history, OuterNesterov(cfg.outer_lr, cfg.outer_momentum), norm=_norm(vals))
+            self.fragments.append(frag)
         flat = list(embedding_like)
         if len(flat) != sum(len(f) for f in layout.fragments):
             raise ValueError("embedding_like needs one flag per piece of the layout")
@@ -193,6 +258,7 @@ class Syncer:
         for pieces in layout.fragments:
             self._emb.append(flat[: len(pieces)])
             flat = flat[len(pieces) :]
+        self._numel = layout.sizes()
         self.learners: dict[int, LearnerInfo] = {}
         self.rounds: dict[int, Round] = {}
         self.tick = 0
@@ -239,9 +305,23 @@ class Syncer:
         if info is not None and j.incarnation < info.incarnation:
             return  # a message of a process that was already replaced
         if info is None:
+            if len(self.learners) >= self.cfg.max_learners:
+                reason = f"the syncer registers at most algo.max_learners = {self.cfg.max_learners} learner ids"
+                out.refused.append(JoinRefusal(j.learner, reason, 0.0))
+                return
             info = self.learners[j.learner] = LearnerInfo(j.incarnation, now, Ema(self.cfg.ema_decay))
         if j.incarnation != info.incarnation:
+            silent = now - info.last_heard
+            if not info.left and silent < self.cfg.takeover_after_s:
+                # Two processes with one id would read the same shard and count twice.
+                reason = (
+                    f"learner id {j.learner} is held by a live process (heard {silent:.1f} s ago); use another "
+                    "id, or stop that process"
+                )
+                out.refused.append(JoinRefusal(j.learner, reason, self.cfg.takeover_after_s - silent))
+                return
             info.incarnation, info.last_seq = j.incarnation, {}
+            info.step_time = Ema(self.cfg.ema_decay)
         info.last_heard, info.left = now, False
         have = j.base_versions if len(j.base_versions) == len(self.fragments) else None
         for p in self.owned:
@@ -255,7 +335,8 @@ class Syncer:
         if info is None:
             return  # unknown learners must join first
         info.last_heard = now
-        if hb.step_time_s > 0:
+        # Only plausible step times drive the step clock (1e-12 would tick it without end).
+        if self.cfg.min_step_time_s <= hb.step_time_s <= self.cfg.max_step_time_s:
             info.step_time.update(hb.step_time_s)
         self.max_step_seen = max(self.max_step_seen, hb.step)
 
@@ -268,7 +349,7 @@ class Syncer:
 
     def _on_contribution(self, c: Contribution, now: float, out: Output) -> None:
         """Validate, anchor and queue a contribution; a lock-step push may open a round."""
-        problem = self._invalid(c)
+        problem = self._invalid(c) or self._quarantined(c) or self._implausible(c, now)
         if problem is not None:
             self._reject(c, *problem, now, out)
             return
@@ -291,7 +372,7 @@ class Syncer:
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
         norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
-        problem = check_norm(norms, self.cfg)
+        problem = check_norm(norms, self.cfg) or self._norm_outlier(c, norms)
         if problem is not None:
             self._reject(c, *problem, now, out)
             return
@@ -306,17 +387,81 @@ class Syncer:
                 return
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
         info.last_seq[c.fragment] = c.seq
+        info.strikes = 0
+        info.quarantine = None  # it answered from a fresh version: it has re-synced
+        if c.steps > 0:  # a zero-step answer carries no progress (and no weight)
+            frag.recent_norms.append(_screened(norms, c.steps))
         old = rnd.pending.get(c.learner)
         if old is not None:  # a newer answer replaces the older one: take that one back out
             for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
                 acc.add(d, n, old.weight, sign=-1.0)
-        pending = rnd.pending[c.learner] = Pending(c, values, norms, token_weight(c.tokens, c.steps), now)
+        weight, cap = token_weight(c.tokens, c.steps), self.weight_cap(c.learner, now)
+        clipped = cap is not None and weight > cap
+        if clipped:
+            assert cap is not None
+            weight = cap
+        info.recent_weights.append(weight)
+        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
             acc.add(d, n, pending.weight)
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
             rnd.first_answer_at = now
+
+    def weight_cap(self, learner: int, now: float) -> float | None:
+        """weight_cap x the median of the live learners' recent accepted weights (None: no cap
+        yet, or disabled). A share cap would fire on every honest round with one contributor."""
+        if self.cfg.weight_cap <= 0:
+            return None
+        recent = [w for m in self.live(now) for w in self.learners[m].recent_weights]
+        return self.cfg.weight_cap * statistics.median(recent) if recent else None
+
+    def _quarantined(self, c: Contribution) -> tuple[RejectReason, str] | None:
+        info = self.learners[c.learner]
+        if info.quarantine is None or c.base_version >= info.quarantine.get(c.fragment, 0):
+            return None
+        return "quarantined", (
+            f"learner {c.learner} is quarantined until it answers from version "
+            f"{info.quarantine.get(c.fragment, 0)} of fragment {c.fragment} (sent to it)"
+        )
+
+    def _implausible(self, c: Contribution, now: float) -> tuple[RejectReason, str] | None:
+        """Steps cannot outrun the time since the learner's base version was made."""
+        made = self.fragments[c.fragment].made_at(c.base_version)
+        t_step = self.t_step(now)
+        if t_step is None or not math.isfinite(made):
+            return None  # the initial or a restored version: no time reference
+        most = (now - made) / t_step * self.cfg.max_speedup + self.cfg.sync_every
+        if c.steps > most:
+            return "implausible", (
+                f"{c.steps} steps since version {c.base_version}, made {now - made:.1f} s ago: more than "
+                f"max_speedup = {self.cfg.max_speedup:g} x the fleet's step time ({t_step:.3g} s) allows ({most:.0f})"
+            )
+        return None
+
+    def _norm_outlier(self, c: Contribution, norms: list[float]) -> tuple[RejectReason, str] | None:
+        """Bounded relative to the fragment, then screened against its recent accepted norms."""
+        frag = self.fragments[c.fragment]
+        norm = math.sqrt(sum(n * n for n in norms))
+        bound = self.cfg.max_delta_ratio * frag.norm + self.cfg.max_delta_floor * math.sqrt(self._numel[c.fragment])
+        if norm > bound:
+            return "bad_norm", (
+                f"outer-gradient norm {norm:.3g} exceeds {self.cfg.max_delta_ratio:g} x the fragment's "
+                f"{frag.norm:.3g} + {self.cfg.max_delta_floor:g} x sqrt({self._numel[c.fragment]}) = {bound:.3g}"
+            )
+        recent = frag.recent_norms
+        if self.cfg.norm_screen_z <= 0 or len(recent) < self.cfg.norm_screen_min:
+            return None
+        median = statistics.median(recent)
+        spread = max(1.4826 * statistics.median(abs(x - median) for x in recent), SPREAD_FLOOR * median)
+        x = _screened(norms, c.steps)
+        if x > median + self.cfg.norm_screen_z * spread:
+            return "outlier", (
+                f"|delta|/sqrt(steps) = {x:.3g} is more than {self.cfg.norm_screen_z:g} robust deviations "
+                f"({spread:.3g}) above the fragment's recent median {median:.3g}"
+            )
+        return None
 
     def _invalid(self, c: Contribution) -> tuple[RejectReason, str] | None:
         info = self.learners.get(c.learner)
@@ -343,10 +488,20 @@ class Syncer:
         rnd = self.rounds.get(c.fragment)
         if rnd is None:
             out.tape.append(r)
+        else:
+            rnd.rejected_total += 1
+            if len(rnd.rejected) < MAX_REJECTIONS_PER_ROUND:
+                rnd.rejected.append(r)
+        info = self.learners.get(c.learner)
+        if reason not in STRIKES or info is None or info.incarnation != c.incarnation:
             return
-        rnd.rejected_total += 1
-        if len(rnd.rejected) < MAX_REJECTIONS_PER_ROUND:
-            rnd.rejected.append(r)
+        info.strikes += 1
+        if self.cfg.quarantine_after and info.strikes >= self.cfg.quarantine_after and info.quarantine is None:
+            # Send it every fragment; until it answers from them, its answers are refused.
+            info.quarantine = {p: self.fragments[p].version for p in self.owned}
+            out.messages += [self._update(c.learner, p, "stale", now) for p in self.owned]
+            detail = f"quarantined after {info.strikes} refused contributions in a row; sent every fragment to re-sync"
+            out.tape.append(Rejection(c.learner, c.fragment, "quarantined", detail, now))
 
     # -- membership and liveness -------------------------------------------------------------
 
@@ -483,13 +638,15 @@ class Syncer:
             merged = [acc.result() for acc in rnd.merge]
             frag.outer.lr = self.outer_lr()
             frag.version += 1
-            frag.history.append((frag.version, frag.outer.step(frag.values, merged)))
-            frag.tokens_merged += sum(c.tokens for c in contribs)
+            new_values = frag.outer.step(frag.values, merged)
+            frag.history.append((frag.version, new_values, now))
+            frag.norm = _norm(new_values)
+            frag.tokens_merged += sum(_tokens(pd) for pd in pending)
             record.version = frag.version
             out.durable.append(rnd.fragment)
             pull_s = (rnd.first_answer_at or now) - rnd.opened_at
             self._awaiting_ack[rnd.fragment] = (frag.version, now, pull_s)
-        for c, w in zip(contribs, weights):
+        for pd, c, w in zip(pending, contribs, weights):
             info = self.learners[c.learner]
             info.data_position = max(info.data_position, c.data_position)
             staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
@@ -501,9 +658,11 @@ class Syncer:
                     c.base_version,
                     staleness,
                     w,
-                    c.tokens,
+                    _tokens(pd),
                     c.steps,
                     c.learner in rnd.in_grace,
+                    pd.clipped,
+                    math.sqrt(sum(n * n for n in pd.norms)),
                 )
             )
         out.tape.append(record)
@@ -575,7 +734,8 @@ class Syncer:
         frag.version = rec.version
         frag.tokens_merged = rec.tokens_merged
         frag.history.clear()
-        frag.history.append((rec.version, [v.float().clone() for v in rec.values]))
+        frag.history.append((rec.version, [v.float().clone() for v in rec.values], -math.inf))
+        frag.norm = _norm(frag.values)
         frag.outer.load_state_dict({"buffers": rec.momentum})
 
     def meta_state(self) -> dict[str, Any]:

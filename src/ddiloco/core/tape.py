@@ -21,6 +21,9 @@ RejectReason = Literal[
     "bad_counters",
     "bad_payload",
     "bad_norm",
+    "outlier",
+    "implausible",
+    "quarantined",
 ]
 MAX_REJECTIONS_PER_ROUND = 32
 """Rejections listed in one round record; more are only counted (the record stays bounded)."""
@@ -89,6 +92,10 @@ class MergedEntry:
     """Inner steps it brought."""
     in_grace: bool
     """Whether it arrived inside the grace window (after the quorum)."""
+    clipped: bool = False
+    """Whether its weight was clipped at weight_cap x the median (its tokens with it)."""
+    norm: float = 0.0
+    """L2 norm of its outer gradient."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,6 +108,8 @@ class MergedEntry:
             "tokens": self.tokens,
             "steps": self.steps,
             "in_grace": self.in_grace,
+            "clipped": self.clipped,
+            "norm": self.norm,
         }
 
 
