@@ -242,6 +242,7 @@ class SyncerStore:
         self.tape_sync_s = tape_sync_s
         self._restored = False
         self._closed = False
+        self._broken: str | None = None  # why writing must stop (a failed write could not be undone)
         self._lock: IO[str] | None = None
         self._durable: dict[int, int] = {}
         self._last: dict[int, tuple[int, int]] = {}  # p -> (offset, end) of the newest record in frag-p.log
@@ -266,8 +267,9 @@ class SyncerStore:
             if not _is_full(e):
                 raise
             raise StoreFull(
-                f"no space left on the disk of {self.dir} while {what}; that was not made durable, versions up to "
-                f"{self._durable} are; free space there (or move --run-dir to a larger disk) and restart the syncer"
+                f"no space left on the disk of {self.dir} while {what}; that was not made durable, the durable "
+                f"versions (fragment: version) {self._durable} are safe; free space there (or move --run-dir to a "
+                "larger disk) and restart the syncer"
             ) from e
 
     def _sync_fd(self, fd: int) -> None:
@@ -284,8 +286,7 @@ class SyncerStore:
                 _write_all(fd, pieces)
                 self._sync_fd(fd)
             except BaseException:
-                with contextlib.suppress(OSError):  # shrinking a file needs no free space
-                    os.ftruncate(fd, start)
+                self._undo(lambda: os.ftruncate(fd, start), path)  # shrinking a file needs no free space
                 raise
             return start, os.lseek(fd, 0, os.SEEK_CUR)
         finally:
@@ -305,14 +306,21 @@ class SyncerStore:
         os.close(fd)
 
     def _cut(self, path: Path, at: int) -> None:
-        """Best effort: drop what follows ``at`` (an append whose mark failed must not come back)."""
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, at)
-                self._sync_fd(fd)
-            finally:
-                os.close(fd)
+        """Drop what follows ``at`` in ``path``, durably."""
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, at)
+            self._sync_fd(fd)
+        finally:
+            os.close(fd)
+
+    def _undo(self, undo: Any, path: Path) -> None:
+        """Undo a failed write; if even that fails, refuse further writes: appending behind a half
+        record would turn it into damage inside fsynced bytes. A restart's restore cuts it."""
+        try:
+            undo()
+        except OSError as e:
+            self._broken = f"a failed write to {path} could not be undone ({e})"
 
     def _fsync_dir(self) -> None:
         if self.fsync:
@@ -321,6 +329,8 @@ class SyncerStore:
     # -- writing -------------------------------------------------------------------------------
 
     def _need_restore(self) -> None:
+        if self._broken is not None:
+            raise StateError(f"{self._broken}; restart the syncer: its restore checks {self.dir} and cuts it")
         if self._closed:
             raise RuntimeError("this SyncerStore is closed; open a new one (and restore it) to write again")
         if not self._restored:  # else we could append after a torn tail or reuse sequence numbers
@@ -350,7 +360,7 @@ class SyncerStore:
                 # Only now, with the record on disk, may the mark say so.
                 self._append_bytes(self.dir / MARKS, [_pack_mark(p, rec.version, end)])
             except BaseException:
-                self._cut(path, start)  # never acknowledged: a restore must not bring it back
+                self._undo(lambda: self._cut(path, start), path)  # never acknowledged: a restore must not bring it back
                 raise
         self._seq += 1
         self._last[p] = (start, end)
@@ -544,11 +554,11 @@ class SyncerStore:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "FORMAT"
-        if not path.exists():
-            (self.dir / MARKS).touch()
+        if not path.exists():  # FORMAT first: a crash before it leaves a folder that still reads as fresh
             tmp = self.dir / "FORMAT.tmp"
             tmp.write_text(json.dumps({"format": FORMAT}))
             os.replace(tmp, path)
+            (self.dir / MARKS).touch()
             self._fsync_dir()
         self._dir_ready = True
 
@@ -691,6 +701,7 @@ class SyncerStore:
         self.signature = _signature(layout)
         self.owned = sorted(owned)
         self._check_dirs()
+        self._closed = False
         with self._disk("taking the syncer lock"):
             self._take_lock()
         try:
@@ -708,8 +719,8 @@ class SyncerStore:
         self._check_format()
         self._dir_ready = True
         marks = self._read_marks()
-        if marks is None:
-            log.warning("%s is missing: restoring what the logs hold, unchecked, and marking that durable", MARKS)
+        if marks is None and (any(self.dir.glob("frag-*.log")) or any(self.dir.glob("snapshot*.bin"))):
+            log.warning("%s is missing: restoring what %s holds, unchecked, and marking that durable", MARKS, self.dir)
         found = Restored()
         seqs: list[tuple[int, dict[str, Any]]] = []
         snap_seq = self._load_snapshot(layout, found)
@@ -743,5 +754,6 @@ class SyncerStore:
 
 
 def _has_state(d: Path) -> bool:
-    """Whether ``d`` holds anything besides the lock file (a locked but fresh folder is empty)."""
-    return d.is_dir() and any(x.name != LOCK for x in d.iterdir())
+    """Whether ``d`` holds anything besides the lock file and a FORMAT.tmp that a crash left before
+    its rename (a locked but fresh folder is empty)."""
+    return d.is_dir() and any(x.name not in (LOCK, "FORMAT.tmp") for x in d.iterdir())
