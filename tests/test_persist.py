@@ -100,6 +100,7 @@ def test_real_merges_with_snapshot_in_the_middle_restore_bit_for_bit(tmp_path):
         if step == 3:
             snapshot(store, s)
     assert s.fragments[0].outer.buffers is not None and s.versions() == [3, 4]
+    store.close()  # a syncer's restart: the folder's lock is released
     s2, store2, ok = restored(tmp_path)
     assert ok
     assert_same(s, s2)
@@ -109,6 +110,7 @@ def test_real_merges_with_snapshot_in_the_middle_restore_bit_for_bit(tmp_path):
     merge(s2, 0, 1, 8)
     persist_new(store2, s2)
     snapshot(store2, s2)
+    store2.close()
     s3, _, _ = restored(tmp_path)
     assert_same(s2, s3)
 
@@ -126,6 +128,7 @@ def test_snapshot_compacts_logs_and_append_is_idempotent(tmp_path):
     assert (tmp_path / "state" / "snapshot.bin").exists() and not (tmp_path / "state" / "snapshot.prev.bin").exists()
     snapshot(store, s)
     assert (tmp_path / "state" / "snapshot.prev.bin").exists()
+    store.close()
     s2, _, _ = restored(tmp_path)
     assert_same(s, s2)
 
@@ -143,14 +146,19 @@ def test_torn_tail_is_cut_and_the_previous_version_restored(tmp_path):
     good = log.stat().st_size
     merge(s, 0, 0, 3)
     save(store, s, 0)
+    store.close()
+    # crash mid-write of version 3: its record was never fsynced, so it has no durable mark
+    marks = tmp_path / "state" / "durable.log"
+    os.truncate(marks, marks.stat().st_size - persist.MARK_SIZE)
     with open(log, "r+b") as f:
-        f.truncate(log.stat().st_size - 7)  # crash mid-write of version 3
+        f.truncate(log.stat().st_size - 7)
     s2, store2, ok = restored(tmp_path)
     assert ok and s2.versions()[0] == 2 and log.stat().st_size == good
     assert_same(at_v2, s2)
     # appending after the cut works and is found again
     merge(s2, 0, 0, 3)
     save(store2, s2, 0)
+    store2.close()
     s3, _, _ = restored(tmp_path)
     assert_same(s2, s3)
 
@@ -160,21 +168,26 @@ def test_zero_filled_tail_is_torn_but_corruption_in_the_middle_is_an_error(tmp_p
     for step in (1, 2):
         merge(s, 0, 0, step)
         save(store, s, 0)
+    store.close()
     log = tmp_path / "state" / "frag-0.log"
     with open(log, "ab") as f:
         f.write(b"\0" * 64)
-    s2, _, _ = restored(tmp_path)
+    s2, store2, _ = restored(tmp_path)
     assert_same(s, s2)
+    store2.close()
     size = log.stat().st_size
     data = bytearray(log.read_bytes())
-    data[-1] ^= 0xFF  # full-length but unwritten last record (e.g. after a crash on ext4)
+    # Full-length but unwritten last record (e.g. after a crash on ext4): the crash came before
+    # its mark, so version 2 was never acknowledged and its record may be cut.
+    data[-1] ^= 0xFF
     log.write_bytes(bytes(data))
-    s3, _, _ = restored(tmp_path)
+    marks = tmp_path / "state" / "durable.log"
+    os.truncate(marks, marks.stat().st_size - persist.MARK_SIZE)
+    s3, store3, _ = restored(tmp_path)
     assert s3.versions()[0] == 1 and log.stat().st_size < size
     merge(s3, 0, 0, 2)
-    store3 = SyncerStore(tmp_path, fsync=False)
-    restore_into(store3, make())
     save(store3, s3, 0)
+    store3.close()
     data = bytearray(log.read_bytes())
     data[40] ^= 0xFF  # inside the first of two records
     log.write_bytes(bytes(data))
@@ -194,13 +207,16 @@ def test_corrupt_snapshot_falls_back_to_prev_and_logs(tmp_path):
     data = bytearray(snap.read_bytes())
     data[-3] ^= 0x01
     snap.write_bytes(bytes(data))
+    store.close()
     s2, store2, ok = restored(tmp_path)
     assert ok
     assert_same(s, s2)  # prev snapshot + the newest record of every log
     # the bad snapshot.bin is replaced, not rotated over the good prev
     snapshot(store2, s2)
-    s3, _, _ = restored(tmp_path)
+    store2.close()
+    s3, store3, _ = restored(tmp_path)
     assert_same(s, s3)
+    store3.close()
     # both snapshots unreadable: initial values + the logs still hold every merged version
     for name in ("snapshot.bin", "snapshot.prev.bin"):
         (tmp_path / "state" / name).write_bytes(b"garbage")
@@ -214,13 +230,16 @@ def test_layout_or_ownership_mismatch_is_one_line_state_error(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
     persist_new(store, s)
+    store.close()
     other = make([TensorSpec("w", (6, 4)), TensorSpec("bias", (5,))])
     with pytest.raises(StateError) as e:  # logs only, no snapshot yet
         restore_into(SyncerStore(tmp_path), other)
     assert (
         "'b'" in str(e.value) and "'bias'" in str(e.value) and "--run-dir" in str(e.value) and "\n" not in str(e.value)
     )
+    s, store, _ = restored(tmp_path)  # a refused restore left the folder unlocked
     snapshot(store, s)
+    store.close()
     with pytest.raises(StateError, match="different model layout.*fresh --run-dir"):
         restore_into(SyncerStore(tmp_path), make([TensorSpec("w", (6, 4)), TensorSpec("b", (7,))]))
     with pytest.raises(StateError, match="owning fragments"):
@@ -238,6 +257,7 @@ def test_shards_have_separate_dirs_and_cannot_be_mixed_up(tmp_path):
     for s, st in zip(syncers, stores):
         persist_new(st, s)
         snapshot(st, s)
+        st.close()
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["shard-0", "shard-1"]
     for i in (0, 1):
         s, st, ok = restored(tmp_path, owned=[i], shard=i, num_shards=2)
@@ -252,7 +272,9 @@ def test_shards_have_separate_dirs_and_cannot_be_mixed_up(tmp_path):
 def test_empty_dir_restores_nothing_and_writes_need_restore_first(tmp_path):
     s, store, ok = restored(tmp_path)
     assert ok is False and s.versions() == [0, 0] and store.durable_versions() == {0: 0, 1: 0}
-    assert not (tmp_path / "state").exists()  # restore creates nothing
+    # restore creates nothing but the lock that keeps a second syncer out
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["syncer.lock"]
+    store.close()
     with pytest.raises(RuntimeError, match="restore"):
         save(SyncerStore(tmp_path), s, 0)
 
@@ -266,6 +288,8 @@ def test_tape_torn_last_line_is_dropped(tmp_path):
     store2 = SyncerStore(tmp_path, fsync=False)
     store2.append_tape([{"event": "d"}])
     assert store2.read_tape() == [{"event": "a"}, {"event": "b"}, {"event": "d"}]
+    store.close()
+    store2.close()
 
 
 def test_frames_round_trip_every_dtype_and_odd_shapes():
@@ -294,6 +318,7 @@ def test_versions_never_go_backwards(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
     save(store, s, 0)
+    store.close()
     ahead = make()
     for step in (1, 2, 3):
         merge(ahead, 0, 0, step)
@@ -307,6 +332,7 @@ def test_state_of_another_format_is_refused_with_what_to_do(tmp_path):
     merge(s, 0, 0, 1)
     persist_new(store, s)
     assert (tmp_path / "state" / "FORMAT").read_text() == f'{{"format": {FORMAT}}}'
+    store.close()
     (tmp_path / "state" / "FORMAT").unlink()  # what a store of format 1 looks like
     with pytest.raises(StateError, match="format 1.*fresh --run-dir"):
         restored(tmp_path)
