@@ -194,6 +194,16 @@ FINDINGS = [
         "Register.params[0]",
     ),
     (
+        "register: a name with a lone surrogate",
+        [
+            header(
+                type="Register",
+                fields={"learner": 1, "incarnation": 1, "layout": "x", "params": [["\ud800", [1]]]},
+            )
+        ],
+        "Unicode",
+    ),
+    (
         "peer state: NaN in param_groups",
         [raw_header("PeerState", {"learner": 1, "source": 2, "tensors": {}}, param_groups='[{"lr": NaN}]')],
         "NaN",

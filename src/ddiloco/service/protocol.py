@@ -25,12 +25,20 @@ MAX_PARAM_DIM = 2**31
 
 
 def check_param_entry(entry: Any) -> str | None:
-    """Why ``entry`` is not a ``[name, shape]`` pair of ``param_spec``, or None when it is one."""
+    """Why ``entry`` (any JSON value) is not a ``[name, shape]`` pair of ``param_spec``, or None.
+
+    The wire checks every element of ``Register.params`` with it alone: it must check everything.
+    """
     if not isinstance(entry, (list, tuple)) or len(entry) != 2:
         return "expected [name, shape]"
     name, shape = entry
     if not isinstance(name, str) or len(name) > MAX_NAME:
         return f"name must be a string of at most {MAX_NAME} characters"
+    if not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            return "name is not valid Unicode"
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_PARAM_DIMS:
         return f"shape must be a list of at most {MAX_PARAM_DIMS} dimensions"
     if not all(type(d) is int and 0 <= d <= MAX_PARAM_DIM for d in shape):

@@ -153,7 +153,11 @@ class _Plan:
 @functools.cache
 def _plan(cls: type) -> _Plan:
     hints = _hints(cls)
-    values, required, tensors, lists, dicts = [], set(), [], set(), set()
+    values: list[tuple[str, Checker]] = []
+    tensors: list[str] = []
+    required: set[str] = set()
+    lists: set[str] = set()
+    dicts: set[str] = set()
     for fl in dataclasses.fields(cls):
         tp = hints[fl.name]
         if _is_tensor_list(tp) or _is_tensor_dict(tp):
@@ -180,8 +184,10 @@ def _checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checke
     """A function that returns a JSON value as the field's type, or raises WireError.
 
     ``meta`` holds the field's bounds: ``min``/``max`` for numbers (and for the numbers in a list
-    or dict), ``max_len`` for strings, lists and dicts, ``each`` (a function returning a reason
-    or None) for every element of a list. ``depth`` is the JSON nesting of the value (the header
+    or dict), ``max_len`` for strings, lists and dicts, ``each`` for every element of a list (a
+    function that takes any JSON value and returns why it is not a valid element, or None; it
+    replaces the element type's own check, so it must check everything). ``depth`` is the JSON nesting
+    of the value (the header
     object is 1, its ``fields`` 2, a field's value 3).
     """
     origin = typing.get_origin(tp)
@@ -234,13 +240,13 @@ def _checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checke
                 raise WireError(f"{where}: expected a list, got {_show(v)}")
             if len(v) > max_len:
                 raise WireError(f"{where}: {len(v)} items, at most {max_len}")
-            out = [item(x) for x in v]
-            if each is not None:
-                for i, x in enumerate(out):
-                    reason = each(x)
-                    if reason is not None:
-                        raise WireError(f"{where}[{i}]: {reason}")
-            return out
+            if each is None:
+                return [item(x) for x in v]
+            for i, x in enumerate(v):  # ``each`` validates a whole element (any JSON value), faster
+                reason = each(x)
+                if reason is not None:
+                    raise WireError(f"{where}[{i}]: {reason}")
+            return list(v)
 
         return check_list
     if origin is dict:
@@ -259,10 +265,10 @@ def _checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checke
 
         return check_dict
     if origin in (typing.Union, types.UnionType):
-        options = [_checker(o, meta, where, depth) for o in typing.get_args(tp)]
+        checkers = [_checker(o, meta, where, depth) for o in typing.get_args(tp)]
 
         def check_union(v: Any) -> Any:
-            for option in options:
+            for option in checkers:
                 try:
                     return option(v)
                 except WireError:
@@ -302,34 +308,53 @@ def _check_str(v: Any, *, where: str, max_len: int = MAX_STR) -> str:
 
 
 def _check_any(value: Any, *, where: str, depth: int) -> Any:
-    """An untyped JSON value: bounded nesting, sizes, strings and numbers (iteratively)."""
+    """An untyped JSON value: bounded nesting, sizes, strings and numbers (iteratively).
+
+    The scalars of a container are checked inline, by exact type (what JSON decodes to); any
+    other type (a tuple, a float subclass on encode) takes the generic path.
+    """
     stack = [(value, depth)]
     while stack:
         v, d = stack.pop()
-        if v is None or isinstance(v, bool):
+        if not isinstance(v, (list, tuple, dict)):
+            _check_scalar(v, where)
             continue
-        if isinstance(v, int):
-            if not -MAX_INT <= v <= MAX_INT:
-                raise WireError(f"{where}: {_show(v)} is out of [-{MAX_INT}, {MAX_INT}]")
-        elif isinstance(v, float):
-            if not math.isfinite(v):
-                raise WireError(f"{where}: {v!r} is not finite")
-        elif isinstance(v, str):
-            _check_str(v, where=where)
-        elif isinstance(v, (list, tuple, dict)):
-            if d > MAX_DEPTH:
-                raise WireError(f"{where}: nested deeper than {MAX_DEPTH}")
-            if len(v) > MAX_ITEMS:
-                raise WireError(f"{where}: {len(v)} items, at most {MAX_ITEMS}")
-            if isinstance(v, dict):
-                for k in v:
-                    _check_str(k, where=f"{where} key")
-                stack.extend((x, d + 1) for x in v.values())
-            else:
-                stack.extend((x, d + 1) for x in v)
-        else:
-            raise WireError(f"{where}: {type(v).__name__} is not a JSON value")
+        if d > MAX_DEPTH:
+            raise WireError(f"{where}: nested deeper than {MAX_DEPTH}")
+        if len(v) > MAX_ITEMS:
+            raise WireError(f"{where}: {len(v)} items, at most {MAX_ITEMS}")
+        if isinstance(v, dict):
+            for k in v:
+                _check_str(k, where=f"{where} key")
+        for x in v.values() if isinstance(v, dict) else v:
+            t = type(x)
+            if t is int:
+                if not -MAX_INT <= x <= MAX_INT:
+                    raise WireError(f"{where}: {_show(x)} is out of [-{MAX_INT}, {MAX_INT}]")
+            elif t is float:
+                if not math.isfinite(x):
+                    raise WireError(f"{where}: {x!r} is not finite")
+            elif t is str:
+                if len(x) > MAX_STR or not x.isascii():
+                    _check_str(x, where=where)
+            elif x is not None and t is not bool:
+                stack.append((x, d + 1))
     return value
+
+
+def _check_scalar(v: Any, where: str) -> None:
+    if v is None or isinstance(v, bool):
+        return
+    if isinstance(v, int):
+        if not -MAX_INT <= v <= MAX_INT:
+            raise WireError(f"{where}: {_show(v)} is out of [-{MAX_INT}, {MAX_INT}]")
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            raise WireError(f"{where}: {v!r} is not finite")
+    elif isinstance(v, str):
+        _check_str(v, where=where)
+    else:
+        raise WireError(f"{where}: {type(v).__name__} is not a JSON value")
 
 
 # -- encode -------------------------------------------------------------------------------------
@@ -341,7 +366,7 @@ def encode(msg: Any) -> list[Any]:
     Raises TypeError for what is not a message or not encodable (an unsupported dtype), and
     ValueError for a message that breaks a bound (``decode`` would refuse it).
     """
-    cls = type(msg)
+    cls: type = type(msg)
     name = cls.__name__
     if MESSAGES.get(name) is not cls:
         raise TypeError(f"not a wire message: {name}")
