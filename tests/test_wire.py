@@ -336,3 +336,17 @@ def test_max_frame_bytes():
     assert max(memoryview(f).nbytes for f in frames) <= max_frame_bytes(largest)
     with pytest.raises(ValueError):
         max_frame_bytes(-1)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=[type(m).__name__ for m in MESSAGES])
+def test_decode_takes_encoded_frames_as_they_are(msg):
+    """The in-process transport hands over encode's own buffers (ndarrays, 0-d ones included)."""
+    out = decode(encode(msg))
+    for f in vars(msg):
+        assert same(getattr(msg, f), getattr(out, f)), f
+
+
+def test_a_non_contiguous_frame_is_a_wire_error():
+    frames = encode(contribution([torch.zeros(2, 2)]))
+    with pytest.raises(WireError, match="contiguous"):
+        decode([frames[0], torch.zeros(2, 4).numpy()[:, ::2]])

@@ -409,12 +409,14 @@ def encode(msg: Any) -> list[Any]:
 
 
 def _buffer(frame: Any) -> memoryview:
-    """The bytes of a frame (a zmq.Frame, bytes, or any C-contiguous buffer) as a flat view."""
+    """The bytes of a frame: a zmq.Frame, bytes, or any C-contiguous buffer (an encoded ndarray)."""
     try:
         view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    except (TypeError, ValueError):
-        raise WireError(f"a frame is not a contiguous byte buffer ({type(frame).__name__})") from None
+    except TypeError:
+        view = None
+    if view is None or not view.c_contiguous:
+        raise WireError(f"a frame is not a contiguous byte buffer ({type(frame).__name__})")
+    return view
 
 
 def _depth(raw: bytes) -> int:
