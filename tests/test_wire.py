@@ -1,5 +1,6 @@
 """The wire format: every message round-trips bit for bit; anything malformed is a WireError."""
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from ddiloco.service.protocol import (
     Register,
     SyncerHeartbeat,
 )
-from ddiloco.service.wire import SCHEMA, WireError, decode, encode
+from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, max_frame_bytes
 
 
 def contribution(values, **kw):
@@ -117,3 +118,235 @@ BAD = [
 def test_malformed_messages_raise_wire_error(what, frames):
     with pytest.raises(WireError):
         decode(frames)
+
+
+# -- issue 8: every input bounded, every decode total ------------------------------------------
+
+
+def raw_header(kind: str, fields: dict, tensors: list | None = None, **raw: str) -> bytes:
+    """A header whose field values in ``raw`` are spliced in as JSON text (json.dumps refuses 10**5000)."""
+    text = json.dumps(
+        {"v": SCHEMA, "type": kind, "fields": {**fields, **{k: f"@{k}@" for k in raw}}, "tensors": tensors or []}
+    )
+    for k, v in raw.items():
+        text = text.replace(f'"@{k}@"', v)
+    return text.encode()
+
+
+HB = {"learner": 1, "incarnation": 1, "step": 2, "step_time_s": 0.1}
+GIB_SHAPE = [1 << 15, 1 << 15]  # 2**30 float32 elements announced
+FINDINGS = [
+    ("5000-digit integer", [raw_header("Heartbeat", HB, step="9" * 5000)], "digits"),
+    ("5000-digit integer in a string-free list", [raw_header("Heartbeat", HB, step="[" + "1" * 5000 + "]")], "digits"),
+    ("deep nesting", [raw_header("Heartbeat", HB, step="[" * 10000 + "]" * 10000)], "nested"),
+    ("deep nesting, unterminated", [b"[" * 100000], "nested"),
+    ("deep nesting of objects", [raw_header("Heartbeat", HB, step='{"a":' * 5000 + "1" + "}" * 5000)], "nested"),
+    ("counter 10**400", [raw_header("Heartbeat", HB, step="1" + "0" * 400)], "digits"),
+    ("counter just past 2**53", [header(fields={**HB, "step": 2**53 + 1})], "Heartbeat.step"),
+    ("incarnation past 2**63", [header(fields={**HB, "incarnation": 2**63})], "Heartbeat.incarnation"),
+    ("learner id past 65535", [header(fields={**HB, "learner": 65536})], "Heartbeat.learner"),
+    ("negative learner id", [header(fields={**HB, "learner": -1})], "Heartbeat.learner"),
+    ("step_time 1e300", [header(fields={**HB, "step_time_s": 1e300})], "Heartbeat.step_time_s"),
+    ("step_time -1", [header(fields={**HB, "step_time_s": -1})], "Heartbeat.step_time_s"),
+    ("step_time 1e999 (inf)", [raw_header("Heartbeat", HB, step_time_s="1e999")], "Heartbeat.step_time_s"),
+    ("step_time NaN", [raw_header("Heartbeat", HB, step_time_s="NaN")], "NaN"),
+    ("step_time as a 400-digit integer", [raw_header("Heartbeat", HB, step_time_s="9" * 400)], "digits"),
+    ("bool as int", [header(fields={**HB, "step": True})], "Heartbeat.step"),
+    (
+        "int as bool",
+        [raw_header("JoinReply", {"reason": "", "epoch": 1, "data_position": 0, "owned": []}, accepted="1")],
+        "accepted",
+    ),
+    (
+        "1 GiB shape with a small frame",
+        [bytes(GOOD[0]).replace(b"[2,2]", json.dumps(GIB_SHAPE).replace(" ", "").encode()), b"\x00" * 16],
+        "bytes",
+    ),
+    ("9-dimensional tensor", [bytes(GOOD[0]).replace(b"[2,2]", b"[1,1,1,1,1,1,1,2,2]"), b"\x00" * 16], "shape"),
+    ("dimension past 2**31", [bytes(GOOD[0]).replace(b"[2,2]", b"[2147483649,0]"), b""], "shape"),
+    ("too many frames", [bytes(GOOD[0])] + [b""] * 100_001, "frames"),
+    ("unhashable type", [header(type=["Heartbeat"])], "type"),
+    ("unhashable dtype", [bytes(GOOD[0]).replace(b'"float32"', b'["float32"]'), bytes(memoryview(GOOD[1]))], "dtype"),
+    (
+        "unhashable tensor field",
+        [bytes(GOOD[0]).replace(b'["values",', b'[["values"],'), bytes(memoryview(GOOD[1]))],
+        "field",
+    ),
+    (
+        "tensor index as bool",
+        [bytes(GOOD[0]).replace(b'"values",0', b'"values",false'), bytes(memoryview(GOOD[1]))],
+        "index",
+    ),
+    ("lone surrogate", [header(type="FetchGlobal", fields={"requester": "\ud800"})], "Unicode"),
+    ("long string", [header(type="FetchGlobal", fields={"requester": "x" * 257})], "FetchGlobal.requester"),
+    ("extra header key", [header(extra=1)], "header keys"),
+    ("frame that is not a buffer", [None], "buffer"),
+    ("frames that are not a list", b"frames", "list"),
+    ("header that is not an object", [b"[1, 2]"], "object"),
+    (
+        "register: a 9-dim parameter",
+        [header(type="Register", fields={"learner": 1, "incarnation": 1, "layout": "x", "params": [["w", [1] * 9]]})],
+        "Register.params[0]",
+    ),
+    (
+        "register: a name that is not a string",
+        [header(type="Register", fields={"learner": 1, "incarnation": 1, "layout": "x", "params": [[1, [1]]]})],
+        "Register.params[0]",
+    ),
+    (
+        "register: a name with a lone surrogate",
+        [
+            header(
+                type="Register",
+                fields={"learner": 1, "incarnation": 1, "layout": "x", "params": [["\ud800", [1]]]},
+            )
+        ],
+        "Unicode",
+    ),
+    (
+        "peer state: NaN in param_groups",
+        [raw_header("PeerState", {"learner": 1, "source": 2, "tensors": {}}, param_groups='[{"lr": NaN}]')],
+        "NaN",
+    ),
+    (
+        "peer state: huge int in param_groups",
+        [header(type="PeerState", fields={"learner": 1, "source": 2, "param_groups": [{"lr": 2**64}]})],
+        "param_groups",
+    ),
+    (
+        "peer state: source -2",
+        [header(type="PeerState", fields={"learner": 1, "source": -2, "param_groups": []})],
+        "PeerState.source",
+    ),
+    (
+        "global state: 10**30 tokens",
+        [header(type="GlobalState", fields={"versions": {}, "global_tokens": 1e30})],
+        "global_tokens",
+    ),
+    (
+        "fragment update: zero live learners",
+        [
+            header(
+                type="FragmentUpdate",
+                fields={"learner": 1, "fragment": 0, "version": 1, "global_tokens": 0.0, "live_learners": 0},
+            )
+        ],
+        "live_learners",
+    ),
+]
+
+
+@pytest.mark.parametrize("what,frames,says", FINDINGS, ids=[f[0] for f in FINDINGS])
+def test_review_findings_are_wire_errors(what, frames, says):
+    with pytest.raises(WireError) as info:
+        decode(frames)
+    assert says in str(info.value), str(info.value)
+    assert not str(info.value).startswith("decode bug"), str(info.value)
+    assert len(str(info.value)) < 500  # one readable line, never the offending 1 MiB
+
+
+def test_the_error_names_field_value_and_range():
+    with pytest.raises(
+        WireError, match=r"Heartbeat\.step_time_s: 1e\+300 is not a finite number in \[0\.0, 86400\.0\]"
+    ):
+        decode([header(fields={**HB, "step_time_s": 1e300})])
+    with pytest.raises(
+        WireError, match=r"Heartbeat\.step: 9007199254740993 is not an integer in \[0, 9007199254740992\]"
+    ):
+        decode([header(fields={**HB, "step": 2**53 + 1})])
+
+
+def test_every_numeric_field_of_every_message_declares_its_bounds():
+    from ddiloco.service.wire import MESSAGES as WIRE_MESSAGES
+    from ddiloco.service.wire import _plan
+
+    for cls in WIRE_MESSAGES.values():
+        _plan(cls)  # raises TypeError for a numeric field without min/max
+        for fl in dataclasses.fields(cls):
+            if fl.type in ("int", "float"):
+                assert {"min", "max"} <= set(fl.metadata), f"{cls.__name__}.{fl.name}"
+
+
+def test_values_at_the_bounds_round_trip():
+    for msg in [
+        Heartbeat(65535, 2**63 - 1, 2**53, 86400.0),
+        Heartbeat(0, 0, 0, 0.0),
+        FragmentUpdate(65535, 65535, 2**53, [], 1e18, 65536, 2**53, "stale"),
+        PeerState(0, -1, [], {}),
+        JoinReply(True, "", 2**63 - 1, 2**53, list(range(0, 65536, 1000))),
+        SyncerHeartbeat(0, 1023),
+    ]:
+        assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Heartbeat(1, 5, 20, -1.0),
+        Heartbeat(1, 5, 20, float("nan")),
+        Heartbeat(1, 5, 20, 1e300),
+        Heartbeat(70000, 5, 20, 0.1),
+        Heartbeat(True, 5, 20, 0.1),
+        Heartbeat(1, 5, 10**400, 0.1),
+        contribution([torch.zeros(2)], tokens=-1),
+        contribution([torch.zeros(2)], kind="pickle"),
+        contribution([torch.zeros([1] * 9)]),
+        Register(1, 5, [["w", [2, 3, -1]]], "abc"),
+        Register(1, 5, [["w" * 2000, [2]]], "abc"),
+        JoinReply(1, "", 1, 0, []),
+        PeerState(1, 2, [{"lr": float("inf")}], {}),
+        PeerState(1, 2, [{"nested": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}], {}),
+        GlobalState({"0": -1}, 0.0, {}),
+        FragmentUpdate(1, 2, 5, [], 1.0, 0),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_encode_refuses_what_decode_would_refuse(msg):
+    with pytest.raises(ValueError, match="refusing to encode"):
+        encode(msg)
+
+
+def test_encode_refuses_unsupported_things():
+    with pytest.raises(TypeError):
+        encode(contribution([torch.zeros(2, dtype=torch.float64)]))
+    with pytest.raises(TypeError):
+        encode(object())
+
+
+def test_a_real_optimizer_state_round_trips():
+    from ddiloco.service.peer_state import state_message
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    msg = state_message(opt, 2, 1)
+    out = decode([bytes(memoryview(f)) for f in encode(msg)])
+    assert out.param_groups == json.loads(json.dumps(msg.param_groups))  # tuples become lists
+    assert same(msg.tensors, out.tensors)
+
+
+def test_max_frame_bytes():
+    assert max_frame_bytes(0) == MAX_HEADER  # the header frame is the floor
+    assert max_frame_bytes(10**9) == 8 * 10**9  # int64 is the widest dtype on the wire
+    assert max_frame_bytes(10**9, itemsize=4) == 4 * 10**9
+    model = torch.nn.Embedding(50_000, 512)
+    largest = max(p.numel() for p in model.parameters())
+    frames = encode(contribution([model.weight.detach()]))
+    assert max(memoryview(f).nbytes for f in frames) <= max_frame_bytes(largest)
+    with pytest.raises(ValueError):
+        max_frame_bytes(-1)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=[type(m).__name__ for m in MESSAGES])
+def test_decode_takes_encoded_frames_as_they_are(msg):
+    """The in-process transport hands over encode's own buffers (ndarrays, 0-d ones included)."""
+    out = decode(encode(msg))
+    for f in vars(msg):
+        assert same(getattr(msg, f), getattr(out, f)), f
+
+
+def test_a_non_contiguous_frame_is_a_wire_error():
+    frames = encode(contribution([torch.zeros(2, 2)]))
+    with pytest.raises(WireError, match="contiguous"):
+        decode([frames[0], torch.zeros(2, 4).numpy()[:, ::2]])

@@ -8,24 +8,48 @@ predecessor's messages still in flight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 PayloadKind = Literal["values", "delta"]
 UpdateReason = Literal["merged", "join", "stale"]
 
+# Bounds of every numeric field, as dataclass field metadata: ``min``/``max`` bound the value (or
+# each element of a list or dict of numbers), ``max_len`` the length of a string, list or dict.
+# ``service/wire.py`` checks them on decode (a violation is a WireError naming field, value and
+# range) and on encode (a bug cannot put an out-of-range message on the wire). Counters stop at
+# 2**53 so that every one of them is exact as a float (token weights, JSON readers elsewhere).
+MAX_ID = 65535
+"""Largest learner id, fragment index or other small index."""
+MAX_SERIAL = 2**63 - 1
+"""Largest incarnation, sequence number or epoch (a signed 64-bit integer)."""
+MAX_COUNT = 2**53
+"""Largest version, step, token count, data position or round id."""
+MAX_STEP_TIME_S = 86400.0
+"""Longest inner step a heartbeat may report (a day); a too-small one is the syncer core's concern."""
+MAX_TOKENS_F = 1e18
+"""Largest global token count (a float)."""
+
+ID: dict[str, Any] = {"min": 0, "max": MAX_ID}
+SERIAL: dict[str, Any] = {"min": 0, "max": MAX_SERIAL}
+COUNT: dict[str, Any] = {"min": 0, "max": MAX_COUNT}
+STEP_TIME: dict[str, Any] = {"min": 0.0, "max": MAX_STEP_TIME_S}
+GLOBAL_TOKENS: dict[str, Any] = {"min": 0.0, "max": MAX_TOKENS_F}
+LIVE: dict[str, Any] = {"min": 1, "max": MAX_ID + 1}
+VERSIONS: dict[str, Any] = {**COUNT, "max_len": MAX_ID + 1}
+
 
 @dataclass(frozen=True)
 class Join:
     """Learner -> syncer: register (a fresh process, or again after either side restarted)."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The sending process's incarnation; a larger one replaces the registered one."""
-    base_versions: list[int]
+    base_versions: list[int] = field(metadata=VERSIONS)
     """Version of each fragment the learner holds; empty for a fresh process (it needs all)."""
 
 
@@ -33,9 +57,9 @@ class Join:
 class Leave:
     """Learner -> syncer: clean departure; stop counting me as live now."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The departing process's incarnation."""
 
 
@@ -43,13 +67,13 @@ class Leave:
 class Heartbeat:
     """Learner -> syncer: I am alive; my recent inner-step duration."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The sending process's incarnation."""
-    step: int
+    step: int = field(metadata=COUNT)
     """The learner's inner steps so far."""
-    step_time_s: float
+    step_time_s: float = field(metadata=STEP_TIME)
     """Duration of the learner's recent inner steps (seconds; 0 if unknown yet)."""
 
 
@@ -70,25 +94,25 @@ class Contribution:
     Built only by ``LearnerCore.contribution``, which numbers them.
     """
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The sending process's incarnation."""
-    fragment: int
+    fragment: int = field(metadata=ID)
     """Fragment index p."""
-    base_version: int
+    base_version: int = field(metadata=COUNT)
     """Version of p this learner last received (its anchor)."""
-    seq: int
+    seq: int = field(metadata=SERIAL)
     """Per-incarnation sequence number, increasing with every contribution built."""
     values: list[torch.Tensor]
     """One tensor per piece of the fragment: parameter values, or base minus values for 'delta'."""
-    steps: int
+    steps: int = field(metadata=COUNT)
     """Inner steps since the learner last received p."""
-    tokens: int
+    tokens: int = field(metadata=COUNT)
     """Tokens processed since the learner last received p."""
-    data_position: int
+    data_position: int = field(metadata=COUNT)
     """Batches of its shard consumed so far (recorded so a restart resumes there)."""
-    step: int
+    step: int = field(metadata=COUNT)
     """The learner's inner step count when it answered."""
     kind: PayloadKind = "values"
     """'values' (theta) or 'delta' (local base minus theta, e.g. after lossy encoding)."""
@@ -102,13 +126,13 @@ class Contribution:
 class Ack:
     """Learner -> syncer: I applied version v of fragment p (used to time the sync path)."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The sending process's incarnation."""
-    fragment: int
+    fragment: int = field(metadata=ID)
     """Fragment index."""
-    version: int
+    version: int = field(metadata=COUNT)
     """The applied version."""
 
 
@@ -116,11 +140,11 @@ class Ack:
 class FragmentRequest:
     """Syncer -> learner: please send fragment p for round ``round_id``."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Addressee."""
-    fragment: int
+    fragment: int = field(metadata=ID)
     """Fragment index."""
-    round_id: int
+    round_id: int = field(metadata=COUNT)
     """Round being collected."""
 
 
@@ -128,19 +152,19 @@ class FragmentRequest:
 class FragmentUpdate:
     """Syncer -> learner: the global value of fragment p at ``version``."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Addressee."""
-    fragment: int
+    fragment: int = field(metadata=ID)
     """Fragment index."""
-    version: int
+    version: int = field(metadata=COUNT)
     """Global version of these values."""
     values: list[torch.Tensor]
     """One tensor per piece (shared, read-only: receivers copy into their own parameters)."""
-    global_tokens: float
+    global_tokens: float = field(metadata=GLOBAL_TOKENS)
     """Tokens merged into the global model so far (drives the inner LR schedule)."""
-    live_learners: int
+    live_learners: int = field(metadata=LIVE)
     """Live learners when sent (lets a learner extrapolate the global token count)."""
-    global_step: int = 0
+    global_step: int = field(default=0, metadata=COUNT)
     """Highest learner step the syncer has seen (aligns a rejoining lock-step learner)."""
     reason: UpdateReason = "merged"
     """Why it was sent: merged, join (a fetch), stale (the learner's base was too old)."""

@@ -14,6 +14,37 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.messages import COUNT, GLOBAL_TOKENS, ID, MAX_ID, SERIAL, VERSIONS
+
+MAX_PARAMS = 100_000
+"""Most parameter tensors a Register may list (the 1 MiB header is usually the tighter bound)."""
+MAX_NAME = 1024
+"""Longest parameter name in a Register."""
+MAX_PARAM_DIMS = 8
+MAX_PARAM_DIM = 2**31
+
+
+def check_param_entry(entry: Any) -> str | None:
+    """Why ``entry`` (any JSON value) is not a ``[name, shape]`` pair of ``param_spec``, or None.
+
+    The wire checks every element of ``Register.params`` with it alone: it must check everything.
+    """
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+        return "expected [name, shape]"
+    name, shape = entry
+    if not isinstance(name, str) or len(name) > MAX_NAME:
+        return f"name must be a string of at most {MAX_NAME} characters"
+    if not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            return "name is not valid Unicode"
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_PARAM_DIMS:
+        return f"shape must be a list of at most {MAX_PARAM_DIMS} dimensions"
+    if not all(type(d) is int and 0 <= d <= MAX_PARAM_DIM for d in shape):
+        return f"every dimension must be an integer in [0, {MAX_PARAM_DIM}]"
+    return None
+
 
 def learner_identity(learner: int) -> bytes:
     """The transport identity of a learner (a restarted process takes over the same one)."""
@@ -43,19 +74,19 @@ def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None
 class Register:
     """Learner -> syncer: register (or re-register after a restart of either side)."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Learner id."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """This process's incarnation (its start time in microseconds)."""
-    params: list[list[Any]]
+    params: list[list[Any]] = field(metadata={"max_len": MAX_PARAMS, "each": check_param_entry})
     """[name, shape] of every model parameter, in order (checked against the syncer's model)."""
-    layout: str
+    layout: str = field(metadata={"max_len": 256})
     """Digest of the learner's fragment layout (checked against the syncer's)."""
-    base_versions: list[int] = field(default_factory=list)
+    base_versions: list[int] = field(default_factory=list, metadata=VERSIONS)
     """Versions of each fragment the learner holds (empty for a fresh process)."""
-    pid: int = 0
+    pid: int = field(default=0, metadata={"min": 0, "max": 2**31 - 1})
     """Process id (for logs)."""
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata={"max_len": 256})
     """Where the learner computes."""
 
 
@@ -65,13 +96,13 @@ class JoinReply:
 
     accepted: bool
     """Whether the learner may take part."""
-    reason: str
+    reason: str = field(metadata={"max_len": 8192})
     """Why not (empty when accepted)."""
-    epoch: int
+    epoch: int = field(metadata=SERIAL)
     """The syncer incarnation (random per start): a new epoch means the syncer restarted."""
-    data_position: int
+    data_position: int = field(metadata=COUNT)
     """Where this learner's data shard resumes (recorded with its last merged contribution)."""
-    owned: list[int]
+    owned: list[int] = field(metadata={**ID, "max_len": MAX_ID + 1})
     """Fragments this syncer shard owns."""
 
 
@@ -79,9 +110,9 @@ class JoinReply:
 class SyncerHeartbeat:
     """Syncer -> learner: I am alive (liveness of the syncer, seen from a learner)."""
 
-    epoch: int
+    epoch: int = field(metadata=SERIAL)
     """Syncer incarnation."""
-    shard: int
+    shard: int = field(metadata={"min": 0, "max": 1023})
     """Which shard sent it."""
 
 
@@ -89,9 +120,9 @@ class SyncerHeartbeat:
 class PeerStateRequest:
     """Rejoining learner -> syncer -> a live peer: please send your inner-optimizer state."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """The learner that needs the state."""
-    incarnation: int
+    incarnation: int = field(metadata=SERIAL)
     """The asking process's incarnation."""
 
 
@@ -99,11 +130,11 @@ class PeerStateRequest:
 class PeerState:
     """Peer -> syncer -> rejoining learner: an inner-optimizer state to warm up from."""
 
-    learner: int
+    learner: int = field(metadata=ID)
     """Addressee (the rejoining learner)."""
-    source: int
+    source: int = field(metadata={"min": -1, "max": MAX_ID})
     """The peer that sent it (-1: no live peer; the state is empty)."""
-    param_groups: list[dict[str, Any]]
+    param_groups: list[dict[str, Any]] = field(metadata={"max_len": 1024})
     """The optimizer's param_groups (hyper-parameters and parameter indices)."""
     tensors: dict[str, torch.Tensor]
     """Per-parameter state tensors named 'INDEX.KEY' (e.g. '3.exp_avg')."""
@@ -113,7 +144,7 @@ class PeerState:
 class FetchGlobal:
     """Observer (evaluator, launcher) -> syncer: send me the global model."""
 
-    requester: str
+    requester: str = field(metadata={"max_len": 256})
     """Who asks (for logs)."""
 
 
@@ -121,9 +152,9 @@ class FetchGlobal:
 class GlobalState:
     """Syncer -> observer: this shard's fragments of the global model."""
 
-    versions: dict[str, int]
+    versions: dict[str, int] = field(metadata=VERSIONS)
     """Version of each owned fragment (keys are fragment indices as strings)."""
-    global_tokens: float
+    global_tokens: float = field(metadata=GLOBAL_TOKENS)
     """Tokens merged so far."""
     tensors: dict[str, torch.Tensor]
     """Pieces named 'FRAGMENT.PIECE'."""

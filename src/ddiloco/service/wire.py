@@ -2,9 +2,20 @@
 
 The header is UTF-8 JSON: ``{"v": SCHEMA, "type": NAME, "fields": {...}, "tensors": [[field,
 key, dtype, shape], ...]}``; each following frame holds one tensor's raw little-endian bytes,
-sent without copies (``copy=False`` on the socket). ``decode`` checks everything (schema
-version, type, every field's type, tensor count, dtype, byte size) and raises ``WireError``
-with a reason, so a malformed message is counted and dropped, never a crash.
+sent without copies (``copy=False`` on the socket).
+
+``decode`` is total: whatever list of byte strings it is given, it returns a valid message or
+raises ``WireError`` with a reason, so a malformed message is counted and dropped, never a
+crash. Every input is bounded before it can cost anything: the header's size (``MAX_HEADER``),
+its JSON nesting (``MAX_DEPTH``, measured before the parser recurses) and the digits of its
+numbers; the number of frames (``MAX_TENSORS``); every field's type, and its range or length
+as declared in the message classes' field metadata (``min``/``max``/``max_len``/``each``, see
+``ddiloco.core.messages``); tensor dtypes, ranks (``MAX_DIMS``), dimensions (``MAX_DIM``) and
+byte sizes. ``encode`` runs the same field checks and refuses (ValueError/TypeError) a message
+that ``decode`` would refuse, so a bug cannot put an invalid message on the wire.
+
+A transport should also refuse oversized frames before they are buffered: ``max_frame_bytes``
+gives the largest frame a model's messages need (ZeroMQ's ``MAXMSGSIZE``).
 """
 
 from __future__ import annotations
@@ -13,8 +24,10 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import types
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -45,28 +58,72 @@ DTYPES = {
     "uint8": torch.uint8,
     "int8": torch.int8,
 }
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 _NP_VIEW = {torch.bfloat16: torch.int16}  # numpy has no bfloat16: move the bits as int16
+_NP_DTYPE = {k: torch.empty((), dtype=_NP_VIEW.get(v, v)).numpy().dtype for k, v in DTYPES.items()}
+
 MAX_HEADER = 1 << 20
+"""Largest header frame (bytes)."""
+MAX_DEPTH = 16
+"""Deepest JSON nesting of a header (the messages need 5: header, fields, list, item, shape)."""
+MAX_TENSORS = 100_000
+"""Most tensor frames in one message."""
+MAX_DIMS = 8
+"""Highest tensor rank."""
+MAX_DIM = 2**31
+"""Largest tensor dimension."""
+MAX_STR = 1024
+"""Longest string (or dict key) where a field declares no ``max_len``."""
+MAX_ITEMS = 100_000
+"""Longest list or dict where a field declares no ``max_len``."""
+MAX_INT = 2**63 - 1
+"""Largest magnitude of an integer inside an untyped (``Any``) value."""
+_MAX_DIGITS = 24  # characters of an integer literal the parser may convert (2**63 has 19 digits)
+_MAX_FLOAT_CHARS = 64  # characters of a float literal (repr needs at most 24)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)  # always matches: linear
+_LONG_NUMBER = re.compile(rb"\d{%d}" % (_MAX_DIGITS + 1))
+_BUG = "decode bug"  # prefix of a WireError that wraps an unexpected exception (the fuzz tests look for it)
+
+
+def max_frame_bytes(largest_numel: int, itemsize: int = max(_ITEMSIZE.values())) -> int:
+    """The largest frame a message of a model can need, in bytes: the transport's MAXMSGSIZE.
+
+    A frame is either the header (at most ``MAX_HEADER``) or one tensor: a piece of a fragment
+    (at most one parameter) or one optimizer-state tensor of a parameter. ``largest_numel`` is
+    therefore ``max(p.numel() for p in model.parameters())``; ``itemsize`` is the widest dtype
+    sent (8 by default: int64, the widest in ``DTYPES``; 4 when only float32 and narrower go).
+    """
+    if isinstance(largest_numel, bool) or not isinstance(largest_numel, int) or largest_numel < 0:
+        raise ValueError(f"largest_numel must be a non-negative integer, got {largest_numel!r}")
+    return max(MAX_HEADER, largest_numel * itemsize)
 
 
 class WireError(ValueError):
     """A message that cannot be decoded; the reason names what is wrong."""
 
 
+# -- showing a value in an error: bounded, and safe for huge integers ----------------------------
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# -- per-class plans: type hints, bounds and checkers, resolved once per class ----------------
+
+Checker = Callable[[Any], Any]
+
+
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     """Field annotations of a message class (resolving them is slow: once per class)."""
     return typing.get_type_hints(cls)
-
-
-@functools.cache
-def _optional(cls: type) -> frozenset[str]:
-    """Fields of a message class that have a default (may be missing on the wire)."""
-    return frozenset(
-        fl.name
-        for fl in dataclasses.fields(cls)
-        if fl.default is not dataclasses.MISSING or fl.default_factory is not dataclasses.MISSING
-    )
 
 
 def _is_tensor_list(tp: Any) -> bool:
@@ -77,145 +134,426 @@ def _is_tensor_dict(tp: Any) -> bool:
     return typing.get_origin(tp) is dict and typing.get_args(tp) == (str, torch.Tensor)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What decode and encode need to know about one message class."""
+
+    values: tuple[tuple[str, Checker], ...]
+    """Non-tensor fields and their checkers, in declaration order."""
+    required: frozenset[str]
+    """Non-tensor fields without a default (they must be on the wire)."""
+    tensors: tuple[str, ...]
+    """Tensor fields (a list or a dict of tensors), in declaration order."""
+    tensor_lists: frozenset[str]
+    tensor_dicts: frozenset[str]
+    names: frozenset[str]
+    """Every non-tensor field name."""
+
+
+@functools.cache
+def _plan(cls: type) -> _Plan:
+    hints = _hints(cls)
+    values: list[tuple[str, Checker]] = []
+    tensors: list[str] = []
+    required: set[str] = set()
+    lists: set[str] = set()
+    dicts: set[str] = set()
+    for fl in dataclasses.fields(cls):
+        tp = hints[fl.name]
+        if _is_tensor_list(tp) or _is_tensor_dict(tp):
+            tensors.append(fl.name)
+            (lists if _is_tensor_list(tp) else dicts).add(fl.name)
+        else:
+            values.append((fl.name, _checker(tp, fl.metadata, f"{cls.__name__}.{fl.name}", 3)))
+            if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
+                required.add(fl.name)
+    names = frozenset(n for n, _ in values)
+    return _Plan(tuple(values), frozenset(required), tuple(tensors), frozenset(lists), frozenset(dicts), names)
+
+
+def _range(meta: Mapping[str, Any], where: str, tp: Any) -> tuple[Any, Any]:
+    if "min" not in meta or "max" not in meta:
+        raise TypeError(f"{where}: a numeric field needs min/max bounds in its field metadata")
+    lo, hi = meta["min"], meta["max"]
+    if tp is float and not (math.isfinite(lo) and math.isfinite(hi)):
+        raise TypeError(f"{where}: float bounds must be finite")
+    return lo, hi
+
+
+def _checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checker:
+    """A function that returns a JSON value as the field's type, or raises WireError.
+
+    ``meta`` holds the field's bounds: ``min``/``max`` for numbers (and for the numbers in a list
+    or dict), ``max_len`` for strings, lists and dicts, ``each`` for every element of a list (a
+    function that takes any JSON value and returns why it is not a valid element, or None; it
+    replaces the element type's own check, so it must check everything). ``depth`` is the JSON nesting
+    of the value (the header
+    object is 1, its ``fields`` 2, a field's value 3).
+    """
+    origin = typing.get_origin(tp)
+    if tp is int:
+        lo, hi = _range(meta, where, tp)
+
+        def check_int(v: Any) -> Any:
+            if type(v) is not int or not lo <= v <= hi:  # type(): a bool is never an int
+                raise WireError(f"{where}: {_show(v)} is not an integer in [{lo}, {hi}]")
+            return v
+
+        return check_int
+    if tp is float:
+        lo, hi = _range(meta, where, tp)
+
+        def check_float(v: Any) -> Any:
+            # An int is compared exactly (no float conversion that could overflow); nan fails both.
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise WireError(f"{where}: {_show(v)} is not a finite number in [{lo}, {hi}]")
+            return float(v)
+
+        return check_float
+    if tp is bool:
+
+        def check_bool(v: Any) -> Any:
+            if type(v) is not bool:
+                raise WireError(f"{where}: expected true or false, got {_show(v)}")
+            return v
+
+        return check_bool
+    if tp is str:
+        return functools.partial(_check_str, where=where, max_len=meta.get("max_len", MAX_STR))
+    if origin is typing.Literal:
+        options = typing.get_args(tp)
+
+        def check_literal(v: Any) -> Any:
+            if not any(type(v) is type(o) and v == o for o in options):
+                raise WireError(f"{where}: {_show(v)} is not one of {options}")
+            return v
+
+        return check_literal
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        item = _checker(inner, _element_meta(meta), where, depth + 1)
+        each = meta.get("each")
+        max_len = meta.get("max_len", MAX_ITEMS)
+
+        def check_list(v: Any) -> Any:
+            if not isinstance(v, (list, tuple)):
+                raise WireError(f"{where}: expected a list, got {_show(v)}")
+            if len(v) > max_len:
+                raise WireError(f"{where}: {len(v)} items, at most {max_len}")
+            if each is None:
+                return [item(x) for x in v]
+            for i, x in enumerate(v):  # ``each`` validates a whole element (any JSON value), faster
+                reason = each(x)
+                if reason is not None:
+                    raise WireError(f"{where}[{i}]: {reason}")
+            return list(v)
+
+        return check_list
+    if origin is dict:
+        k_tp, v_tp = typing.get_args(tp) or (str, Any)
+        if k_tp is not str:
+            raise TypeError(f"{where}: JSON objects have string keys, not {k_tp}")
+        value = _checker(v_tp, _element_meta(meta), where, depth + 1)
+        max_len = meta.get("max_len", MAX_ITEMS)
+
+        def check_dict(v: Any) -> Any:
+            if not isinstance(v, dict):
+                raise WireError(f"{where}: expected an object, got {_show(v)}")
+            if len(v) > max_len:
+                raise WireError(f"{where}: {len(v)} entries, at most {max_len}")
+            return {_check_str(k, where=f"{where} key"): value(x) for k, x in v.items()}
+
+        return check_dict
+    if origin in (typing.Union, types.UnionType):
+        checkers = [_checker(o, meta, where, depth) for o in typing.get_args(tp)]
+
+        def check_union(v: Any) -> Any:
+            for option in checkers:
+                try:
+                    return option(v)
+                except WireError:
+                    continue
+            raise WireError(f"{where}: {_show(v)} matches none of {tp}")
+
+        return check_union
+    if tp is type(None):
+
+        def check_none(v: Any) -> Any:
+            if v is not None:
+                raise WireError(f"{where}: expected null, got {_show(v)}")
+            return None
+
+        return check_none
+    if tp is Any:
+        return functools.partial(_check_any, where=where, depth=depth)
+    raise TypeError(f"{where}: unsupported field type {tp}")
+
+
+def _element_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's bounds as they apply to its elements (numbers keep min/max; no length)."""
+    return {k: v for k, v in meta.items() if k in ("min", "max")}
+
+
+def _check_str(v: Any, *, where: str, max_len: int = MAX_STR) -> str:
+    if not isinstance(v, str):
+        raise WireError(f"{where}: expected a string, got {_show(v)}")
+    if len(v) > max_len:
+        raise WireError(f"{where}: a string of {len(v)} characters, at most {max_len}")
+    if not v.isascii():
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: it would break every log line
+            raise WireError(f"{where}: not valid Unicode") from None
+    return v
+
+
+def _check_any(value: Any, *, where: str, depth: int) -> Any:
+    """An untyped JSON value: bounded nesting, sizes, strings and numbers (iteratively).
+
+    The scalars of a container are checked inline, by exact type (what JSON decodes to); any
+    other type (a tuple, a float subclass on encode) takes the generic path.
+    """
+    stack = [(value, depth)]
+    while stack:
+        v, d = stack.pop()
+        if not isinstance(v, (list, tuple, dict)):
+            _check_scalar(v, where)
+            continue
+        if d > MAX_DEPTH:
+            raise WireError(f"{where}: nested deeper than {MAX_DEPTH}")
+        if len(v) > MAX_ITEMS:
+            raise WireError(f"{where}: {len(v)} items, at most {MAX_ITEMS}")
+        if isinstance(v, dict):
+            for k in v:
+                _check_str(k, where=f"{where} key")
+        for x in v.values() if isinstance(v, dict) else v:
+            t = type(x)
+            if t is int:
+                if not -MAX_INT <= x <= MAX_INT:
+                    raise WireError(f"{where}: {_show(x)} is out of [-{MAX_INT}, {MAX_INT}]")
+            elif t is float:
+                if not math.isfinite(x):
+                    raise WireError(f"{where}: {x!r} is not finite")
+            elif t is str:
+                if len(x) > MAX_STR or not x.isascii():
+                    _check_str(x, where=where)
+            elif x is not None and t is not bool:
+                stack.append((x, d + 1))
+    return value
+
+
+def _check_scalar(v: Any, where: str) -> None:
+    if v is None or isinstance(v, bool):
+        return
+    if isinstance(v, int):
+        if not -MAX_INT <= v <= MAX_INT:
+            raise WireError(f"{where}: {_show(v)} is out of [-{MAX_INT}, {MAX_INT}]")
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            raise WireError(f"{where}: {v!r} is not finite")
+    elif isinstance(v, str):
+        _check_str(v, where=where)
+    else:
+        raise WireError(f"{where}: {type(v).__name__} is not a JSON value")
+
+
+# -- encode -------------------------------------------------------------------------------------
+
+
 def encode(msg: Any) -> list[Any]:
-    """Frames for ``msg``: a JSON header, then one buffer per tensor (no copies)."""
-    name = type(msg).__name__
-    if name not in MESSAGES:
+    """Frames for ``msg``: a JSON header, then one buffer per tensor (no copies).
+
+    Raises TypeError for what is not a message or not encodable (an unsupported dtype), and
+    ValueError for a message that breaks a bound (``decode`` would refuse it).
+    """
+    cls: type = type(msg)
+    name = cls.__name__
+    if MESSAGES.get(name) is not cls:
         raise TypeError(f"not a wire message: {name}")
+    plan = _plan(cls)
     fields: dict[str, Any] = {}
     specs: list[list[Any]] = []
     frames: list[Any] = []
-    for f, tp in _hints(type(msg)).items():
-        value = getattr(msg, f)
-        if _is_tensor_list(tp) or _is_tensor_dict(tp):
-            items = enumerate(value) if _is_tensor_list(tp) else value.items()
+    try:
+        for f, check in plan.values:
+            value = getattr(msg, f)
+            check(value)
+            fields[f] = value
+        for f in plan.tensors:
+            value = getattr(msg, f)
+            items = enumerate(value) if f in plan.tensor_lists else value.items()
             for key, t in items:
+                if f in plan.tensor_dicts:
+                    _check_str(key, where=f"{name}.{f} key")
                 t = t.detach().cpu().contiguous()
-                dtype = next(k for k, v in DTYPES.items() if v == t.dtype)
+                dtype = _DTYPE_NAMES.get(t.dtype)
+                if dtype is None:
+                    raise TypeError(f"{name}.{f}[{key}]: dtype {t.dtype} cannot go on the wire")
+                if t.dim() > MAX_DIMS or any(d > MAX_DIM for d in t.shape):
+                    raise WireError(f"{name}.{f}[{key}]: shape {list(t.shape)} exceeds {MAX_DIMS} dims of {MAX_DIM}")
                 specs.append([f, key, dtype, list(t.shape)])
                 frames.append(t.view(_NP_VIEW.get(t.dtype, t.dtype)).numpy())
-        else:
-            fields[f] = value
-    header = json.dumps({"v": SCHEMA, "type": name, "fields": fields, "tensors": specs}, separators=(",", ":")).encode()
+        if len(frames) > MAX_TENSORS:
+            raise WireError(f"{name}: {len(frames)} tensors, at most {MAX_TENSORS}")
+    except WireError as e:
+        raise ValueError(f"refusing to encode {name}: {e}") from None
+    header = json.dumps(
+        {"v": SCHEMA, "type": name, "fields": fields, "tensors": specs}, separators=(",", ":"), allow_nan=False
+    ).encode()
+    if len(header) > MAX_HEADER:
+        raise ValueError(f"refusing to encode {name}: header of {len(header)} bytes exceeds {MAX_HEADER}")
     return [header, *frames]
 
 
+# -- decode -------------------------------------------------------------------------------------
+
+
 def _buffer(frame: Any) -> memoryview:
-    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    """The bytes of a frame: a zmq.Frame, bytes, or any C-contiguous buffer (an encoded ndarray)."""
+    try:
+        view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+    except TypeError:
+        view = None
+    if view is None or not view.c_contiguous:
+        raise WireError(f"a frame is not a contiguous byte buffer ({type(frame).__name__})")
+    return view
 
 
-def decode(frames: list[Any]) -> Any:
-    """The message in ``frames``, or WireError naming what is malformed."""
+def _depth(raw: bytes) -> int:
+    """The deepest nesting of brackets outside JSON strings (at least the parser's depth)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return 0  # cannot nest deeper than there are openers: the usual, cheap case
+    bare = np.frombuffer(_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = ((bare == ord("[")) | (bare == ord("{"))).astype(np.int32)
+    step -= (bare == ord("]")) | (bare == ord("}"))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > _MAX_DIGITS:
+        raise WireError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > _MAX_FLOAT_CHARS:
+        raise WireError(f"a number of {len(text)} characters")
+    return float(text)
+
+
+def _parse_constant(text: str) -> Any:
+    raise WireError(f"{text} is not a finite number")
+
+
+def _parse(raw: bytes) -> Any:
+    """The header's JSON, parsed only once its nesting and its numbers are known to be small."""
+    if _depth(raw) > MAX_DEPTH:
+        raise WireError(f"header nested deeper than {MAX_DEPTH}")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise WireError("header is not UTF-8") from None
+    # A long run of digits may be a huge number (slow to convert, and past Python's int-string
+    # limit): only then parse numbers through length-checking hooks (a call per number).
+    long = _LONG_NUMBER.search(raw) is not None
+    try:
+        return json.loads(
+            text,
+            parse_constant=_parse_constant,
+            parse_int=_parse_int if long else None,
+            parse_float=_parse_float if long else None,
+        )
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so is WireError
+        raise WireError(f"header is not JSON: {e}" if not isinstance(e, WireError) else f"header: {e}") from None
+
+
+def decode(frames: Any) -> Any:
+    """The message in ``frames``, or WireError naming what is malformed (never another exception)."""
+    try:
+        return _decode(frames)
+    except WireError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        # Defence in depth: every check above should have caught it. The fuzz tests fail on this.
+        raise WireError(f"{_BUG}: {type(e).__name__}: {_show(str(e))}") from None
+
+
+def _decode(frames: Any) -> Any:
+    if not isinstance(frames, (list, tuple)):
+        raise WireError(f"frames must be a list, got {type(frames).__name__}")
     if not frames:
         raise WireError("empty message")
+    if len(frames) - 1 > MAX_TENSORS:
+        raise WireError(f"{len(frames) - 1} tensor frames, at most {MAX_TENSORS}")
     raw = _buffer(frames[0])
     if raw.nbytes > MAX_HEADER:
         raise WireError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER}")
-    try:
-        header = json.loads(raw.tobytes().decode())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise WireError("header is not UTF-8 JSON") from None
-    if not isinstance(header, dict) or header.get("v") != SCHEMA:
-        raise WireError(
-            f"unsupported schema version {header.get('v') if isinstance(header, dict) else None!r} (this build "
-            f"speaks {SCHEMA})"
-        )
-    cls = MESSAGES.get(header.get("type"))
+    header = _parse(raw.tobytes())
+    if not isinstance(header, dict):
+        raise WireError("header is not a JSON object")
+    if type(header.get("v")) is not int or header["v"] != SCHEMA:
+        raise WireError(f"unsupported schema version {_show(header.get('v'))} (this build speaks {SCHEMA})")
+    if set(header) != {"v", "type", "fields", "tensors"}:
+        raise WireError(f"header keys {sorted(header)!r}, expected v, type, fields, tensors")
+    kind = header["type"]
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise WireError(f"unknown message type {header.get('type')!r}")
-    fields, specs = header.get("fields"), header.get("tensors")
+        raise WireError(f"unknown message type {_show(kind)}")
+    fields, specs = header["fields"], header["tensors"]
     if not isinstance(fields, dict) or not isinstance(specs, list):
         raise WireError("header lacks fields/tensors")
     if len(specs) != len(frames) - 1:
         raise WireError(f"{len(specs)} tensors announced, {len(frames) - 1} frames sent")
-    hints = _hints(cls)
+    plan = _plan(cls)
+    unknown = set(fields) - plan.names
+    if unknown:
+        raise WireError(f"{cls.__name__}: unknown fields {_show(', '.join(sorted(unknown)))}")
     kwargs: dict[str, Any] = {}
-    tensor_fields = {f for f, tp in hints.items() if _is_tensor_list(tp) or _is_tensor_dict(tp)}
-    for f in tensor_fields:
-        kwargs[f] = [] if _is_tensor_list(hints[f]) else {}
-    for spec, frame in zip(specs, frames[1:]):
-        f, key, t = _tensor(spec, frame, tensor_fields)
-        if _is_tensor_list(hints[f]):
+    for f, check in plan.values:  # the header first: no tensor is copied for a message refused anyway
+        if f in fields:
+            kwargs[f] = check(fields[f])
+        elif f in plan.required:
+            raise WireError(f"{cls.__name__}: missing field {f!r}")
+    layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
+    for f in plan.tensor_lists:
+        kwargs[f] = []
+    for f in plan.tensor_dicts:
+        kwargs[f] = {}
+    for f, key, dtype, shape, buf in layout:
+        arr = np.frombuffer(buf, dtype=_NP_DTYPE[dtype]).copy()  # own the bytes
+        t = torch.from_numpy(arr).view(DTYPES[dtype]).reshape(shape)
+        if f in plan.tensor_lists:
             if key != len(kwargs[f]):
-                raise WireError(f"{f}: tensor index {key} out of order")
+                raise WireError(f"{cls.__name__}.{f}: tensor index {_show(key)} out of order")
             kwargs[f].append(t)
         else:
-            kwargs[f][str(key)] = t
-    defaults = _optional(cls)
-    for f, tp in hints.items():
-        if f in tensor_fields:
-            continue
-        if f not in fields:
-            if f in defaults:
-                continue
-            raise WireError(f"{cls.__name__}: missing field {f!r}")
-        kwargs[f] = _check(fields[f], tp, f"{cls.__name__}.{f}")
-    unknown = set(fields) - set(hints)
-    if unknown:
-        raise WireError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+            if key in kwargs[f]:
+                raise WireError(f"{cls.__name__}.{f}: tensor {key!r} sent twice")
+            kwargs[f][key] = t
     return cls(**kwargs)
 
 
-def _tensor(spec: Any, frame: Any, tensor_fields: set[str]) -> tuple[str, Any, torch.Tensor]:
+def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str, list[int], memoryview]:
+    """A tensor spec checked against its frame (before any byte is copied)."""
     if not (isinstance(spec, list) and len(spec) == 4):
         raise WireError("tensor spec must be [field, key, dtype, shape]")
     f, key, dtype, shape = spec
-    if f not in tensor_fields:
-        raise WireError(f"tensor for unknown field {f!r}")
-    if dtype not in DTYPES:
-        raise WireError(f"unsupported dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise WireError(f"bad shape {shape!r}")
-    tdt = DTYPES[dtype]
+    if not isinstance(f, str) or f not in plan.tensors:
+        raise WireError(f"{name}: tensor for unknown field {_show(f)}")
+    where = f"{name}.{f}"
+    if f in plan.tensor_lists:
+        if type(key) is not int:
+            raise WireError(f"{where}: tensor index {_show(key)} is not an integer")
+    else:
+        _check_str(key, where=f"{where} key")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise WireError(f"{where}[{_show(key)}]: unsupported dtype {_show(dtype)}")
+    if not (
+        isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+    ):
+        raise WireError(f"{where}[{_show(key)}]: bad shape {_show(shape)} (at most {MAX_DIMS} dims in [0, {MAX_DIM}])")
     buf = _buffer(frame)
-    expected = math.prod(shape) * torch.empty((), dtype=tdt).element_size()
+    expected = math.prod(shape) * _ITEMSIZE[dtype]
     if buf.nbytes != expected:
-        raise WireError(f"tensor {f}[{key}]: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
-    view = _NP_VIEW.get(tdt, tdt)
-    arr = np.frombuffer(buf, dtype=torch.empty((), dtype=view).numpy().dtype).copy()  # own the bytes
-    return f, key, torch.from_numpy(arr).view(tdt).reshape(shape)
-
-
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Type-check a JSON value against a field annotation (the subset the messages use)."""
-    origin = typing.get_origin(tp)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise WireError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise WireError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is bool or tp is str:
-        if not isinstance(value, tp):
-            raise WireError(f"{where}: expected {tp.__name__}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise WireError(f"{where}: expected a list")
-        (inner,) = typing.get_args(tp) or (Any,)
-        return [_check(v, inner, where) for v in value] if inner is not Any else value
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise WireError(f"{where}: expected an object")
-        k_tp, v_tp = typing.get_args(tp)
-        return {k: _check(v, v_tp, where) for k, v in value.items()}
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return _check(value, option, where)
-            except WireError:
-                continue
-        raise WireError(f"{where}: {value!r} matches none of {tp}")
-    if origin is typing.Literal:
-        if value not in typing.get_args(tp):
-            raise WireError(f"{where}: {value!r} is not one of {typing.get_args(tp)}")
-        return value
-    if tp is type(None):
-        if value is not None:
-            raise WireError(f"{where}: expected null")
-        return None
-    if tp is Any or tp is dict or tp is list:
-        return value
-    raise WireError(f"{where}: unsupported field type {tp}")
+        raise WireError(f"{where}[{_show(key)}]: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
+    return f, key, dtype, shape, buf
