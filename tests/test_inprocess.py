@@ -89,10 +89,11 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
     try:
         for m in range(3):
             fleet.start_learner(m)
-        wait_for(lambda: len(fleet.merges()) >= 10, 90, "the first merges")
+        # Bounds, not assertions on durations: generous, so a loaded machine only makes it slower.
+        wait_for(lambda: len(fleet.merges()) >= 10, 240, "the first merges")
         old_incarnation = fleet.learners[1].incarnation
         fleet.kill(1)
-        wait_for(lambda: fleet.exits[1], 30, "the killed learner's thread to end")
+        wait_for(lambda: fleet.exits[1], 60, "the killed learner's thread to end")
         time.sleep(0.01)  # a later start: a larger incarnation, as a restarted process has
         new_incarnation = fleet.start_learner(1).incarnation
         assert new_incarnation > old_incarnation
@@ -104,7 +105,7 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
                 for e in r["merged"]
             )
 
-        wait_for(lambda: len(fleet.merges()) >= 20 and contributed_again(), 120, "20 merges and the restarted learner")
+        wait_for(lambda: len(fleet.merges()) >= 20 and contributed_again(), 240, "20 merges and the restarted learner")
     finally:
         fleet.stop()
     assert all(not t.is_alive() for t in fleet.threads)

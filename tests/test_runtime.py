@@ -250,7 +250,8 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     model = wl.build_model(cfg.run.seed)
     layout = layout_for(model, wl, cfg.algo)
     persisted = Syncer(cfg.algo, layout.fragments, dict(model.named_parameters()), layout.embedding_like)
-    assert restore_into(SyncerStore(cluster.run_dir, fsync=False), persisted)
+    with SyncerStore(cluster.run_dir, fsync=False) as store:  # holds the folder's lock until the block ends
+        assert restore_into(store, persisted)
     durable = persisted.versions()
     cluster.start_syncer()
     state = wait_for(lambda: fetch_global([cluster.addr], timeout_s=2.0), 60, "the restarted syncer to answer")[0]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.config import RuntimeConfig
-from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
+from ddiloco.core.messages import MAX_STEP_TIME_S, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.service.clock import Clock
 from ddiloco.service.protocol import JoinReply, PeerState, PeerStateRequest, Register, SyncerHeartbeat
 from ddiloco.service.transport import LearnerSocket
@@ -153,7 +153,9 @@ class LearnerComm:
             if now - last_hb >= rt.heartbeat_interval_s:
                 last_hb = now
                 pr = self.progress
-                hb = encode(Heartbeat(self.learner, self.incarnation, pr.step, pr.step_time_s))
+                # A step longer than a day (a learner stopped in a debugger) is reported as a day.
+                step_time = min(pr.step_time_s, MAX_STEP_TIME_S)
+                hb = encode(Heartbeat(self.learner, self.incarnation, pr.step, step_time))
                 for index, link in enumerate(self.links):
                     if link.joined:
                         self.sock.send(index, hb)
@@ -203,6 +205,12 @@ class LearnerComm:
             elif link.epoch is None and not link.joined:
                 link.next_join = 0.0
         elif isinstance(msg, JoinReply):
+            if not msg.accepted and msg.retry_after_s > 0:
+                # e.g. our own predecessor (SIGKILLed a moment ago) still holds the id: try again
+                log.info("learner %d: not registered yet (%s); retrying in %.1f s", self.learner, msg.reason,
+                         msg.retry_after_s)  # fmt: skip
+                link.next_join = self.clock.monotonic() + msg.retry_after_s
+                return
             if not msg.accepted:
                 self.refused = msg.reason
                 self.stop.set()

@@ -104,6 +104,9 @@ class JoinReply:
     """Where this learner's data shard resumes (recorded with its last merged contribution)."""
     owned: list[int] = field(metadata={**ID, "max_len": MAX_ID + 1})
     """Fragments this syncer shard owns."""
+    retry_after_s: float = field(default=0.0, metadata={"min": 0.0, "max": 3600.0})
+    """For a refusal: > 0 means the condition passes (the id's holder may be gone by then):
+    register again after this long; 0 means final."""
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from ddiloco.service.protocol import (
     param_spec,
 )
 from ddiloco.service.status import write_status
-from ddiloco.service.store import SyncerStore
+from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
 from ddiloco.training.layout import layout_for
 from ddiloco.workloads.config import load_workload
 
@@ -127,12 +127,22 @@ class SyncerService:
     # -- sending ---------------------------------------------------------------------------
 
     def _send(self, identity: bytes, msg: Any) -> None:
-        self.sock.send(identity, encode(msg))
+        try:
+            frames = encode(msg)
+        except (ValueError, TypeError) as e:  # a message out of its bounds is our bug: say it, drop it
+            log.error("not sending %s to %r: %s", type(msg).__name__, identity, e)
+            return
+        self.sock.send(identity, frames)
 
     def _emit(self, out: Output) -> None:
-        """Make new versions durable, then send (the order matters: never send what could be lost)."""
+        """Make new versions durable, then send (the order matters: never send what could be lost).
+        A full disk raises StoreFull here, before anything is sent."""
         persist(self.store, self.core, out, self.clock)
         self.counts["merges"] += len(out.durable)
+        for r in out.refused:
+            identity = self.identities.get(r.learner)
+            if identity is not None:
+                self._send(identity, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s))
         for msg in out.messages:
             identity = self.identities.get(msg.learner)
             if identity is not None:
@@ -187,10 +197,16 @@ class SyncerService:
             reason = f"model does not match the syncer's fragment layout: {mismatch}"
             self._send(identity, JoinReply(False, reason, self.epoch, 0, self.core.owned))
             return
-        self.identities[msg.learner] = identity
         out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
-        reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
-        self._send(identity, reply)  # before the fragments it announces
+        refused = [r for r in out.refused if r.learner == msg.learner]
+        if refused:  # the id stays bound to whoever holds it
+            r = refused[0]
+            self._send(identity, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s))
+            out.refused = [r for r in out.refused if r.learner != msg.learner]
+        else:
+            self.identities[msg.learner] = identity
+            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
+            self._send(identity, reply)  # before the fragments it announces
         self._emit(out)
 
     def _relay(self, msg: PeerStateRequest | PeerState, now: float) -> None:
@@ -227,6 +243,17 @@ class SyncerService:
             len(self.core.owned),
             "restored" if self.restored else "fresh",
         )
+        try:
+            self._loop(rt, end)
+        except StoreFull as e:
+            # Nothing unpersisted was sent; on a full disk nothing more can be made durable.
+            log.error("%s", e)
+            self.sock.close()
+            self.store.close()
+            raise DDiLoCoError(str(e)) from None
+        self.shutdown()
+
+    def _loop(self, rt: RuntimeConfig, end: float | None) -> None:
         while not self.stopping and (end is None or self.clock.monotonic() < end):
             now = self.clock.monotonic()
             # Sleep until a message, the core's next deadline or the next chore: no idle spinning.
@@ -236,7 +263,6 @@ class SyncerService:
                 self.handle(identity, frames)
             self._emit(self.core.poll(self.clock.monotonic()))
             self._chores(rt)
-        self.shutdown()
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
@@ -279,12 +305,16 @@ class SyncerService:
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
 
     def shutdown(self) -> None:
-        """Close open rounds, make everything durable, write the final model, close the socket."""
-        self._emit(self.core.flush(self.clock.monotonic()))
-        snapshot(self.store, self.core)
-        self.write_status()
-        self.write_final_model()
-        self.sock.close()
+        """Close open rounds, make everything durable, write the final model, close the socket
+        and release the run folder."""
+        try:
+            self._emit(self.core.flush(self.clock.monotonic()))
+            snapshot(self.store, self.core)
+            self.write_status()
+            self.write_final_model()
+        finally:
+            self.sock.close()
+            self.store.close()
 
     def write_final_model(self) -> Path:
         from safetensors.torch import save_file
@@ -303,8 +333,10 @@ class SyncerService:
 def bind_syncer(cfg: Config, bind: str, run_dir: str | Path, shard: int = 0, num_shards: int = 1) -> SyncerService:
     """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs)."""
     torch.set_num_threads(1)
+    wl = load_workload(cfg.workload)
+    largest = max(p.numel() for p in wl.build_model(cfg.run.seed).parameters())
     try:
-        sock = ZmqSyncerSocket(bind)
+        sock = ZmqSyncerSocket(bind, max_frame_bytes(largest))
     except Exception as e:  # zmq.ZMQError: one line, not a trace
         raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
     try:

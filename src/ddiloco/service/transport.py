@@ -60,9 +60,12 @@ class LearnerSocket(Protocol):
 class ZmqSyncerSocket:
     """A ROUTER socket bound to ``address``."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_frame_bytes: int = -1) -> None:
+        """``max_frame_bytes`` > 0: a peer that sends a larger frame is disconnected by ZeroMQ
+        before the frame is buffered (see ``wire.max_frame_bytes``)."""
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner takes over its identity
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         try:
