@@ -170,3 +170,15 @@ def test_implausible_step_times_do_not_drive_the_step_clock(step_time):
     assert f.s.t_step(0.5) == 1.0
     out = f.s.poll(100.0)  # bounded work, and requests at the honest pace only
     assert len({o.fragment for o in out.messages}) <= 1
+
+
+def test_zero_step_answers_do_not_drag_the_weight_cap_to_zero():
+    """Found by the in-process fault test: answers with no steps (weight 0) made the median 0,
+    and every later contribution was clipped to nothing."""
+    f = Fleet()
+    f.warm(1)
+    for _ in range(6):
+        f.round([f.honest(m, steps=0, tokens=0) for m in range(4)])
+    f.round([f.honest(m) for m in range(4)])
+    last = [e for e in f.tape if e["event"] == "round"][-1]["merged"]
+    assert all(m["weight"] > 0 and not m["clipped"] for m in last)

@@ -495,13 +495,19 @@ def test_across_network_namespaces(tmp_path):
             assert _ip("-n", ns, "addr", "add", addr, "dev", dev)
             assert _ip("-n", ns, "link", "set", dev, "up") and _ip("-n", ns, "link", "set", "lo", "up")
         addr = "tcp://10.231.7.1:5601"
+        from ddiloco.service.keys import make_keys
+
+        keys = tmp_path / "keys"  # off loopback, CURVE is required: the test crosses the veth encrypted
+        make_keys(keys, learners=1)
         run = lambda ns, *args, name: subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS],
             stdout=open(tmp_path / f"{name}.log", "ab"),
             stderr=subprocess.STDOUT,
             env=ENV,
         )
-        procs.append(run(ns_s, "syncer", "--bind", addr, "--run-dir", str(tmp_path), name="syncer"))
+        procs.append(
+            run(ns_s, "syncer", "--bind", addr, "--run-dir", str(tmp_path), "--keys", str(keys), name="syncer")
+        )
         wait_for(lambda: read(tmp_path / "status" / "syncer-0.json"), 60, "the syncer in its namespace")
         procs.append(
             run(
@@ -515,6 +521,8 @@ def test_across_network_namespaces(tmp_path):
                 str(tmp_path),
                 "--device",
                 "cpu",
+                "--keys",
+                str(keys),
                 name="learner",
             )
         )

@@ -111,7 +111,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 
     from ddiloco.service.syncer import bind_syncer
 
-    service = bind_syncer(_load(args), args.bind, args.run_dir, args.shard, args.num_shards)
+    service = bind_syncer(_load(args), args.bind, args.run_dir, args.shard, args.num_shards, args.keys, args.insecure)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
     service.serve()
@@ -127,13 +127,25 @@ def cmd_learner(args: argparse.Namespace) -> int:
             "ddiloco learner needs --syncer tcp://HOST:PORT (one per shard), or --standalone to train alone"
         )
     device = ("cuda" if _cuda() else "cpu") if args.device == "auto" else args.device
-    return run_learner(cfg, args.syncer, args.id, args.run_dir, device, args.threads or cfg.run.threads)
+    threads = args.threads or cfg.run.threads
+    return run_learner(cfg, args.syncer, args.id, args.run_dir, device, threads, args.keys, args.insecure)
 
 
 def cmd_evaluator(args: argparse.Namespace) -> int:
     from ddiloco.service.evaluator import run_evaluator
+    from ddiloco.service.learner import client_keys
 
-    return run_evaluator(_load(args), args.syncer, args.run_dir)
+    keys = client_keys(args.syncer, args.keys, "observer", args.insecure)
+    return run_evaluator(_load(args), args.syncer, args.run_dir, keys=keys)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from ddiloco.service.keys import make_keys
+
+    made = make_keys(args.dir, args.learners, args.observers)
+    print(f"{len(made)} key pairs written to {args.dir} (existing ones kept). The syncer needs syncer.key_secret "
+          "and every *.key; learner m needs syncer.key and learner-m.key_secret; see docs/security.md")  # fmt: skip
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -203,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--num-shards", type=int, default=1, help="number of syncer shards")
     sy.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
     sy.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    _key_args(sy, "the syncer's key pair and every allowed public key (from `ddiloco keys`)")
     sy.set_defaults(func=cmd_syncer)
     le = sub.add_parser("learner", help="run one learner process")
     le.add_argument("config", nargs="?")
@@ -218,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--threads", type=int, default=0, help="torch threads (default: run.threads)")
     le.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
     le.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    _key_args(le, "syncer.key and this learner's learner-ID.key_secret (from `ddiloco keys`)")
     le.set_defaults(func=cmd_learner)
     ev = sub.add_parser("evaluator", help="evaluate the syncer's global model periodically (low priority)")
     ev.add_argument("config", nargs="?")
@@ -225,7 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--run-dir", required=True)
     ev.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
     ev.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    _key_args(ev, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     ev.set_defaults(func=cmd_evaluator)
+    ks = sub.add_parser("keys", help="make CURVE key pairs for a syncer, its learners and an observer")
+    ks.add_argument("dir", help="folder for the key files (existing pairs are kept)")
+    ks.add_argument("--learners", type=int, required=True, help="learner ids 0 .. N-1 get a key pair each")
+    ks.add_argument("--observers", type=int, default=1, help="read-only clients (evaluator, status)")
+    ks.set_defaults(func=cmd_keys)
     tr = sub.add_parser("train", help="run a syncer, M learners and an evaluator as local processes")
     tr.add_argument("config", nargs="?")
     tr.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
@@ -239,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     gp.add_argument("rest", nargs=argparse.REMAINDER)
     gp.set_defaults(func=lambda a: _goodput(a.rest))
     return parser
+
+
+def _key_args(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--keys", metavar="DIR", help=f"CURVE keys: {what}; required off this machine")
+    parser.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback address without keys (prints a warning)"
+    )
 
 
 def _cuda() -> bool:

@@ -77,7 +77,7 @@ class DiLoCoConfig:
     norm_screen_z: float = 8.0
     """Robust screening: a contribution whose |delta|/sqrt(steps) exceeds the median of the
     fragment's last 32 accepted ones by more than z robust standard deviations (1.4826 MAD,
-    at least 25% of the median: the threshold is at least 3x the median) is refused; 0 disables."""
+    at least half the median: the threshold is at least 5x the median) is refused; 0 disables."""
     norm_screen_min: int = 24
     """Accepted contributions a fragment needs before screening starts: the first rounds (LR
     warm-up) move far less than later ones, and must not set the reference alone."""

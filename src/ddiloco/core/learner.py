@@ -9,14 +9,16 @@ model and the optimizer and acts on these decisions.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import fragment_offset, next_due
+from ddiloco.core.fragments import Piece, fragment_offset, next_due
 from ddiloco.core.messages import Contribution, FragmentUpdate, PayloadKind
+from ddiloco.core.validation import check_update
 
 ApplyMode = Literal["overwrite", "blend", "ignore"]
 
@@ -28,13 +30,23 @@ class Receipt:
 
     mode: ApplyMode
     alpha: float = 0.0
+    problem: str = ""
+    """Why it is ignored when it is not plausible (empty for an ordinary older version)."""
 
 
 class LearnerCore:
     """Counters, contributions, request forecast, apply policy and blocking of one learner."""
 
-    def __init__(self, cfg: DiLoCoConfig, learner: int, num_fragments: int, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: DiLoCoConfig,
+        learner: int,
+        num_fragments: int,
+        incarnation: int = 0,
+        max_global_tokens: float = math.inf,
+    ) -> None:
         self.cfg = cfg
+        self.max_global_tokens = max_global_tokens
         self.learner = learner
         self.incarnation = incarnation
         self.num_fragments = num_fragments
@@ -105,15 +117,30 @@ class LearnerCore:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def on_update(self, u: FragmentUpdate) -> Receipt:
+    def on_update(self, u: FragmentUpdate, pieces: Sequence[Piece] | None = None) -> Receipt:
         """Accept a global fragment, or ignore it.
 
         Versions never go backwards: an update older than the learner's base is ignored. A
-        fetch on join, or a rebase after a stale answer, always overwrites.
+        fetch on join, or a rebase after a stale answer, always overwrites. What is not
+        plausible is ignored with the reason: values that do not fit ``pieces`` or are not
+        finite, a merge more versions ahead than a merge can be, a global token count beyond
+        ``max_global_tokens``.
         """
         p = u.fragment
+        if not 0 <= p < self.num_fragments:
+            return Receipt("ignore", problem=f"fragment {p} is not in the layout ({self.num_fragments})")
         if u.version < self.base_version[p]:
             return Receipt("ignore")
+        # A merge answers a contribution anchored at a kept version: it cannot be further ahead.
+        if u.reason == "merged" and u.version > self.base_version[p] + self.cfg.keep_versions + 1:
+            return Receipt(
+                "ignore", problem=f"merged version {u.version} is implausibly far past {self.base_version[p]}"
+            )
+        if not u.global_tokens <= self.max_global_tokens:
+            return Receipt("ignore", problem=f"global_tokens {u.global_tokens:.3g} > {self.max_global_tokens:.3g}")
+        problem = check_update(u.values, pieces) if pieces is not None else None
+        if problem is not None:
+            return Receipt("ignore", problem=problem)
         self.base_version[p] = u.version
         self.steps[p] = 0
         self.tokens[p] = 0

@@ -219,7 +219,7 @@ def _tokens(pd: Pending) -> int:
     return c.tokens if not pd.clipped else int(math.sqrt(pd.weight * c.steps))
 
 
-SPREAD_FLOOR = 0.25
+SPREAD_FLOOR = 0.5
 """The screening's spread is at least this share of the median: honest rounds can agree so
 closely that the MAD alone would refuse ordinary variation."""
 
@@ -400,7 +400,8 @@ class Syncer:
         if clipped:
             assert cap is not None
             weight = cap
-        info.recent_weights.append(weight)
+        if weight > 0:
+            info.recent_weights.append(weight)
         pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
             acc.add(d, n, pending.weight)
@@ -414,6 +415,8 @@ class Syncer:
         yet, or disabled). A share cap would fire on every honest round with one contributor."""
         if self.cfg.weight_cap <= 0:
             return None
+        # Only positive weights are kept: a zero-step answer says nothing of a learner's pace,
+        # and a median of zeros would clip every later contribution to nothing.
         recent = [w for m in self.live(now) for w in self.learners[m].recent_weights]
         return self.cfg.weight_cap * statistics.median(recent) if recent else None
 

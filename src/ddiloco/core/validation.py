@@ -63,3 +63,20 @@ def check_norm(norms: Sequence[float], cfg: DiLoCoConfig) -> Problem | None:
     if norm > cfg.max_delta_norm:
         return "bad_norm", f"outer-gradient norm {norm:.3g} exceeds max_delta_norm = {cfg.max_delta_norm:.3g}"
     return None
+
+
+def check_update(values: Sequence[object], pieces: Sequence[Piece]) -> str | None:
+    """Why a received global fragment cannot be applied (count, shapes, dtype, finiteness), or
+    None. A learner writes these values straight into its model: it checks them first."""
+    if len(values) != len(pieces):
+        return f"{len(values)} tensors for a fragment of {len(pieces)}"
+    for pc, v in zip(pieces, values):
+        if not isinstance(v, torch.Tensor):
+            return f"{pc.name}: not a tensor"
+        if tuple(v.shape) != pc.shape:
+            return f"{pc.name}: shape {tuple(v.shape)} != expected {pc.shape}"
+        if v.dtype != torch.float32:
+            return f"{pc.name}: dtype {v.dtype} != expected torch.float32"
+        if not bool(torch.isfinite(v).all()):
+            return f"{pc.name}: non-finite values"
+    return None

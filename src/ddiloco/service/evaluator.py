@@ -14,6 +14,7 @@ import zmq
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.report.rundir import prepare_run_dir
+from ddiloco.service.keys import ClientKeys
 from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.training.evaluate import evaluate
@@ -21,12 +22,16 @@ from ddiloco.training.layout import layout_for
 from ddiloco.workloads.config import load_workload
 
 
-def fetch_global(syncers: list[str], timeout_s: float = 5.0) -> list[GlobalState] | None:
+def fetch_global(
+    syncers: list[str], timeout_s: float = 5.0, keys: ClientKeys | None = None
+) -> list[GlobalState] | None:
     """Ask every syncer shard for its fragments; None if any shard does not answer in time."""
     ctx = zmq.Context.instance()
     states = []
     for addr in syncers:
         s = ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.apply(s)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IDENTITY, f"observer-{os.getpid()}-{time.monotonic_ns()}".encode())
         s.connect(addr)
@@ -61,7 +66,9 @@ def load_global(model: torch.nn.Module, layout: FragmentLayout, states: list[Glo
     return {k: versions[k] for k in sorted(versions, key=int)}
 
 
-def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = False) -> int:
+def run_evaluator(
+    cfg: Config, syncers: list[str], run_dir: str, once: bool = False, keys: ClientKeys | None = None
+) -> int:
     torch.set_num_threads(1)
     try:
         os.nice(10)  # low priority: never steal a core from a learner
@@ -79,7 +86,7 @@ def run_evaluator(cfg: Config, syncers: list[str], run_dir: str, once: bool = Fa
     while not stop["flag"]:
         if time.monotonic() >= next_at:
             next_at += cfg.runtime.eval_interval_s
-            states = fetch_global(syncers)
+            states = fetch_global(syncers, keys=keys)
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)

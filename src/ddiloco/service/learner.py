@@ -27,6 +27,7 @@ from ddiloco.core.messages import Ack, Contribution, FragmentUpdate
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.keys import ClientKeys, is_local
 from ddiloco.service.learner_comm import LearnerComm, Progress
 from ddiloco.service.peer_state import load_state, state_message
 from ddiloco.service.protocol import PeerState, PeerStateRequest, learner_identity, param_spec
@@ -57,6 +58,7 @@ class LearnerProcess:
         connect: SocketFactory | None = None,
         clock: Clock = SYSTEM_CLOCK,
         incarnation: int | None = None,
+        keys: ClientKeys | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.cfg, self.id, self.run_dir, self.clock = cfg, learner_id, Path(run_dir), clock
@@ -92,7 +94,11 @@ class LearnerProcess:
             self.trained = DistributedDataParallel(self.model, device_ids=ids)
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
-        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments, self.incarnation)
+        # A global token count 1000x the budget is not a schedule position but a broken or hostile syncer.
+        self.max_global_tokens = 1000.0 * cfg.run.tokens
+        self.core = LearnerCore(
+            cfg.algo, learner_id, self.layout.num_fragments, self.incarnation, self.max_global_tokens
+        )
         m = cfg.run.num_learners
         # Each rank reads its own slice of the learner's shard.
         self.stream = self.wl.train_stream((learner_id % m) * self.world + self.rank, m * self.world, cfg.run.seed)
@@ -101,7 +107,7 @@ class LearnerProcess:
         if syncers and self.rank == 0:  # no syncer: a standalone learner (the 'syncing off' reference)
             rt = cfg.runtime
             factory = connect or (
-                lambda addrs, ident: ZmqLearnerSocket(addrs, ident, rt.backoff_initial_s, rt.backoff_max_s)
+                lambda addrs, ident: ZmqLearnerSocket(addrs, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
             )
             sock = factory(syncers, learner_identity(learner_id))
             self.comm = LearnerComm(
@@ -152,8 +158,13 @@ class LearnerProcess:
                             "learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem
                         )
                 continue
-            receipt = self.core.on_update(msg)
+            receipt = self.core.on_update(
+                msg, self.pieces[msg.fragment] if 0 <= msg.fragment < len(self.pieces) else None
+            )
             if receipt.mode == "ignore":
+                if receipt.problem:
+                    log.warning("learner %d: ignored fragment %d version %d: %s", self.id, msg.fragment, msg.version,
+                                receipt.problem)  # fmt: skip
                 continue
             write_fragment(
                 self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha
@@ -223,7 +234,7 @@ class LearnerProcess:
         for m in later:
             comm.inbox.put(m)
         if comm.data_position:
-            self.stream.seek(comm.data_position)
+            self.stream.seek(self._plausible_position(comm.data_position))
         if len(got) < total and not comm.stop.is_set():
             log.warning(
                 "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
@@ -232,6 +243,15 @@ class LearnerProcess:
                 total,
                 self.cfg.runtime.join_timeout_s,
             )
+
+    def _plausible_position(self, position: int) -> int:
+        """Where to resume the data shard: a position past what the whole run's token budget
+        (with the same 1000x margin as the token count) could have read is not believed."""
+        most = int(self.max_global_tokens / max(1, self.cfg.workload.batch_size))  # >= 1 token per example
+        if position > most:
+            log.warning("learner %d: ignored a data position of %d (at most %d is plausible)", self.id, position, most)
+            return 0
+        return position
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -361,6 +381,22 @@ class LearnerProcess:
         )
 
 
+def client_keys(syncers: list[str], keys_dir: str | None, name: str, insecure: bool) -> ClientKeys | None:
+    """The keys to talk to ``syncers`` as ``name``; none on this machine, or with ``insecure``
+    (which is said once)."""
+    if keys_dir is not None:
+        return ClientKeys.load(keys_dir, name)
+    remote = [a for a in syncers if not is_local(a)]
+    if remote and not insecure:
+        raise DDiLoCoError(
+            f"{remote[0]} is not on this machine: pass --keys DIR (with syncer.key and {name}.key_secret, from "
+            "`ddiloco keys`), or --insecure on a trusted network"
+        )
+    if remote:
+        log.warning("INSECURE: talking to %s without authentication or encryption (--insecure)", remote[0])
+    return None
+
+
 def _drain(q: queue.Queue[Any]) -> list[Any]:
     out = []
     while True:
@@ -370,11 +406,21 @@ def _drain(q: queue.Queue[Any]) -> list[Any]:
             return out
 
 
-def run_learner(cfg: Config, syncers: list[str], learner_id: int, run_dir: str, device: str, threads: int) -> int:
+def run_learner(
+    cfg: Config,
+    syncers: list[str],
+    learner_id: int,
+    run_dir: str,
+    device: str,
+    threads: int,
+    keys_dir: str | None = None,
+    insecure: bool = False,
+) -> int:
     """The ``ddiloco learner`` process: SIGTERM/SIGINT stop it cleanly at a step boundary."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DDiLoCoError(f"--device {device} requested but CUDA is not available here; use --device cpu")
-    learner = LearnerProcess(cfg, syncers, learner_id, run_dir, device, threads)
+    keys = client_keys(syncers, keys_dir, f"learner-{learner_id}", insecure)
+    learner = LearnerProcess(cfg, syncers, learner_id, run_dir, device, threads, keys=keys)
 
     def stop(*_: Any) -> None:
         learner.stop = True

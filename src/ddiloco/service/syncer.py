@@ -23,6 +23,7 @@ from ddiloco.core.syncer import Output, Syncer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.protocol import (
     FetchGlobal,
     GlobalState,
@@ -89,6 +90,7 @@ class SyncerService:
         num_shards: int = 1,
         clock: Clock = SYSTEM_CLOCK,
         fsync: bool = True,
+        keys: ServerKeys | None = None,
     ) -> None:
         if not 0 <= shard < num_shards:
             raise DDiLoCoError(
@@ -114,8 +116,9 @@ class SyncerService:
         self.restored = restore_into(self.store, self.core)
         self.epoch = secrets.randbits(62)  # a new value per start: learners see the syncer restarted
         self.identities: dict[int, bytes] = {}
-        self.counts = {"malformed": 0, "unknown_sender": 0, "merges": 0, "messages": 0, "bytes_in": 0}
+        self.counts = {"malformed": 0, "unknown_sender": 0, "impostor": 0, "merges": 0, "messages": 0, "bytes_in": 0}
         self.sock = sock
+        self.keys = keys
         self.stopping = False
         start = clock.monotonic()
         self._last_snapshot = start
@@ -150,8 +153,8 @@ class SyncerService:
 
     # -- receiving -------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, frames: Frames) -> None:
-        """One message from ``identity``."""
+    def handle(self, identity: bytes, frames: Frames, key: bytes | None = None) -> None:
+        """One message from ``identity``, authenticated as ``key`` when CURVE is on."""
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
@@ -160,6 +163,12 @@ class SyncerService:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
         now = self.clock.monotonic()
+        problem = self._not_allowed(msg, key)
+        if problem is not None:
+            self._count_bad("impostor", f"{type(msg).__name__} from {identity!r}: {problem}")
+            if isinstance(msg, Register):
+                self._send(identity, JoinReply(False, problem, self.epoch, 0, self.core.owned))
+            return
         if isinstance(msg, Register):
             self._on_register(identity, msg, now)
         elif isinstance(msg, FetchGlobal):
@@ -179,6 +188,22 @@ class SyncerService:
                 self._emit(self.core.handle(msg, now))
         else:
             self._count_bad("malformed", f"unexpected {type(msg).__name__} from {identity!r}")
+
+    def _not_allowed(self, msg: Any, key: bytes | None) -> str | None:
+        """With keys, a learner id is bound to its key: a message for learner m must come from
+        learner-m's key, and an observer key may only fetch the global model."""
+        if self.keys is None:
+            return None
+        peer = self.keys.allowed.get(key or b"")
+        if peer is None:
+            return "no allowed key"  # (the handshake already refuses unknown keys)
+        if isinstance(msg, FetchGlobal):
+            return None
+        claimed = msg.source if isinstance(msg, PeerState) else getattr(msg, "learner", None)
+        if peer.role != "learner" or peer.learner != claimed:
+            who = f"learner {peer.learner}" if peer.role == "learner" else "an observer"
+            return f"the key is {who}'s, not learner {claimed}'s"
+        return None
 
     def _count_bad(self, kind: str, text: str) -> None:
         self.counts[kind] += 1
@@ -259,8 +284,8 @@ class SyncerService:
             # Sleep until a message, the core's next deadline or the next chore: no idle spinning.
             wake_at = min(t for t in (self.core.next_deadline(now), self._next_chore(rt)) if t is not None)
             wait = min(max(0.0, wake_at - now), 0.25)  # 0.25 s: stop() is seen soon enough
-            for identity, frames in self.sock.recv(wait, limit=1000):  # bounded so chores still run
-                self.handle(identity, frames)
+            for identity, frames, key in self.sock.recv(wait, limit=1000):  # bounded so chores still run
+                self.handle(identity, frames, key)
             self._emit(self.core.poll(self.clock.monotonic()))
             self._chores(rt)
 
@@ -330,17 +355,36 @@ class SyncerService:
         return path
 
 
-def bind_syncer(cfg: Config, bind: str, run_dir: str | Path, shard: int = 0, num_shards: int = 1) -> SyncerService:
-    """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs)."""
+def bind_syncer(
+    cfg: Config,
+    bind: str,
+    run_dir: str | Path,
+    shard: int = 0,
+    num_shards: int = 1,
+    keys_dir: str | Path | None = None,
+    insecure: bool = False,
+) -> SyncerService:
+    """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs).
+
+    Off this machine CURVE is on by default: without ``keys_dir`` the syncer refuses to bind
+    anything but loopback unless ``insecure`` is given, and then says so."""
     torch.set_num_threads(1)
+    keys = ServerKeys.load(keys_dir) if keys_dir is not None else None
+    if keys is None and not is_local(bind):
+        if not insecure:
+            raise DDiLoCoError(
+                f"binding {bind} without keys lets anyone who can reach it join, read and steer the model: make "
+                "keys with `ddiloco keys DIR --learners M` and pass --keys DIR, or pass --insecure on a trusted network"
+            )
+        log.warning("INSECURE: %s accepts any peer without authentication or encryption (--insecure)", bind)
     wl = load_workload(cfg.workload)
     largest = max(p.numel() for p in wl.build_model(cfg.run.seed).parameters())
     try:
-        sock = ZmqSyncerSocket(bind, max_frame_bytes(largest))
+        sock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
     except Exception as e:  # zmq.ZMQError: one line, not a trace
         raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
     try:
-        return SyncerService(cfg, sock, run_dir, shard, num_shards)
+        return SyncerService(cfg, sock, run_dir, shard, num_shards, keys=keys)
     except BaseException:
         sock.close()
         raise

@@ -10,23 +10,38 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ddiloco.service.keys import ClientKeys, ServerKeys
 
 Frames = list[Any]
 """A multipart message: bytes-like frames (``zmq.Frame`` objects from ZeroMQ)."""
 
 
+class Received(NamedTuple):
+    """One message at the syncer."""
+
+    identity: bytes
+    """The sender's transport identity (replies go to it)."""
+    frames: Frames
+    """The message."""
+    key: bytes | None
+    """The sender's authenticated public key (Z85), or None without CURVE."""
+
+
 class SyncerSocket(Protocol):
     """The syncer's end: one address, many learners and observers, each with an identity."""
 
-    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
-        """Up to ``limit`` messages as (sender identity, frames), waiting at most ``timeout_s``."""
+    def recv(self, timeout_s: float, limit: int) -> list[Received]:
+        """Up to ``limit`` messages, waiting at most ``timeout_s``."""
         ...
 
     def send(self, identity: bytes, frames: Frames) -> bool:
@@ -60,22 +75,36 @@ class LearnerSocket(Protocol):
 class ZmqSyncerSocket:
     """A ROUTER socket bound to ``address``."""
 
-    def __init__(self, address: str, max_frame_bytes: int = -1) -> None:
+    def __init__(self, address: str, max_frame_bytes: int = -1, keys: ServerKeys | None = None) -> None:
         """``max_frame_bytes`` > 0: a peer that sends a larger frame is disconnected by ZeroMQ
-        before the frame is buffered (see ``wire.max_frame_bytes``)."""
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        before the frame is buffered (see ``wire.max_frame_bytes``). With ``keys``, CURVE
+        authenticates and encrypts every connection and admits only the allowed keys."""
+        self.auth = None
+        self.keys = keys
+        ctx = zmq.Context.instance()
+        if keys is not None:
+            # One ZAP handler per context: a context of its own, so several servers may coexist.
+            ctx = zmq.Context()
+            self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("ddiloco.service.auth"))
+            self.auth.start()
+            self.auth.configure_curve_callback("*", _Allowed(set(keys.allowed)))
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self.sock.curve_secretkey = keys.secret
+            self.sock.curve_publickey = keys.public
+            self.sock.curve_server = True
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner takes over its identity
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         try:
             self.sock.bind(address)
         except zmq.ZMQError:
-            self.sock.close()
+            self.close()
             raise
 
-    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
-        out: list[tuple[bytes, Frames]] = []
+    def recv(self, timeout_s: float, limit: int) -> list[Received]:
+        out: list[Received] = []
         if not self.sock.poll(int(timeout_s * 1000)):
             return out
         while len(out) < limit:
@@ -83,7 +112,8 @@ class ZmqSyncerSocket:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            out.append((frames[0].bytes, frames[1:]))
+            key = frames[-1].get("User-Id").encode() if self.keys is not None else None
+            out.append(Received(frames[0].bytes, frames[1:], key))
         return out
 
     def send(self, identity: bytes, frames: Frames) -> bool:
@@ -95,17 +125,39 @@ class ZmqSyncerSocket:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.sock.context.term()
+
+
+class _Allowed:
+    """The ZAP callback: a connection is admitted only with an allow-listed public key."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
 
 
 class ZmqLearnerSocket:
     """One DEALER per syncer shard, plus an inproc pair the training thread uses to wake the
     comm thread, so it sleeps in poll instead of spinning on a short timeout."""
 
-    def __init__(self, addresses: list[str], identity: bytes, reconnect_s: float, reconnect_max_s: float) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        identity: bytes,
+        reconnect_s: float,
+        reconnect_max_s: float,
+        keys: ClientKeys | None = None,
+    ) -> None:
         ctx = zmq.Context.instance()
         self.socks = []
         for addr in addresses:
             s = ctx.socket(zmq.DEALER)
+            if keys is not None:
+                keys.apply(s)
             s.setsockopt(zmq.IDENTITY, identity)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
@@ -253,7 +305,7 @@ class InProcessNetwork:
             inbox = self._servers[address] = _Inbox()
         return _HubSyncer(self, address, inbox)
 
-    def learner(self, addresses: list[str], identity: bytes) -> LearnerSocket:
+    def learner(self, addresses: list[str], identity: bytes, key: bytes | None = None) -> LearnerSocket:
         with self.cv:
             old = self._clients.get(identity)
             if old is not None:
@@ -261,7 +313,7 @@ class InProcessNetwork:
             inbox = _Inbox()
             self._clients[identity] = (inbox, list(addresses))
             self.cv.notify_all()
-        return _HubLearner(self, addresses, identity, inbox)
+        return _HubLearner(self, addresses, identity, inbox, key)
 
     def cut(self, identity: bytes) -> None:
         """The process behind ``identity`` died: nothing reaches it any more."""
@@ -280,7 +332,7 @@ class _HubSyncer:
     def __init__(self, net: InProcessNetwork, address: str, inbox: _Inbox) -> None:
         self.net, self.address, self.inbox = net, address, inbox
 
-    def recv(self, timeout_s: float, limit: int) -> list[tuple[bytes, Frames]]:
+    def recv(self, timeout_s: float, limit: int) -> list[Received]:
         return self.net._take(self.inbox, timeout_s, limit)
 
     def send(self, identity: bytes, frames: Frames) -> bool:
@@ -298,8 +350,10 @@ class _HubSyncer:
 
 
 class _HubLearner:
-    def __init__(self, net: InProcessNetwork, addresses: list[str], identity: bytes, inbox: _Inbox) -> None:
-        self.net, self.addresses, self.identity, self.inbox = net, addresses, identity, inbox
+    def __init__(
+        self, net: InProcessNetwork, addresses: list[str], identity: bytes, inbox: _Inbox, key: bytes | None
+    ) -> None:
+        self.net, self.addresses, self.identity, self.inbox, self.key = net, addresses, identity, inbox, key
 
     def send(self, link: int, frames: Frames) -> bool:
         with self.net.cv:
@@ -308,7 +362,7 @@ class _HubLearner:
             server = self.net._servers.get(self.addresses[link])
             if server is None or server.closed:
                 return False  # not connected: like IMMEDIATE on a DEALER
-            self.net._post(server, (self.identity, _copy(frames)))
+            self.net._post(server, Received(self.identity, _copy(frames), self.key))
         return True
 
     def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
