@@ -228,3 +228,27 @@ def test_a_wall_clock_jump_changes_no_liveness_or_grace_decision(tmp_path, jump_
     rounds = [r for r in read_tape(Path(tmp_path) / "state" / "tape.jsonl") if r["event"] == "round"]
     assert rounds and not any(r["close_reason"] == "no_live_learners" for r in rounds)
     assert max(r["grace_s"] for r in rounds) <= cfg.algo.max_grace_steps * 1.0  # steps are ~0.01 s
+
+
+def test_floods_are_rate_limited_per_sender(tmp_path):
+    """5000 fake joins and a message flood from one identity: dropped before they cost work,
+    and the registered-learner count stays bounded."""
+    from ddiloco.service.ratelimit import RateLimits
+    from ddiloco.service.transport import InProcessNetwork
+
+    limits: RateLimits[str] = RateLimits(rate=2.0, burst=10.0, max_keys=3)
+    assert sum(limits.allow("a", 0.0) for _ in range(100)) == 10  # the burst, then nothing
+    assert limits.allow("a", 0.5)  # refilled at 2/s
+    for k in "bcde":
+        limits.allow(k, 1.0)
+    assert len(limits._buckets) == 3  # a flood of new keys cannot grow memory
+
+    cfg = load_config(None, SETTINGS)
+    net = InProcessNetwork()
+    service = SyncerService(cfg, net.syncer("inproc://s"), tmp_path, fsync=False)
+    reg = register(cfg, 0)
+    for m in range(5000):  # one sender claiming 5000 ids
+        service.handle(b"flooder", encode(Register(m, 1, reg.params, reg.layout)))
+    assert len(service.core.learners) <= 10 and service.counts["rate_limited"] >= 4990
+    service.stop()
+    service.shutdown()

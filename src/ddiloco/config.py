@@ -122,6 +122,15 @@ class RuntimeConfig:
     """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
     step_log: bool = False
     """Learners write every inner step's end time and duration to metrics/steps-ID-PID.csv."""
+    max_joins_per_s: float = 2.0
+    """Registrations the syncer takes from one transport identity per second (bursts of 10);
+    more are dropped unanswered (a join flood cannot stall the syncer's chores)."""
+    max_messages_per_s: float = 2000.0
+    """Messages the syncer takes from one transport identity per second (bursts of 2x that);
+    more are dropped before they are decoded."""
+    max_rejections_logged_per_s: float = 5.0
+    """Refusals per learner and reason written to the tape per second (bursts of 20); more are
+    only counted (`rejections_unlogged` in the status)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,9 @@ class Config:
             "duration_s",
             "status_interval_s",
         ):
+            if not getattr(rt, name) > 0:
+                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
+        for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             if not getattr(rt, name) > 0:
                 raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
         for name in ("restart_limit", "restart_delay_s", "step_sleep_s"):

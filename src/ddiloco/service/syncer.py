@@ -20,6 +20,7 @@ import torch
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Output, Syncer
+from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
@@ -35,6 +36,7 @@ from ddiloco.service.protocol import (
     first_mismatch,
     param_spec,
 )
+from ddiloco.service.ratelimit import RateLimits
 from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
@@ -116,7 +118,14 @@ class SyncerService:
         self.restored = restore_into(self.store, self.core)
         self.epoch = secrets.randbits(62)  # a new value per start: learners see the syncer restarted
         self.identities: dict[int, bytes] = {}
-        self.counts = {"malformed": 0, "unknown_sender": 0, "impostor": 0, "merges": 0, "messages": 0, "bytes_in": 0}
+        self.counts = {
+            "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "rejections_unlogged": 0,
+            "merges": 0, "messages": 0, "bytes_in": 0,
+        }  # fmt: skip
+        rt = cfg.runtime
+        self._join_rate: RateLimits[bytes] = RateLimits(rt.max_joins_per_s, 10.0)
+        self._message_rate: RateLimits[bytes] = RateLimits(rt.max_messages_per_s, 2 * rt.max_messages_per_s)
+        self._rejection_rate: RateLimits[tuple[int, str]] = RateLimits(rt.max_rejections_logged_per_s, 20.0)
         self.sock = sock
         self.keys = keys
         self.stopping = False
@@ -140,6 +149,14 @@ class SyncerService:
     def _emit(self, out: Output) -> None:
         """Make new versions durable, then send (the order matters: never send what could be lost).
         A full disk raises StoreFull here, before anything is sent."""
+        now = self.clock.monotonic()
+        kept = [
+            r
+            for r in out.tape
+            if not isinstance(r, Rejection) or self._rejection_rate.allow((r.learner, r.reason), now)
+        ]
+        self.counts["rejections_unlogged"] += len(out.tape) - len(kept)
+        out.tape = kept
         persist(self.store, self.core, out, self.clock)
         self.counts["merges"] += len(out.durable)
         for r in out.refused:
@@ -155,6 +172,9 @@ class SyncerService:
 
     def handle(self, identity: bytes, frames: Frames, key: bytes | None = None) -> None:
         """One message from ``identity``, authenticated as ``key`` when CURVE is on."""
+        if not self._message_rate.allow(identity, self.clock.monotonic()):
+            self.counts["rate_limited"] += 1
+            return
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
@@ -170,6 +190,9 @@ class SyncerService:
                 self._send(identity, JoinReply(False, problem, self.epoch, 0, self.core.owned))
             return
         if isinstance(msg, Register):
+            if not self._join_rate.allow(identity, now):
+                self.counts["rate_limited"] += 1
+                return
             self._on_register(identity, msg, now)
         elif isinstance(msg, FetchGlobal):
             self._send(identity, self._global_state())
