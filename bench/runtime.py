@@ -98,15 +98,9 @@ class Cluster:
         return sorted(out)
 
     def tape(self) -> list[dict]:
-        path = self.run_dir / "state" / "tape.jsonl"
-        out = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-        return out
+        from ddiloco.report.tape import read_tape
+
+        return read_tape(self.run_dir / "state" / "tape.jsonl")
 
 
 def wait_until(pred, timeout: float) -> bool:

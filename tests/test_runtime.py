@@ -108,16 +108,9 @@ class Cluster:
         return read(self.run_dir / "status" / "syncer-0.json")
 
     def tape(self) -> list[dict]:
-        path = self.run_dir / "state" / "tape.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line being written right now
-        return out
+        from ddiloco.report.tape import read_tape
+
+        return read_tape(self.run_dir / "state" / "tape.jsonl")
 
     def versions(self) -> list[int]:
         return list(self.syncer().get("versions", {}).values())

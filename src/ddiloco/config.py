@@ -17,7 +17,7 @@ from typing import Any
 
 from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.errors import ConfigError
+from ddiloco.errors import ConfigError, require
 from ddiloco.workloads.config import WorkloadConfig
 
 if sys.version_info >= (3, 11):
@@ -162,8 +162,7 @@ class Config:
             ("eval_points", r.eval_points >= 0, ">= 0"),
             ("threads", r.threads >= 1, ">= 1"),
         ):
-            if not ok:
-                raise ConfigError(f"run.{name} = {getattr(r, name)!r} is out of range; allowed: {allowed}")
+            require(ok, f"run.{name}", getattr(r, name), allowed)
         i = self.inner
         for name, ok, allowed in (
             ("lr", i.lr > 0, "> 0"),
@@ -174,8 +173,7 @@ class Config:
             ("min_lr_frac", 0 <= i.min_lr_frac <= 1, "[0, 1]"),
             ("grad_clip", i.grad_clip >= 0, ">= 0"),
         ):
-            if not ok:
-                raise ConfigError(f"inner.{name} = {getattr(i, name)!r} is out of range; allowed: {allowed}")
+            require(ok, f"inner.{name}", getattr(i, name), allowed)
         s = self.sim
         for name, ok, allowed in (
             ("step_time_s", s.step_time_s > 0, "> 0"),
@@ -185,8 +183,7 @@ class Config:
             ("jitter_s", s.jitter_s >= 0, ">= 0"),
             ("merge_gbps", s.merge_gbps > 0, "> 0"),
         ):
-            if not ok:
-                raise ConfigError(f"sim.{name} = {getattr(s, name)!r} is out of range; allowed: {allowed}")
+            require(ok, f"sim.{name}", getattr(s, name), allowed)
         if s.speeds and (len(s.speeds) != r.num_learners or min(s.speeds) <= 0):
             raise ConfigError(
                 f"sim.speeds = {list(s.speeds)} must list {r.num_learners} positive factors (one per learner) or be "
@@ -204,14 +201,11 @@ class Config:
             "duration_s",
             "status_interval_s",
         ):
-            if not getattr(rt, name) > 0:
-                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
+            require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
-            if not getattr(rt, name) > 0:
-                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: > 0")
+            require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("restart_limit", "restart_delay_s", "step_sleep_s"):
-            if getattr(rt, name) < 0:
-                raise ConfigError(f"runtime.{name} = {getattr(rt, name)!r} is out of range; allowed: >= 0")
+            require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
             raise ConfigError(
                 f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddiloco.errors import ConfigError
+from ddiloco.errors import ConfigError, require
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,9 @@ class ChaosConfig:
     """Real runtime: how long a killed syncer stays down."""
 
     def validate(self, num_learners: int) -> None:
-        if not 0.0 <= self.downtime_fraction < 1.0:
-            raise ConfigError(f"chaos.downtime_fraction = {self.downtime_fraction} is out of range; allowed: [0, 1)")
-        if self.failures_per_learner < 0:
-            raise ConfigError(
-                f"chaos.failures_per_learner = {self.failures_per_learner} is out of range; allowed: >= 0"
-            )
-        if self.restart_s < 0:
-            raise ConfigError(f"chaos.restart_s = {self.restart_s} is out of range; allowed: >= 0")
+        require(0.0 <= self.downtime_fraction < 1.0, "chaos.downtime_fraction", self.downtime_fraction, "[0, 1)")
+        require(self.failures_per_learner >= 0, "chaos.failures_per_learner", self.failures_per_learner, ">= 0")
+        require(self.restart_s >= 0, "chaos.restart_s", self.restart_s, ">= 0")
         for s in self.stragglers:
             parse_straggler(s, num_learners)
         if self.kill_mtbf_s < 0 or self.syncer_down_s < 0:
