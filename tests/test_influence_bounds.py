@@ -182,3 +182,20 @@ def test_zero_step_answers_do_not_drag_the_weight_cap_to_zero():
     f.round([f.honest(m) for m in range(4)])
     last = [e for e in f.tape if e["event"] == "round"][-1]["merged"]
     assert all(m["weight"] > 0 and not m["clipped"] for m in last)
+
+
+def test_without_history_an_answer_far_above_its_round_peers_is_screened_but_a_common_jump_is_not():
+    f = Fleet()  # no history: the fragment's first rounds
+    f.round([f.honest(m) for m in range(3)] + [f.honest(3, scale=0.5)])  # 50x its three peers
+    assert f.refused() == ["outlier"]
+    assert [m["learner"] for m in [e for e in f.tape if e["event"] == "round"][-1]["merged"]] == [0, 1, 2]
+    f.round([f.honest(m, scale=0.3) for m in range(4)])  # everyone 30x (an LR warm-up ending): fine
+    assert f.refused() == ["outlier"] and f.s.versions() == [2]
+
+
+def test_a_round_whose_every_answer_is_refused_still_closes():
+    f = Fleet()
+    f.round([f.honest(m, scale=1e3) for m in range(4)])  # all far beyond the relative bound
+    assert f.refused() == ["bad_norm"] * 4
+    assert not f.s.rounds and f.s.versions() == [0]
+    assert [e["close_reason"] for e in f.tape if e["event"] == "round"] == ["all_answered"]

@@ -17,7 +17,7 @@ from ddiloco.core.syncer import Output, Syncer
 BASE = DiLoCoConfig(
     max_delta_floor=1e6,
     weight_cap=0.0,
-    norm_screen_z=0.0,
+    norm_screen_factor=0.0,
     quarantine_after=0,
     num_fragments=1,
     sync_every=4,

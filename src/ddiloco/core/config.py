@@ -74,13 +74,15 @@ class DiLoCoConfig:
     |Theta_p| + max_delta_floor x sqrt(numel_p). Honest deltas are a few percent of it."""
     max_delta_floor: float = 0.1
     """Per-element floor of that bound (fragments near zero, such as biases, still move)."""
-    norm_screen_z: float = 8.0
-    """Robust screening: a contribution whose |delta|/sqrt(steps) exceeds the median of the
-    fragment's last 32 accepted ones by more than z robust standard deviations (1.4826 MAD,
-    at least half the median: the threshold is at least 5x the median) is refused; 0 disables."""
-    norm_screen_min: int = 24
-    """Accepted contributions a fragment needs before screening starts: the first rounds (LR
-    warm-up) move far less than later ones, and must not set the reference alone."""
+    norm_screen_factor: float = 10.0
+    """Robust screening when a round closes: a contribution whose |delta| per step exceeds this
+    multiple of its reference is refused; 0 disables. The reference is the larger of the 75th
+    percentile of the fragment's last 32 merged contributions (once it has 3 merged rounds: the
+    LR warm-up's first rounds move far less than later ones) and the median of the other
+    contributions in the same round (when there are two or more)."""
+    norm_screen_min: int = 4
+    """Accepted contributions (with steps) a fragment needs before screening starts: one
+    round of four learners. The history survives syncer restarts."""
     weight_cap: float = 4.0
     """No learner's weight exceeds this multiple of the median of the live learners' recent
     accepted weights: a larger one is clipped (and its tokens with it); 0 disables."""
@@ -145,8 +147,11 @@ class DiLoCoConfig:
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
         _check(self.max_delta_ratio > 0, "max_delta_ratio", self.max_delta_ratio, "> 0")
         _check(self.max_delta_floor >= 0, "max_delta_floor", self.max_delta_floor, ">= 0")
-        _check(self.norm_screen_z >= 0, "norm_screen_z", self.norm_screen_z, ">= 0 (0 disables)")
-        _check(self.norm_screen_min >= 2, "norm_screen_min", self.norm_screen_min, ">= 2")
+        _check(
+            self.norm_screen_factor == 0 or self.norm_screen_factor > 1,
+            "norm_screen_factor", self.norm_screen_factor, "> 1, or 0 to disable",
+        )  # fmt: skip
+        _check(self.norm_screen_min >= 1, "norm_screen_min", self.norm_screen_min, ">= 1")
         _check(self.weight_cap == 0 or self.weight_cap >= 1, "weight_cap", self.weight_cap, ">= 1, or 0 to disable")
         _check(self.max_speedup >= 1, "max_speedup", self.max_speedup, ">= 1")
         _check(self.quarantine_after >= 0, "quarantine_after", self.quarantine_after, ">= 0 (0 disables)")

@@ -139,7 +139,9 @@ class FragmentState:
     norm: float = 0.0
     """|Theta_p| of the current version (bounds the outer gradients against it)."""
     recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    """|delta|/sqrt(steps) of its recent accepted contributions (robust screening)."""
+    screen_rounds: int = 0
+    """Merged rounds with steps so far (the history becomes a reference after SCREEN_ROUNDS)."""
+    """|delta| per step of its recent merged contributions (the robust screening's history)."""
     scratch: list[torch.Tensor] | None = None
     """Merge accumulators of this fragment's open round, reused round after round (one round
     of a fragment is open at a time): large fresh allocations cost page faults every time."""
@@ -200,6 +202,8 @@ class Round:
     in_grace: set[int] = field(default_factory=set)
     rejected: list[Rejection] = field(default_factory=list)
     rejected_total: int = 0
+    refused: set[int] = field(default_factory=set)
+    """Learners whose answer in this round was refused (and not replaced by a good one)."""
     merge: list[Accumulator] = field(default_factory=list)
     """The running merge, one accumulator per piece, fed as contributions arrive."""
 
@@ -219,15 +223,16 @@ def _tokens(pd: Pending) -> int:
     return c.tokens if not pd.clipped else int(math.sqrt(pd.weight * c.steps))
 
 
-SPREAD_FLOOR = 0.5
-"""The screening's spread is at least this share of the median: honest rounds can agree so
-closely that the MAD alone would refuse ordinary variation."""
+SCREEN_ROUNDS = 3
+"""Merged rounds (with steps) a fragment needs before its history is a screening reference."""
 
 
 def _screened(norms: Sequence[float], steps: int) -> float:
-    """The statistic the robust screening watches: |delta| / sqrt(steps). Progress accumulated
-    over more steps (a learner that missed rounds) is larger, but not by more than that."""
-    return math.sqrt(sum(n * n for n in norms)) / math.sqrt(max(steps, 1))
+    """The statistic the robust screening watches: |delta| per step. A learner that missed
+    rounds (or trained on while the syncer was away) brings progress of many steps, which grows
+    at most about linearly with them; the step count it may claim is bounded by the time since
+    its base version (``max_speedup``)."""
+    return math.sqrt(sum(n * n for n in norms)) / max(steps, 1)
 
 
 class Syncer:
@@ -389,8 +394,6 @@ class Syncer:
         info.last_seq[c.fragment] = c.seq
         info.strikes = 0
         info.quarantine = None  # it answered from a fresh version: it has re-synced
-        if c.steps > 0:  # a zero-step answer carries no progress (and no weight)
-            frag.recent_norms.append(_screened(norms, c.steps))
         old = rnd.pending.get(c.learner)
         if old is not None:  # a newer answer replaces the older one: take that one back out
             for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
@@ -400,9 +403,8 @@ class Syncer:
         if clipped:
             assert cap is not None
             weight = cap
-        if weight > 0:
-            info.recent_weights.append(weight)
         pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped)
+        rnd.refused.discard(c.learner)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
             acc.add(d, n, pending.weight)
         if rnd.quorum_at is not None:
@@ -453,17 +455,6 @@ class Syncer:
                 f"outer-gradient norm {norm:.3g} exceeds {self.cfg.max_delta_ratio:g} x the fragment's "
                 f"{frag.norm:.3g} + {self.cfg.max_delta_floor:g} x sqrt({self._numel[c.fragment]}) = {bound:.3g}"
             )
-        recent = frag.recent_norms
-        if self.cfg.norm_screen_z <= 0 or len(recent) < self.cfg.norm_screen_min:
-            return None
-        median = statistics.median(recent)
-        spread = max(1.4826 * statistics.median(abs(x - median) for x in recent), SPREAD_FLOOR * median)
-        x = _screened(norms, c.steps)
-        if x > median + self.cfg.norm_screen_z * spread:
-            return "outlier", (
-                f"|delta|/sqrt(steps) = {x:.3g} is more than {self.cfg.norm_screen_z:g} robust deviations "
-                f"({spread:.3g}) above the fragment's recent median {median:.3g}"
-            )
         return None
 
     def _invalid(self, c: Contribution) -> tuple[RejectReason, str] | None:
@@ -493,6 +484,8 @@ class Syncer:
             out.tape.append(r)
         else:
             rnd.rejected_total += 1
+            if c.learner not in rnd.pending:
+                rnd.refused.add(c.learner)
             if len(rnd.rejected) < MAX_REJECTIONS_PER_ROUND:
                 rnd.rejected.append(r)
         info = self.learners.get(c.learner)
@@ -600,8 +593,11 @@ class Syncer:
     def _close_reason(self, rnd: Round, now: float) -> CloseReason | None:
         answered = set(rnd.pending)
         live_asked = rnd.asked & set(self.live(now))
+        done = answered | rnd.refused  # a refused learner has answered too: no round waits for it
         k_eff = self.effective_quorum(rnd, now)
         if not answered:
+            if live_asked and live_asked <= done:
+                return "all_answered"  # every answer was refused: close, merging nothing
             return "no_live_learners" if not live_asked and now > rnd.opened_at else None
         if len(answered) < max(k_eff, 1):
             return None
@@ -611,7 +607,7 @@ class Syncer:
             self._t_quorum.update(t_quorum)
             rnd.grace_s = self.grace_window(t_quorum, now) if self.cfg.grace else 0.0
             rnd.grace_until = rnd.quorum_at + rnd.grace_s
-        if live_asked <= answered:
+        if live_asked <= done:
             return "all_answered"
         if not self.cfg.grace:
             return "quorum"
@@ -619,7 +615,50 @@ class Syncer:
             return "grace_over"
         return None
 
+    def _screen_round(self, rnd: Round, now: float, out: Output) -> None:
+        """Robust screening, when the round closes: an answer whose |delta| per step exceeds
+        norm_screen_factor x its reference is taken out and the merge rebuilt without it. The
+        reference is the larger of the fragment's history (the 75th percentile of its recent
+        merged answers, once it has SCREEN_ROUNDS merged rounds: the first rounds of the LR
+        warm-up move far less than later ones) and the median of the other answers in this
+        round (when there are at least two): a learner is compared with its peers, and a round
+        in which everyone moves more than before is not an attack."""
+        frag = self.fragments[rnd.fragment]
+        if self.cfg.norm_screen_factor <= 0:
+            return
+        stats = {
+            m: _screened(pd.norms, pd.contribution.steps) for m, pd in rnd.pending.items() if pd.contribution.steps > 0
+        }
+        recent = sorted(frag.recent_norms)
+        armed = frag.screen_rounds >= SCREEN_ROUNDS and len(recent) >= self.cfg.norm_screen_min
+        history = recent[(3 * (len(recent) - 1)) // 4] if armed else None  # the 75th percentile
+        out_of_line = []
+        for m, x in stats.items():
+            others = [y for o, y in stats.items() if o != m]
+            peers = statistics.median(others) if len(others) >= 2 else None
+            refs = [r for r in (history, peers) if r is not None]
+            if refs and x > self.cfg.norm_screen_factor * max(refs):
+                out_of_line.append((m, x, max(refs)))
+        if not out_of_line:
+            return
+        del self.rounds[rnd.fragment]  # so each refusal is recorded on its own, with a strike
+        for m, x, ref in out_of_line:
+            c = rnd.pending.pop(m).contribution
+            detail = (
+                f"|delta| per step = {x:.3g} exceeds {self.cfg.norm_screen_factor:g} x its reference {ref:.3g} "
+                "(the fragment's recent answers and this round's others)"
+            )
+            self._reject(c, "outlier", detail, now, out)
+        self.rounds[rnd.fragment] = rnd
+        # Rebuild the running sums from what remains (exact; a subtraction would leave residue).
+        rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
+        for pd in rnd.pending.values():
+            for acc, d, n in zip(rebuilt, pd.deltas, pd.norms):
+                acc.add(d, n, pd.weight)
+        rnd.merge = rebuilt
+
     def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
+        self._screen_round(rnd, now, out)
         del self.rounds[rnd.fragment]
         frag = self.fragments[rnd.fragment]
         pending = [rnd.pending[m] for m in sorted(rnd.pending)]
@@ -649,8 +688,13 @@ class Syncer:
             out.durable.append(rnd.fragment)
             pull_s = (rnd.first_answer_at or now) - rnd.opened_at
             self._awaiting_ack[rnd.fragment] = (frag.version, now, pull_s)
+        frag.screen_rounds += any(c.steps > 0 for c in contribs)
         for pd, c, w in zip(pending, contribs, weights):
             info = self.learners[c.learner]
+            if c.steps > 0:  # the screening's and the weight cap's references: merged answers only
+                frag.recent_norms.append(_screened(pd.norms, c.steps))
+            if w > 0:
+                info.recent_weights.append(w)
             info.data_position = max(info.data_position, c.data_position)
             staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
             record.merged.append(
@@ -752,9 +796,13 @@ class Syncer:
                     "data_position": i.data_position,
                     "incarnation": i.incarnation,
                     "last_seq": {str(p): s for p, s in i.last_seq.items()},
+                    "recent_weights": list(i.recent_weights),
                 }
                 for m, i in self.learners.items()
             },
+            # The merge bounds' references survive a restart: else they would be off until rebuilt.
+            "recent_norms": {str(p): list(self.fragments[p].recent_norms) for p in self.owned},
+            "screen_rounds": {str(p): self.fragments[p].screen_rounds for p in self.owned},
         }
 
     def load_meta_state(self, meta: dict[str, Any]) -> None:
@@ -770,3 +818,10 @@ class Syncer:
             info.incarnation = int(rec["incarnation"])
             # Replays of contributions merged before the restart stay refused after it.
             info.last_seq = {int(p): int(s) for p, s in rec["last_seq"].items()}
+            info.recent_weights.extend(float(w) for w in rec.get("recent_weights", []))
+        for p, norms in meta.get("recent_norms", {}).items():
+            if int(p) in self.owned:
+                self.fragments[int(p)].recent_norms.extend(float(x) for x in norms)
+        for p, n in meta.get("screen_rounds", {}).items():
+            if int(p) in self.owned:
+                self.fragments[int(p)].screen_rounds = int(n)
