@@ -9,7 +9,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime clean
+.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,9 @@ bench-goodput: $(STAMP)
 
 bench-runtime: $(STAMP)
 	$(BIN)/python bench/runtime.py
+
+bench-soak: $(STAMP)
+	$(BIN)/python bench/soak.py --minutes 10
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

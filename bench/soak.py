@@ -5,7 +5,8 @@
 
 The attack run: the syncer, 3 honest learners (ids 0-2), an attacking learner (id 3, a process of
 this file holding learner-3's valid key, answering with corrupted contributions in rotation:
-NaN, 100x the honest norm, inflated counters, replays, wrong shapes) and an intruder (no key,
+NaN, 100x the current honest norm of the fragment, inflated counters, replays, wrong shapes;
+from 20% of the run on) and an intruder (no key,
 then a random unknown key: garbage, Registers, and ~100 fresh connections per second during
 the second half). A seeded kill schedule SIGKILLs honest learners (restarted after 2 s) and the
 syncer (restarted at once on the same run folder). The baseline is the same seed and the same

@@ -377,7 +377,7 @@ class Syncer:
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
         norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
-        problem = check_norm(norms, self.cfg) or self._norm_outlier(c, norms)
+        problem = check_norm(norms, self.cfg) or self._beyond_relative_bound(c, norms)
         if problem is not None:
             self._reject(c, *problem, now, out)
             return
@@ -398,11 +398,9 @@ class Syncer:
         if old is not None:  # a newer answer replaces the older one: take that one back out
             for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
                 acc.add(d, n, old.weight, sign=-1.0)
-        weight, cap = token_weight(c.tokens, c.steps), self.weight_cap(c.learner, now)
-        clipped = cap is not None and weight > cap
-        if clipped:
-            assert cap is not None
-            weight = cap
+        weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
+        if cap is not None and weight > cap:
+            weight, clipped = cap, True
         pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped)
         rnd.refused.discard(c.learner)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
@@ -412,7 +410,7 @@ class Syncer:
         if rnd.first_answer_at is None:
             rnd.first_answer_at = now
 
-    def weight_cap(self, learner: int, now: float) -> float | None:
+    def weight_cap(self, now: float) -> float | None:
         """weight_cap x the median of the live learners' recent accepted weights (None: no cap
         yet, or disabled). A share cap would fire on every honest round with one contributor."""
         if self.cfg.weight_cap <= 0:
@@ -445,8 +443,9 @@ class Syncer:
             )
         return None
 
-    def _norm_outlier(self, c: Contribution, norms: list[float]) -> tuple[RejectReason, str] | None:
-        """Bounded relative to the fragment, then screened against its recent accepted norms."""
+    def _beyond_relative_bound(self, c: Contribution, norms: list[float]) -> tuple[RejectReason, str] | None:
+        """The outer gradient is bounded relative to its fragment (screening against its peers
+        happens when the round closes, when they are known)."""
         frag = self.fragments[c.fragment]
         norm = math.sqrt(sum(n * n for n in norms))
         bound = self.cfg.max_delta_ratio * frag.norm + self.cfg.max_delta_floor * math.sqrt(self._numel[c.fragment])
@@ -641,15 +640,13 @@ class Syncer:
                 out_of_line.append((m, x, max(refs)))
         if not out_of_line:
             return
-        del self.rounds[rnd.fragment]  # so each refusal is recorded on its own, with a strike
-        for m, x, ref in out_of_line:
+        for m, x, ref in out_of_line:  # recorded with the round, each with a strike
             c = rnd.pending.pop(m).contribution
             detail = (
                 f"|delta| per step = {x:.3g} exceeds {self.cfg.norm_screen_factor:g} x its reference {ref:.3g} "
                 "(the fragment's recent answers and this round's others)"
             )
             self._reject(c, "outlier", detail, now, out)
-        self.rounds[rnd.fragment] = rnd
         # Rebuild the running sums from what remains (exact; a subtraction would leave residue).
         rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
         for pd in rnd.pending.values():
