@@ -159,10 +159,6 @@ class SyncerService:
         out.tape = kept
         persist(self.store, self.core, out, self.clock)
         self.counts["merges"] += len(out.durable)
-        for r in out.refused:
-            identity = self.identities.get(r.learner)
-            if identity is not None:
-                self._send(identity, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s))
         for msg in out.messages:
             identity = self.identities.get(msg.learner)
             if identity is not None:
@@ -246,11 +242,9 @@ class SyncerService:
             self._send(identity, JoinReply(False, reason, self.epoch, 0, self.core.owned))
             return
         out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
-        refused = [r for r in out.refused if r.learner == msg.learner]
-        if refused:  # the id stays bound to whoever holds it
-            r = refused[0]
+        if out.refused:  # only a Join is refused, and only the joiner: the id stays with its holder
+            r = out.refused[0]
             self._send(identity, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s))
-            out.refused = [r for r in out.refused if r.learner != msg.learner]
         else:
             self.identities[msg.learner] = identity
             reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
