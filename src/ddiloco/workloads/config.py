@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ddiloco.errors import ConfigError
@@ -18,65 +18,77 @@ from ddiloco.workloads.base import Workload
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """What to train and on which data; shared by every learner of a run."""
+    """What to train and on which data; shared by every learner of a run.
+
+    ``validate()`` checks only what every workload needs (the factory spec, ``batch_size``,
+    field types, ``options`` being a table); each workload checks the other fields it uses
+    when it is built, so a custom workload is never refused over a field it ignores.
+    """
 
     factory: str = "ddiloco.workloads.shakespeare:make_workload"
     """Factory spec ``"package.module:callable"``; the callable takes this config and returns
     a Workload. Built in: ``ddiloco.workloads.shakespeare:make_workload`` (byte-level GPT on
-    the Shakespeare plays) and ``ddiloco.workloads.synthetic:make_workload`` (fast tests)."""
+    the Shakespeare plays), ``ddiloco.workloads.text:make_workload`` (byte-level GPT on any
+    text named in ``options``) and ``ddiloco.workloads.synthetic:make_workload`` (fast tests)."""
 
     batch_size: int = 8
-    """Sequences (or examples) per training and evaluation batch, per learner step."""
+    """Sequences (or examples) per training batch, per learner step. Used by every workload;
+    it does not change the evaluation set (see ``eval_windows``)."""
 
     seq_len: int = 128
-    """Context length in bytes for the GPT (windows of ``seq_len + 1`` bytes are sampled)."""
+    """Context length in bytes for the GPT (windows of ``seq_len + 1`` bytes are sampled).
+    Used by the text and Shakespeare workloads."""
 
     d_model: int = 128
-    """GPT width (embedding and residual stream size); must be divisible by ``n_head``."""
+    """GPT width (embedding and residual stream size); must be divisible by ``n_head``.
+    Used by the text and Shakespeare workloads."""
 
     n_layer: int = 4
-    """Number of GPT transformer blocks."""
+    """Number of GPT transformer blocks. Used by the text and Shakespeare workloads."""
 
     n_head: int = 4
-    """Attention heads per block."""
+    """Attention heads per block. Used by the text and Shakespeare workloads."""
 
     block_bytes: int = 4096
     """Bytes per interleaved corpus block: the unit dealt round-robin to the held-out set and
-    the learner shards. Small blocks spread every play over every shard and the held-out set;
-    windows never cross a block, so it must exceed ``seq_len``."""
+    the learner shards. Small blocks spread every document over every shard and the held-out
+    set; windows never cross a block, so it must exceed ``seq_len``. A corpus too small for
+    ``eval_every`` x 4 blocks gets smaller blocks automatically (down to 2 x (seq_len + 1)).
+    Used by the text and Shakespeare workloads."""
 
     eval_every: int = 20
-    """Every ``eval_every``-th block goes to the held-out set (5% with 20)."""
+    """Every ``eval_every``-th block goes to the held-out set (5% with 20). Used by the text
+    and Shakespeare workloads."""
 
-    eval_batches: int = 32
-    """Number of fixed held-out batches returned by ``Workload.eval_batches()``."""
+    eval_windows: int = 256
+    """Size of the fixed evaluation set returned by ``Workload.eval_batches()``: held-out
+    windows for the text and Shakespeare workloads, examples for the synthetic one. Evaluated
+    in chunks of 32 whatever ``batch_size`` is, so the eval set does not change with it."""
 
     options: dict[str, Any] = field(default_factory=dict)
     """Free-form keyword options for the factory (each built-in factory documents its keys
     and rejects unknown ones)."""
 
     def validate(self) -> None:
-        """Raise ``ConfigError`` naming the first field that is out of its allowed range."""
+        """Raise ``ConfigError`` naming the first field every workload relies on that is wrong."""
         _split_factory(self.factory)
-        for name in ("batch_size", "seq_len", "d_model", "n_layer", "n_head", "eval_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"workload.{name} must be an integer >= 1, got {value!r}")
-        if self.d_model % self.n_head != 0:
-            raise ConfigError(
-                f"workload.d_model ({self.d_model}) must be divisible by workload.n_head "
-                f"({self.n_head}); pick a head count that divides the width"
-            )
-        if not isinstance(self.block_bytes, int) or self.block_bytes <= self.seq_len:
-            raise ConfigError(
-                f"workload.block_bytes must be an integer > workload.seq_len ({self.seq_len}), "
-                f"got {self.block_bytes!r}"
-            )
-        if not isinstance(self.eval_every, int) or self.eval_every < 2:
-            raise ConfigError(f"workload.eval_every must be an integer >= 2, got {self.eval_every!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"workload.{f.name} must be an integer, got {value!r}")
+        require_ints(self, ("batch_size",))
         if not isinstance(self.options, dict):
             kind = type(self.options).__name__
             raise ConfigError(f"workload.options must be a table/dict, got a {kind}")
+
+
+def require_ints(cfg: WorkloadConfig, names: tuple[str, ...], minimum: int = 1) -> None:
+    """Raise ``ConfigError`` for the first of ``names`` that is not an integer >= ``minimum``
+    (for workloads checking the fields they use)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"workload.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _split_factory(spec: str) -> tuple[str, str]:

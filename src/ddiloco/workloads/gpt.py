@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddiloco.errors import DataError
+from ddiloco.errors import ConfigError, DataError
+from ddiloco.workloads.config import WorkloadConfig, require_ints
 
 VOCAB_SIZE = 256
 """Byte-level vocabulary."""
@@ -39,6 +40,18 @@ class GPTConfig:
     """Attention heads per block (must divide ``d_model``)."""
     vocab_size: int = VOCAB_SIZE
     """Token vocabulary (256 for bytes)."""
+
+
+def gpt_config(cfg: WorkloadConfig) -> GPTConfig:
+    """The GPT shape named by ``cfg``, after checking the fields the GPT uses (the generic
+    ``WorkloadConfig.validate()`` leaves them to the workloads that use them)."""
+    require_ints(cfg, ("seq_len", "d_model", "n_layer", "n_head"))
+    if cfg.d_model % cfg.n_head != 0:
+        raise ConfigError(
+            f"workload.d_model ({cfg.d_model}) must be divisible by workload.n_head "
+            f"({cfg.n_head}); pick a head count that divides the width"
+        )
+    return GPTConfig(cfg.seq_len, cfg.d_model, cfg.n_layer, cfg.n_head)
 
 
 class CausalSelfAttention(nn.Module):

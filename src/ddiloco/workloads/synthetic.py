@@ -21,9 +21,10 @@ from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch
-from ddiloco.workloads.config import WorkloadConfig
+from ddiloco.workloads.config import WorkloadConfig, require_ints
 
 _EVAL_KEY = (0, 0, 0)  # num_shards = 0: a key prefix that no training stream uses
+_EVAL_CHUNK = 32  # examples per eval batch, whatever batch_size is
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class SyntheticWorkload:
 
     def __init__(self, cfg: WorkloadConfig) -> None:
         cfg.validate()
+        require_ints(cfg, ("eval_windows",))
         self.cfg = cfg
         self.opts = SyntheticOptions.from_dict(cfg.options)
         # The teacher is a wider-scaled student, so its outputs vary by O(1) over the inputs.
@@ -125,9 +127,9 @@ class SyntheticWorkload:
         self.teacher.requires_grad_(False)
         self._eval: list[Batch] | None = None
 
-    def make_batch(self, generator: torch.Generator) -> Batch:
-        """One batch of ``batch_size`` examples drawn from ``generator``."""
-        n, o = self.cfg.batch_size, self.opts
+    def make_batch(self, generator: torch.Generator, size: int | None = None) -> Batch:
+        """One batch of ``size`` (default ``batch_size``) examples drawn from ``generator``."""
+        n, o = size or self.cfg.batch_size, self.opts
         x = torch.randn(n, o.d_in, generator=generator)
         with torch.no_grad():
             y = self.teacher(x) + o.noise * torch.randn(n, o.d_out, generator=generator)
@@ -154,10 +156,12 @@ class SyntheticWorkload:
         return SyntheticStream(self, (seed, num_shards, shard))
 
     def eval_batches(self) -> list[Batch]:
-        """``eval_batches`` fixed batches from a key no training stream uses."""
+        """``eval_windows`` fixed examples from a key no training stream uses, in batches of 32
+        whatever ``batch_size`` is."""
         if self._eval is None:
-            n = self.cfg.eval_batches
-            self._eval = [self.make_batch(_generator(*_EVAL_KEY, k)) for k in range(n)]
+            n = self.cfg.eval_windows
+            sizes = [min(_EVAL_CHUNK, n - i) for i in range(0, n, _EVAL_CHUNK)]
+            self._eval = [self.make_batch(_generator(*_EVAL_KEY, k), size) for k, size in enumerate(sizes)]
         return list(self._eval)
 
     def is_embedding_like(self, name: str) -> bool:
