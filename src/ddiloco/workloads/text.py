@@ -91,6 +91,8 @@ class TextOptions:
                 "workload.options names both path and package/resource; give one source: a path, "
                 "or a package and a resource"
             )
+        if opts.package is not None and "glob" in options:
+            raise ConfigError("workload.options.glob is for a path folder; for a package put the glob in resource")
         if opts.path is None and (opts.package is None or opts.resource is None):
             raise ConfigError(
                 "the text workload needs a corpus: set workload.options.path to a file or folder, or "
