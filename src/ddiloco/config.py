@@ -37,8 +37,13 @@ class RunSection:
     num_learners: int = 4
     """M, the number of learners."""
     tokens: int = 600_000
-    """Token budget N of a healthy run (all learners together); it also fixes the virtual-time
-    budget T = time a healthy fleet at speed 1 needs for N tokens, which chaos runs share."""
+    """Token budget N (all learners together); it also fixes the virtual-time budget T = the
+    time a healthy fleet at speed 1 needs for N tokens."""
+    budget: str = "tokens"
+    """When a simulated run ends: "tokens" once the fleet has processed N tokens, however long
+    that takes (lock-step waits and slow learners take longer; every method is compared at
+    equal tokens); "time" at T, with whatever tokens faults and waits left (goodput studies).
+    Either way a final sync then merges every live learner's remaining progress."""
     seed: int = 0
     """Seed of the model init; data, chaos and speed noise derive their own streams from it."""
     eval_points: int = 8
@@ -161,6 +166,7 @@ class Config:
             ("tokens", r.tokens >= 1, ">= 1"),
             ("eval_points", r.eval_points >= 0, ">= 0"),
             ("threads", r.threads >= 1, ">= 1"),
+            ("budget", r.budget in ("tokens", "time"), '"tokens" or "time"'),
         ):
             require(ok, f"run.{name}", getattr(r, name), allowed)
         i = self.inner

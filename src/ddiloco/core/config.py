@@ -54,6 +54,11 @@ class DiLoCoConfig:
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9
     """Outer momentum (Nesterov)."""
+    staleness_scaling: bool = False
+    """Scale each contribution's outer gradient by 1 / (1 + s), where s is how many versions
+    its base is behind the fragment's current one (staleness-aware asynchronous SGD). A stale
+    delta repeats progress the momentum has already carried on; without the discount, a fleet
+    whose rounds close on the fastest learner (K = 1, no grace) can diverge."""
     outer_lr_decay_tokens: float = 0.0
     """If > 0, the outer LR follows a cosine from outer_lr down to 10% of it over this many
     globally merged tokens (like the inner schedule); 0 keeps it constant (DiLoCo's choice)."""

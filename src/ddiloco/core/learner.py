@@ -64,7 +64,6 @@ class LearnerCore:
         # Inner LR schedule position, extrapolated from the syncer's global token count.
         self._global_tokens = 0.0
         self._fleet = 1
-        self._own_since_update = 0
 
     # -- training progress ------------------------------------------------------------------
 
@@ -72,7 +71,6 @@ class LearnerCore:
         """Count one finished inner step; return fragments a lock-step learner sends now."""
         self.step += 1
         self.tokens_processed += tokens
-        self._own_since_update += tokens
         for p in range(self.num_fragments):
             self.steps[p] += 1
             self.tokens[p] += tokens
@@ -112,8 +110,14 @@ class LearnerCore:
 
     def lr_tokens(self) -> float:
         """Position of the inner LR schedule in global tokens: the syncer's merged count plus
-        this learner's own tokens since, scaled by the fleet size it was told."""
-        return self._global_tokens + self._fleet * self._own_since_update
+        the fleet's progress not merged yet, estimated from this learner's own unmerged tokens
+        (its mean over fragments, times the fleet size it was told).
+
+        The merged count is a mean over fragments, and fragments merge in turn, so it trails
+        the fleet by about H/2 steps; each fragment's unmerged tokens make up exactly that.
+        """
+        unmerged = sum(self.tokens) / max(1, self.num_fragments)
+        return self._global_tokens + self._fleet * unmerged
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -148,7 +152,6 @@ class LearnerCore:
         self.blocked_since.pop(p, None)
         self._global_tokens = max(self._global_tokens, u.global_tokens)
         self._fleet = u.live_learners
-        self._own_since_update = 0
         if u.reason != "merged" or self.cfg.alpha == 0.0:
             return Receipt("overwrite")
         return Receipt("blend", self.cfg.alpha)

@@ -63,19 +63,22 @@ class Accumulator:
         self.rda = rda
         self.weight = 0.0  # sum of w
         self.radius = 0.0  # sum of w * n
-        self.members: list[torch.Tensor] = []  # the deltas in the sum (references, not copies)
+        # The deltas in the sum with their scales (references, not copies).
+        self.members: list[tuple[torch.Tensor, float]] = []
 
-    def add(self, delta: torch.Tensor, norm: float, weight: float, sign: float = 1.0) -> None:
-        """Add (sign = 1) or take back (sign = -1) one learner's delta of norm ``norm``."""
+    def add(self, delta: torch.Tensor, norm: float, weight: float, sign: float = 1.0, scale: float = 1.0) -> None:
+        """Add (sign = 1) or take back (sign = -1) one learner's delta of norm ``norm``, as if
+        it were ``scale * delta`` (the staleness discount: the tensor itself is not touched)."""
         if weight <= 0:
             return
         self.weight += sign * weight
-        self.radius += sign * weight * norm
+        self.radius += sign * weight * scale * norm
         if sign > 0:
-            self.members.append(delta)
+            self.members.append((delta, scale))
         else:
-            self.members = [d for d in self.members if d is not delta]
-        coef = (weight / norm if norm > 0 else 0.0) if self.rda else weight
+            self.members = [(d, s) for d, s in self.members if d is not delta]
+        # RDA only takes the direction from the sum: a scale changes the radius, not the direction.
+        coef = (weight / norm if norm > 0 else 0.0) if self.rda else weight * scale
         if coef != 0.0:
             self.acc.add_(delta, alpha=sign * coef)
 
@@ -85,7 +88,8 @@ class Accumulator:
         if self.weight <= 0:
             raise ValueError("merge needs a positive total weight")
         if len(self.members) == 1:
-            return self.members[0]
+            delta, scale = self.members[0]
+            return delta if scale == 1.0 else delta.mul_(scale)
         if not self.rda:
             return self.acc.div_(self.weight)
         direction = float(torch.linalg.vector_norm(self.acc))

@@ -175,6 +175,8 @@ class Pending:
     weight: float
     arrived_at: float
     clipped: bool = False
+    scale: float = 1.0
+    """Staleness discount of its outer gradient (1 unless ``staleness_scaling``)."""
 
 
 def _norm(values: Sequence[torch.Tensor]) -> float:
@@ -206,6 +208,8 @@ class Round:
     """Learners whose answer in this round was refused (and not replaced by a good one)."""
     merge: list[Accumulator] = field(default_factory=list)
     """The running merge, one accumulator per piece, fed as contributions arrive."""
+    final: bool = False
+    """A round of the run's final sync: it waits for every live learner it asked."""
 
 
 STRIKES: frozenset[RejectReason] = frozenset(
@@ -274,6 +278,8 @@ class Syncer:
         self._t_sync = Ema(cfg.ema_decay)
         # Per fragment, the newest version still waiting for its first ack: (version, closed_at, pull_s).
         self._awaiting_ack: dict[int, tuple[int, float, float]] = {}
+        self.finishing = False
+        """Set by ``flush(final=True)``: the run is ending and no scheduled round opens again."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -390,6 +396,9 @@ class Syncer:
                 # Missed its round: the learner keeps its progress and contributes it later.
                 out.tape.append(Late(c.learner, c.fragment, now))
                 return
+            if self.finishing:  # the final sync asks for this progress: it is not lost
+                out.tape.append(Late(c.learner, c.fragment, now))
+                return
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
         info.last_seq[c.fragment] = c.seq
         info.strikes = 0
@@ -397,14 +406,15 @@ class Syncer:
         old = rnd.pending.get(c.learner)
         if old is not None:  # a newer answer replaces the older one: take that one back out
             for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
-                acc.add(d, n, old.weight, sign=-1.0)
+                acc.add(d, n, old.weight, sign=-1.0, scale=old.scale)
         weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
         if cap is not None and weight > cap:
             weight, clipped = cap, True
-        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped)
+        scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness_scaling else 1.0
+        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale)
         rnd.refused.discard(c.learner)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
-            acc.add(d, n, pending.weight)
+            acc.add(d, n, pending.weight, scale=pending.scale)
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
@@ -536,7 +546,7 @@ class Syncer:
     def poll(self, now: float) -> Output:
         """Advance the step clock to ``now``, open due rounds, close rounds that may close."""
         out = Output()
-        if self.cfg.late_fragment == "continue":
+        if self.cfg.late_fragment == "continue" and not self.finishing:
             self._advance_clock(now, out)
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
@@ -578,10 +588,10 @@ class Syncer:
         return self.cfg.outer_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def effective_quorum(self, rnd: Round, now: float) -> int:
-        """K_eff = min(K, live learners that were asked); K = "all" means all of them."""
+        """K_eff = min(K, live learners that were asked); K = "all" (or a final round) means all."""
         live_asked = len(rnd.asked & set(self.live(now)))
         k = self.cfg.quorum_size
-        return live_asked if k is None else min(k, live_asked)
+        return live_asked if k is None or rnd.final else min(k, live_asked)
 
     def grace_window(self, t_quorum: float, now: float) -> float:
         """grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, max_grace_steps*t_step)."""
@@ -600,14 +610,16 @@ class Syncer:
             return "no_live_learners" if not live_asked and now > rnd.opened_at else None
         if len(answered) < max(k_eff, 1):
             return None
-        if rnd.quorum_at is None:
+        if rnd.quorum_at is None and not rnd.final:  # the final sync is not a quorum to learn from
             rnd.quorum_at = sorted(pd.arrived_at for pd in rnd.pending.values())[max(k_eff, 1) - 1]
             t_quorum = rnd.quorum_at - rnd.opened_at
             self._t_quorum.update(t_quorum)
             rnd.grace_s = self.grace_window(t_quorum, now) if self.cfg.grace else 0.0
             rnd.grace_until = rnd.quorum_at + rnd.grace_s
         if live_asked <= done:
-            return "all_answered"
+            return "final" if rnd.final else "all_answered"
+        if rnd.final:
+            return None  # the final sync waits for every live learner (or its liveness timeout)
         if not self.cfg.grace:
             return "quorum"
         if rnd.grace_until is not None and now >= rnd.grace_until:
@@ -651,7 +663,7 @@ class Syncer:
         rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
         for pd in rnd.pending.values():
             for acc, d, n in zip(rebuilt, pd.deltas, pd.norms):
-                acc.add(d, n, pd.weight)
+                acc.add(d, n, pd.weight, scale=pd.scale)
         rnd.merge = rebuilt
 
     def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
@@ -713,8 +725,10 @@ class Syncer:
         # The new version goes to the learners merged in this round; others ask when they need it.
         out.messages += [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
 
-    def flush(self, now: float) -> Output:
-        """Close every open round with what it has (before a final evaluation)."""
+    def flush(self, now: float, final: bool = False) -> Output:
+        """Close every open round with what it has. ``final``: the run is ending, so no
+        scheduled round opens again (the final sync's rounds come from ``final_sync``)."""
+        self.finishing = self.finishing or final
         out = Output()
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
@@ -724,10 +738,31 @@ class Syncer:
                 del self.rounds[p]
         return out
 
+    def final_sync(self, now: float) -> Output:
+        """The run's last round of every fragment: ask every live learner for the progress it
+        has not contributed yet, and merge what they all send (no quorum, no grace).
+
+        Call it once the learners have stopped training and have applied the versions of
+        ``flush(now, final=True)``: an answer is anchored at the learner's base version, so a
+        learner that had not applied its last merged version would count that progress twice.
+        A final round closes when every live learner it asked has answered (or has left, or
+        has gone silent past the liveness timeout); ``rounds`` is empty once all have closed.
+        """
+        self.finishing = True
+        out = Output()
+        live = self.live(now)
+        for p in self.owned:
+            rnd = self.rounds.get(p)
+            if rnd is None:
+                rnd = self._open(p, now)
+            rnd.final, rnd.asked, rnd.grace_until = True, rnd.asked | set(live), None
+            out.messages += [FragmentRequest(m, p, rnd.round_id) for m in live if m not in rnd.pending]
+        return out.extend(self.poll(now))
+
     def next_deadline(self, now: float) -> float | None:
         """The next time ``poll`` could change something without a new message."""
         times = []
-        if self.cfg.late_fragment == "continue" and self.next_tick_at is not None:
+        if self.cfg.late_fragment == "continue" and self.next_tick_at is not None and not self.finishing:
             times.append(self.next_tick_at)
         for rnd in self.rounds.values():
             if rnd.grace_until is not None and rnd.grace_until > now:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CloseReason = Literal["all_answered", "grace_over", "quorum", "flush", "no_live_learners"]
+CloseReason = Literal["all_answered", "grace_over", "quorum", "flush", "final", "no_live_learners"]
 RejectReason = Literal[
     "unknown_learner",
     "stale_incarnation",

@@ -35,6 +35,8 @@ from ddiloco.training.layout import ModelLayout, layout_for
 from ddiloco.workloads.base import DataStream, Workload
 
 SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)
+MAX_TIME_FACTOR = 4.0
+"""A token-budget run that has not processed its tokens by this multiple of T ends there."""
 
 
 @dataclass
@@ -98,7 +100,14 @@ class Simulation:
         self.learners[0].stream.seek(0)
         self.tokens_per_step = first.tokens
         steps = math.ceil(r.tokens / (m_count * self.tokens_per_step))
-        self.horizon = steps * s.step_time_s
+        self.horizon = steps * s.step_time_s  # T: a healthy fleet's time for the budget
+        # A token budget ends the run when the fleet has processed N tokens; this bound only
+        # stops a run that cannot get there (every learner down, or waiting for ever).
+        self.time_limit = self.horizon if r.budget == "time" else MAX_TIME_FACTOR * self.horizon
+        self.end_time = self.horizon
+        self.processed = 0  # tokens of every applied inner step, all learners
+        self.ending = False  # the run is over: no more steps, messages are applied at once
+        self.eval_tokens = [r.tokens * k / (r.eval_points + 1) for k in range(1, r.eval_points + 1)]
         self.chaos: ChaosSchedule = make_schedule(cfg.chaos, m_count, self.horizon, r.seed)
         self.fragment_bytes = [4 * n for n in self.layout.sizes()]
         self.net = np.random.default_rng([r.seed, 0x7E7])  # network jitter stream
@@ -156,13 +165,22 @@ class Simulation:
         self._at(self.now + d, ln.id, "step_end", (ln.gen, d))
 
     def _on_step_end(self, ln: SimLearner, gen: int, duration: float) -> None:
-        if gen != ln.gen:
-            return
+        if gen != ln.gen or self.ending:
+            return  # a step of a dead incarnation, or one that would end after the run
         batch = ln.stream.next_batch()
         lr = lr_at(ln.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner)
         ln.model.train()
         inner_step(ln.model, ln.opt, self.wl.loss(ln.model, batch), lr, self.cfg.inner.grad_clip)
         sends = ln.core.on_step(batch.tokens)
+        self.processed += batch.tokens
+        if self.cfg.run.budget == "tokens":
+            while self.eval_tokens and self.processed >= self.eval_tokens[0]:
+                self.eval_tokens.pop(0)
+                self._record_eval()
+                if self.on_progress:
+                    self.on_progress(self.horizon * self.processed / self.cfg.run.tokens, self.horizon)
+            if self.processed >= self.cfg.run.tokens:
+                self.ending = True  # the budget is spent: this was the run's last step
         self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, duration))
         for p in sends:
             self._send_fragment(ln, p)
@@ -201,6 +219,8 @@ class Simulation:
         if isinstance(msg, FragmentRequest):
             ln.core.on_request(msg.fragment)
             self._send_fragment(ln, msg.fragment)  # from the host copy: training never pauses
+        elif self.ending:
+            self._apply(ln, msg)  # training has stopped: nothing to wait for
         elif ln.account.state == "blocked":
             self._apply(ln, msg)
             self._continue_or_block(ln)
@@ -267,8 +287,9 @@ class Simulation:
         for o in self.chaos.outages:
             restart_at = max(o.start_s, o.end_s - self.chaos.restart_s)
             self._at(o.start_s, o.learner, "fail", (restart_at, o.end_s))
-        for k in range(1, self.cfg.run.eval_points + 1):
-            self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + 1, "eval")
+        if self.cfg.run.budget == "time":  # else evaluations follow the tokens (_on_step_end)
+            for k in range(1, self.cfg.run.eval_points + 1):
+                self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + 1, "eval")
         handlers = {
             "step_end": lambda ln, d: self._on_step_end(ln, *d),
             "learner_msg": self._on_learner_msg,
@@ -282,8 +303,26 @@ class Simulation:
             and ln.account.state == "blocked"
             and self._blocked_heartbeat(ln),
         }
-        while self.events and self.events[0][0] <= self.horizon:
+        self.handlers = handlers
+        self._run_until(self.time_limit, stop_when_ending=True)
+        if not self.ending:
+            self.now = self.time_limit  # the time budget (or the safety bound) is what ended it
+        self.end_time = self.now
+        self.ending = True
+        for ln in self.learners:
+            ln.account.close(self.end_time)
+        self._final_sync()
+        self._record_eval(final=True)
+        if self.on_progress:
+            self.on_progress(self.end_time, self.end_time)
+        return self._result()
+
+    def _run_until(self, limit: float, stop_when_ending: bool = False, messages_only: bool = False) -> None:
+        """Process events in order up to ``limit`` (each kind by its handler)."""
+        while self.events and self.events[0][0] <= limit and not (stop_when_ending and self.ending):
             t, actor, _, kind, data = heapq.heappop(self.events)
+            if messages_only and kind not in ("syncer_msg", "syncer_wake", "learner_msg"):
+                continue  # after the run: no steps, faults or scheduled evaluations
             self.now = t
             if kind == "syncer_msg":
                 self._dispatch(self._syncer_receive(data))
@@ -295,15 +334,18 @@ class Simulation:
                 if self.on_progress:
                     self.on_progress(t, self.horizon)
             else:
-                handlers[kind](self.learners[actor], data)
-        self.now = self.horizon
-        for ln in self.learners:
-            ln.account.close(self.horizon)
-        self.tape += self.syncer.flush(self.horizon).tape  # evaluation is of the global model after a flush
-        self._record_eval(final=True)
-        if self.on_progress:
-            self.on_progress(self.horizon, self.horizon)
-        return self._result()
+                self.handlers[kind](self.learners[actor], data)
+
+    def _final_sync(self) -> None:
+        """Merge every live learner's remaining progress, as the real syncer does at a run's
+        end: close the open rounds, let the learners apply those versions, then one final round
+        of every fragment asks each live learner for what it has not contributed yet."""
+        bound = self.cfg.algo.liveness_timeout_s + 1.0  # a silent learner stops being waited for
+        self._dispatch(self.syncer.flush(self.now, final=True))
+        self._run_until(self.now + bound, messages_only=True)
+        self._dispatch(self.syncer.final_sync(self.now))
+        self._run_until(self.now + bound, messages_only=True)
+        self._dispatch(self.syncer.flush(self.now, final=True))  # whatever a silent learner left open
 
     def _blocked_heartbeat(self, ln: SimLearner) -> None:
         self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, 0.0))
@@ -313,7 +355,7 @@ class Simulation:
         return self.syncer.handle(msg, self.now)
 
     def _result(self) -> RunResult:
-        gp = fleet_goodput([ln.account for ln in self.learners], self.horizon)
+        gp = fleet_goodput([ln.account for ln in self.learners], self.end_time)
         need = self.cfg.algo.quorum_size or 1
         outages = [(o.learner, o.start_s, o.end_s) for o in self.chaos.outages]
         processed = sum(ln.core.tokens_processed for ln in self.learners)
@@ -322,11 +364,11 @@ class Simulation:
             method=self.cfg.run.method,
             final_loss=self.evals[-1]["loss"],
             evals=self.evals,
-            horizon_s=self.horizon,
+            horizon_s=self.end_time,
             tokens_processed=processed,
             tokens_merged=self.syncer.global_tokens,
             goodput=gp,
-            uptime=uptime(outages, len(self.learners), min(need, len(self.learners)), self.horizon),
+            uptime=uptime(outages, len(self.learners), min(need, len(self.learners)), self.end_time),
             lost_steps=sum(ln.lost_steps for ln in self.learners),
             failures=sum(ln.failures for ln in self.learners),
             num_fragments=self.layout.num_fragments,
