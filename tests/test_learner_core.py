@@ -41,6 +41,19 @@ def test_lr_position_extrapolates_from_the_global_token_count():
     assert core.lr_tokens() == 5000.0 + 4 * 100
 
 
+def test_lr_position_counts_the_unmerged_tokens_of_every_fragment():
+    """Fragments merge in turn, so the merged count (a mean over fragments) trails the fleet by
+    about H/2 steps; each fragment's unmerged tokens make that up, with no lag after a merge."""
+    core = LearnerCore(CFG, 0, 2)
+    for _ in range(4):
+        core.on_step(100)  # 4 steps: both fragments hold 400 unmerged tokens
+    # Fragment 0 merges this learner's 400 tokens (and 3 peers' 400 each): mean merged = 1600 / 2.
+    core.on_update(update(0, 1, tokens=800.0, live=4))
+    # The fleet has processed 4 x 400 = 1600; fragment 1's 400 unmerged tokens x 4 learners / 2
+    # fragments make up the rest. (The old estimate, reset at every update, said 800.)
+    assert core.lr_tokens() == 800.0 + 4 * (0 + 400) / 2 == 1600.0
+
+
 def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
     cfg = dataclasses.replace(CFG, late_fragment="wait", syncer_timeout_s=10.0)
     core = LearnerCore(cfg, 0, 2)

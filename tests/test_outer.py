@@ -1,38 +1,57 @@
-"""The outer optimizer equals torch.optim.SGD(nesterov=True) on the same pseudo-gradients."""
+"""The outer optimizer: Nesterov SGD as torch computes it, and its delayed form."""
 
+import pytest
 import torch
 
 from ddiloco.core.outer import OuterNesterov
 
 
-def test_outer_nesterov_matches_torch_sgd():
-    g = torch.Generator().manual_seed(0)
-    start = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
-    grads = [[torch.randn(5, 3, generator=g), torch.randn(7, generator=g)] for _ in range(10)]
-    ref = [torch.nn.Parameter(t.clone()) for t in start]
-    sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
-    ours = OuterNesterov(0.7, 0.9)
-    values = [t.clone() for t in start]
-    for gs in grads:
-        for p, gr in zip(ref, gs):
-            p.grad = gr.clone()
-        sgd.step()
-        values = ours.step(values, [g.clone() for g in gs])
-        for p, v in zip(ref, values):
-            assert torch.allclose(p.detach(), v, rtol=1e-6, atol=1e-6)
+def torch_nesterov(lr, momentum, grads, start):
+    p = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([p], lr=lr, momentum=momentum, nesterov=True)
+    out = []
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+        out.append(p.detach().clone())
+    return out
 
 
-def test_outer_state_dict_round_trips():
-    a = OuterNesterov(0.7, 0.9)
-    v = [torch.zeros(3)]
-    v = a.step(v, [torch.ones(3)])
-    b = OuterNesterov(0.7, 0.9)  # hyper-parameters come from the config; the state is the momentum
-    b.load_state_dict(a.state_dict())
-    g = [torch.tensor([1.0, -2.0, 0.5])]
-    assert torch.equal(a.step(v, [t.clone() for t in g])[0], b.step(v, [t.clone() for t in g])[0])
+def test_matches_torch_nesterov_step_for_step():
+    grads = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5]), torch.tensor([-1.0, 3.0])]
+    start = torch.tensor([0.3, -0.7])
+    outer, p = OuterNesterov(0.7, 0.9), start
+    for g, want in zip(grads, torch_nesterov(0.7, 0.9, grads, start)):
+        (p,) = outer.step([p], [g.clone()])
+        assert torch.allclose(p, want)
 
 
-def test_lr_one_momentum_zero_lands_on_learner_values():
-    theta_global, theta_learner = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 3.0])
-    out = OuterNesterov(1.0, 0.0).step([theta_global], [theta_global - theta_learner])
-    assert torch.equal(out[0], theta_learner)
+def test_delayed_with_whole_shares_is_plain_nesterov():
+    grads = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5])]
+    start = torch.tensor([0.0, 0.0])
+    outer, p = OuterNesterov(0.5, 0.8, delayed=True), start
+    for g, want in zip(grads, torch_nesterov(0.5, 0.8, grads, start)):
+        (p,) = outer.step([p], [g.clone()], share=1.0)
+        assert torch.allclose(p, want)
+
+
+def test_delayed_half_shares_by_hand():
+    lr, mu = 0.5, 0.8
+    outer = OuterNesterov(lr, mu, delayed=True)
+    p = torch.tensor([0.0])
+    g1, g2, g3, g4 = (torch.tensor([v]) for v in (2.0, 4.0, 1.0, 3.0))
+    (p,) = outer.step([p], [g1.clone()], share=0.5)
+    assert p.item() == pytest.approx(-lr * 0.5 * 2.0)  # -0.5: a plain step, no momentum yet
+    assert outer.buffers is None
+    (p,) = outer.step([p], [g2.clone()], share=0.5)
+    # a whole fleet merged: mean = 3, b = 3 (the first buffer), push -lr * mu * b
+    assert outer.buffers[0].item() == pytest.approx(3.0)
+    assert p.item() == pytest.approx(-0.5 - lr * 0.5 * 4.0 - lr * mu * 3.0)  # -0.5 - 1 - 1.2 = -2.7
+    (p,) = outer.step([p], [g3.clone()], share=0.5)
+    (p,) = outer.step([p], [g4.clone()], share=0.5)
+    b = mu * 3.0 + 2.0  # mean of the second pair = 2
+    assert outer.buffers[0].item() == pytest.approx(b)
+    assert p.item() == pytest.approx(-2.7 - lr * 0.5 * (1.0 + 3.0) - lr * mu * b)
+    # over a whole fleet's worth, that is the Nesterov step with the mean gradient
+    ref = torch_nesterov(lr, mu, [torch.tensor([3.0]), torch.tensor([2.0])], torch.tensor([0.0]))
+    assert p.item() == pytest.approx(ref[-1].item())

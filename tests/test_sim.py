@@ -122,3 +122,28 @@ def test_lock_step_waits_and_drops_a_dead_learner_after_the_liveness_timeout():
     assert result.goodput.goodput < 1 - result.goodput.down - result.goodput.restarting
     quorums = {r["quorum"] for r in result.tape if r.get("event") == "round"}
     assert 4 in quorums and min(quorums) < 4
+
+
+def test_final_sync_merges_the_remaining_progress():
+    result = simulate(cfg_for("decoupled", "run.tokens=16000"))
+    final = [r for r in result.tape if r.get("event") == "round" and r["close_reason"] == "final"]
+    assert len(final) == result.num_fragments  # one final round of every fragment
+    assert all(len(r["merged"]) == 4 for r in final)  # with every learner's remaining progress
+    # What is not merged is only what overwriting throws away (up to tau of every H steps).
+    cfg = cfg_for("decoupled")
+    assert result.tokens_merged >= (1 - cfg.algo.overlap / cfg.algo.sync_every) * result.tokens_processed
+
+
+def test_the_decoupled_lr_position_keeps_up_with_the_fleet():
+    """Mid-run (no final sync yet), each learner's schedule position is the tokens the fleet has
+    processed: the merged count plus what is not merged yet plus what overwriting dropped."""
+    from ddiloco.sim.simulation import Simulation
+
+    cfg = cfg_for("decoupled", "run.tokens=16000")
+    sim = Simulation(cfg, load_workload(cfg.workload))
+    sim._final_sync = lambda: None  # stop where the budget is spent, mid-run for the protocol
+    result = sim.run()
+    fleet_step = 4 * sim.tokens_per_step
+    for ln in sim.learners:
+        assert ln.core._global_tokens < result.tokens_processed - 10 * fleet_step  # merged: far behind
+        assert abs(ln.core.lr_tokens() - result.tokens_processed) <= fleet_step  # the position: not

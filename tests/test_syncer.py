@@ -367,3 +367,74 @@ def test_join_sends_only_the_fragments_the_learner_lacks():
     assert sorted(o.fragment for o in s.on_join(0, 0.0)) == [0, 1]  # a fresh process needs all
     assert s.on_join(0, 0.1, bases=[0, 0]) == []  # already holds the current versions
     assert [o.fragment for o in s.on_join(0, 0.2, bases=[0, 3])] == [1]  # a version it cannot have
+
+
+# -- the run's end: final sync -------------------------------------------------------------
+
+
+def test_final_sync_merges_every_live_learners_remaining_progress_and_opens_no_more_rounds():
+    s = make(dataclasses.replace(BASE, grace=False))  # K = 1: a normal round would close on one answer
+    s.poll(4.0)
+    s.on_contribution(contrib(0, 4.0), 4.1)  # closes version 1 = 4.0 (K = 1)
+    assert s.versions() == [1]
+    s.on_contribution(contrib(1, 8.0, steps=2), 4.2)  # late: kept by learner 1 for later
+    assert any(e["event"] == "late" for e in s.tape)
+    beat(s, 5.0)
+    s.core.flush(5.0, final=True)
+    out = s._keep(s.core.final_sync(5.0))
+    assert requests(out) == [0, 1, 2]  # every live learner, for every fragment
+    s.on_contribution(contrib(0, 6.0, base=1), 5.1)  # 2 more units since version 1
+    s.on_contribution(contrib(1, 8.0, steps=2), 5.2)  # its progress since version 0
+    assert s.versions() == [1]  # a final round waits for every live learner, whatever K is
+    s.on_contribution(contrib(2, 0.0, steps=0, tokens=0), 5.3)  # nothing new: weight 0
+    rec = s.tape[-1]
+    assert rec["close_reason"] == "final" and s.versions() == [2] and not s.rounds
+    assert sorted(m["learner"] for m in rec["merged"]) == [0, 1, 2]
+    # mean of the outer gradients with weights tokens^2/steps (100 and 50): Theta = 4 - (100*-2 + 50*-8)/150
+    assert torch.allclose(s.fragments[0].values[0], torch.full((4,), 4.0 + 600 / 150))
+    beat(s, 40.0)
+    assert requests(s.poll(40.0)) == [] and not s.rounds  # the clock opens nothing after the end
+
+
+def test_final_sync_does_not_wait_for_a_silent_learner_past_the_liveness_timeout():
+    s = make(dataclasses.replace(BASE, grace=False))
+    s.core.flush(1.0, final=True)
+    s._keep(s.core.final_sync(1.0))
+    s.on_contribution(contrib(0, 1.0), 1.1)
+    s.on_contribution(contrib(1, 1.0), 1.2)
+    assert s.rounds  # learner 2 was live when asked
+    deadline = s.next_deadline(1.2)
+    assert deadline is not None and 5.0 < deadline < 5.1  # its heartbeat (t = 0) expires at 5 s
+    s.poll(deadline)
+    assert not s.rounds and s.tape[-1]["close_reason"] == "final"
+
+
+# -- staleness -------------------------------------------------------------------------------
+
+
+def test_scaled_staleness_discounts_a_stale_answer_by_one_over_one_plus_s():
+    s = make(dataclasses.replace(BASE, grace=False, quorum=2, staleness="scaled"))
+    close_round(s, 4.0, [contrib(0, 2.0), contrib(1, 2.0)])  # version 1 = 2.0
+    beat(s, 7.0)
+    # learner 0 answers from version 1 (s = 0, delta -2); learner 2 from version 0 (s = 1, delta -4 -> -2)
+    close_round(s, 8.0, [contrib(0, 4.0, base=1), contrib(2, 4.0, base=0)])
+    # equal weights: the merged outer gradient is (-2 + -4/2) / 2 = -2, so Theta = 2 + 2 = 4
+    assert torch.allclose(s.fragments[0].values[0], torch.full((4,), 4.0))
+    none = make(dataclasses.replace(BASE, grace=False, quorum=2))
+    close_round(none, 4.0, [contrib(0, 2.0), contrib(1, 2.0)])
+    beat(none, 7.0)
+    close_round(none, 8.0, [contrib(0, 4.0, base=1), contrib(2, 4.0, base=0)])
+    assert torch.allclose(none.fragments[0].values[0], torch.full((4,), 5.0))  # (-2 + -4) / 2 = -3
+
+
+def test_delayed_staleness_merges_a_late_answer_at_once_as_its_share_of_the_fleet():
+    s = make(dataclasses.replace(BASE, grace=False, staleness="delayed"), learners=(0, 1))
+    s.poll(4.0)
+    s.on_contribution(contrib(0, 2.0), 4.1)  # K = 1 closes on it: share 1/2 -> Theta = 0 + 1 * 0.5 * 2
+    assert s.versions() == [1]
+    assert torch.allclose(s.fragments[0].values[0], torch.full((4,), 1.0))
+    out = s.on_contribution(contrib(1, 4.0), 4.2)  # late: its own version at once, share 1/2
+    assert s.versions() == [2] and updates(out) == [1]
+    assert torch.allclose(s.fragments[0].values[0], torch.full((4,), 3.0))  # 1 + 0.5 * 4
+    assert s.tape[-1]["merged"][0]["staleness"] == 1
+    assert not any(e["event"] == "late" for e in s.tape)

@@ -14,6 +14,7 @@ FRAGMENT_STRATEGIES = ("balanced", "per_layer", "strided")
 MERGES = ("rda", "mean")
 ANCHORS = ("base", "current")
 LATE_FRAGMENT = ("continue", "wait")
+STALENESS = ("none", "scaled", "delayed")
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,15 @@ class DiLoCoConfig:
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9
     """Outer momentum (Nesterov)."""
-    staleness_scaling: bool = False
-    """Scale each contribution's outer gradient by 1 / (1 + s), where s is how many versions
-    its base is behind the fragment's current one (staleness-aware asynchronous SGD). A stale
-    delta repeats progress the momentum has already carried on; without the discount, a fleet
-    whose rounds close on the fastest learner (K = 1, no grace) can diverge."""
+    staleness: str = "none"
+    """How the outer step treats stale answers (answers whose base is behind the current
+    version); it matters when rounds close on few learners (K = 1 without grace):
+    "none": an answer that misses its round waits for the fragment's next round, and is merged
+    like any other; "scaled": each outer gradient is scaled by 1 / (1 + s), s = versions its
+    base is behind (staleness-aware asynchronous SGD); "delayed": an answer that misses its round
+    is merged at once into a version of its own, every merge moves the fragment by its share of
+    the live fleet (answers / live learners), and the momentum is updated once a whole fleet's
+    share has been merged (delayed Nesterov, as in asynchronous Local-SGD)."""
     outer_lr_decay_tokens: float = 0.0
     """If > 0, the outer LR follows a cosine from outer_lr down to 10% of it over this many
     globally merged tokens (like the inner schedule); 0 keeps it constant (DiLoCo's choice)."""
@@ -146,6 +151,7 @@ class DiLoCoConfig:
         _check(0.0 <= self.outer_momentum < 1.0, "outer_momentum", self.outer_momentum, "[0, 1)")
         _check(self.outer_lr_decay_tokens >= 0, "outer_lr_decay_tokens", self.outer_lr_decay_tokens, ">= 0")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
+        _check(self.staleness in STALENESS, "staleness", self.staleness, f"one of {STALENESS}")
         _check(self.late_fragment in LATE_FRAGMENT, "late_fragment", self.late_fragment, f"one of {LATE_FRAGMENT}")
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")

@@ -64,6 +64,8 @@ class LearnerCore:
         # Inner LR schedule position, extrapolated from the syncer's global token count.
         self._global_tokens = 0.0
         self._fleet = 1
+        self._sent_tokens: dict[int, int] = {}  # fragment -> its token count in the last contribution
+        self._overwritten = 0  # tokens trained after a contribution and overwritten by its merge
 
     # -- training progress ------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class LearnerCore:
         """Fragment p's contribution now, from ``values`` taken at this step boundary."""
         if self.cfg.late_fragment == "wait":
             self.in_flight[p] = self.step
+        self._sent_tokens[p] = self.tokens[p]
         self.seq += 1
         return Contribution(
             learner=self.learner,
@@ -114,9 +117,13 @@ class LearnerCore:
         (its mean over fragments, times the fleet size it was told).
 
         The merged count is a mean over fragments, and fragments merge in turn, so it trails
-        the fleet by about H/2 steps; each fragment's unmerged tokens make up exactly that.
+        the fleet by about H/2 steps; each fragment's unmerged tokens make up exactly that. The
+        steps a learner trains between sending a fragment and receiving its merge are overwritten
+        and never merged (up to tau of every H steps): they were processed all the same, so they
+        count too, or the schedule would fall behind by that share over the run. (A restarted
+        process knows only its own: its position trails by that share of the time before it.)
         """
-        unmerged = sum(self.tokens) / max(1, self.num_fragments)
+        unmerged = (sum(self.tokens) + self._overwritten) / max(1, self.num_fragments)
         return self._global_tokens + self._fleet * unmerged
 
     # -- receiving ---------------------------------------------------------------------------
@@ -145,6 +152,9 @@ class LearnerCore:
         problem = check_update(u.values, pieces) if pieces is not None else None
         if problem is not None:
             return Receipt("ignore", problem=problem)
+        sent = self._sent_tokens.pop(p, None)
+        if u.reason == "merged" and sent is not None:
+            self._overwritten += max(0, self.tokens[p] - sent)
         self.base_version[p] = u.version
         self.steps[p] = 0
         self.tokens[p] = 0

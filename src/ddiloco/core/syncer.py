@@ -176,7 +176,7 @@ class Pending:
     arrived_at: float
     clipped: bool = False
     scale: float = 1.0
-    """Staleness discount of its outer gradient (1 unless ``staleness_scaling``)."""
+    """Staleness discount of its outer gradient (1 unless ``staleness = "scaled"``)."""
 
 
 def _norm(values: Sequence[torch.Tensor]) -> float:
@@ -210,6 +210,9 @@ class Round:
     """The running merge, one accumulator per piece, fed as contributions arrive."""
     final: bool = False
     """A round of the run's final sync: it waits for every live learner it asked."""
+    late: bool = False
+    """A round opened by an answer that missed its own (staleness = "delayed"): it merges that
+    answer alone, at once."""
 
 
 STRIKES: frozenset[RejectReason] = frozenset(
@@ -258,7 +261,8 @@ class Syncer:
         for pieces in layout.fragments:
             vals = [v.float() for v in read_fragment(initial, pieces)]
             history = deque([(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
-            frag = FragmentState(0, history, OuterNesterov(cfg.outer_lr, cfg.outer_momentum), norm=_norm(vals))
+            outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
+            frag = FragmentState(0, history, outer, norm=_norm(vals))
             self.fragments.append(frag)
         flat = list(embedding_like)
         if len(flat) != sum(len(f) for f in layout.fragments):
@@ -391,6 +395,10 @@ class Syncer:
         info.last_heard = now
         self.max_step_seen = max(self.max_step_seen, c.step)
         rnd = self.rounds.get(c.fragment)
+        if rnd is None and self.cfg.staleness == "delayed" and self.cfg.late_fragment != "wait" and not self.finishing:
+            # Missed its round: merged at once into a version of its own, as its share of the fleet.
+            rnd = self._open(c.fragment, now)
+            rnd.asked, rnd.late = {c.learner}, True
         if rnd is None:
             if self.cfg.late_fragment != "wait":
                 # Missed its round: the learner keeps its progress and contributes it later.
@@ -410,7 +418,7 @@ class Syncer:
         weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
         if cap is not None and weight > cap:
             weight, clipped = cap, True
-        scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness_scaling else 1.0
+        scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
         pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale)
         rnd.refused.discard(c.learner)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
@@ -610,7 +618,7 @@ class Syncer:
             return "no_live_learners" if not live_asked and now > rnd.opened_at else None
         if len(answered) < max(k_eff, 1):
             return None
-        if rnd.quorum_at is None and not rnd.final:  # the final sync is not a quorum to learn from
+        if rnd.quorum_at is None and not (rnd.final or rnd.late):  # no quorum to learn the grace from
             rnd.quorum_at = sorted(pd.arrived_at for pd in rnd.pending.values())[max(k_eff, 1) - 1]
             t_quorum = rnd.quorum_at - rnd.opened_at
             self._t_quorum.update(t_quorum)
@@ -689,7 +697,9 @@ class Syncer:
             merged = [acc.result() for acc in rnd.merge]
             frag.outer.lr = self.outer_lr()
             frag.version += 1
-            new_values = frag.outer.step(frag.values, merged)
+            # The part of the live fleet this merge stands for (only a delayed outer step uses it).
+            share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now)))
+            new_values = frag.outer.step(frag.values, merged, share)
             frag.history.append((frag.version, new_values, now))
             frag.norm = _norm(new_values)
             frag.tokens_merged += sum(_tokens(pd) for pd in pending)
