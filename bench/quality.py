@@ -188,8 +188,8 @@ def run_concurrently(runner: Runner, chains: dict[str, Stage]) -> dict[str, Any]
             runner.submit(j)
     while pending:
         ready = [n for n, jobs in pending.items() if all(runner.ready(j) for j in jobs)]
-        if not ready:
-            wait(list(runner.futures.values()), return_when=FIRST_COMPLETED)
+        if not ready:  # wait for a run still going (a done one may belong to a chain still waiting)
+            wait([f for f in runner.futures.values() if not f.done()], return_when=FIRST_COMPLETED)
             continue
         name = ready[0]
         jobs = pending.pop(name)
