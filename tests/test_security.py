@@ -243,9 +243,16 @@ def test_floods_are_rate_limited_per_sender(tmp_path):
         limits.allow(k, 1.0)
     assert len(limits._buckets) == 3  # a flood of new keys cannot grow memory
 
+    class FrozenClock:  # the flood arrives within one instant, however busy the machine is
+        def monotonic(self) -> float:
+            return 100.0
+
+        def wall(self) -> float:
+            return 1e9
+
     cfg = load_config(None, SETTINGS)
     net = InProcessNetwork()
-    service = SyncerService(cfg, net.syncer("inproc://s"), tmp_path, fsync=False)
+    service = SyncerService(cfg, net.syncer("inproc://s"), tmp_path, fsync=False, clock=FrozenClock())
     reg = register(cfg, 0)
     for m in range(5000):  # one sender claiming 5000 ids
         service.handle(b"flooder", encode(Register(m, 1, reg.params, reg.layout)))

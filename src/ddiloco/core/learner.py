@@ -64,7 +64,9 @@ class LearnerCore:
         # Inner LR schedule position, extrapolated from the syncer's global token count.
         self._global_tokens = 0.0
         self._fleet = 1
-        self._sent_tokens: dict[int, int] = {}  # fragment -> its token count in the last contribution
+        # Fragment -> its token count when last contributed (the ranks of a DDP learner copy
+        # rank 0's before applying fragments, since only rank 0 contributes).
+        self.sent_tokens: dict[int, int] = {}
         self._overwritten = 0  # tokens trained after a contribution and overwritten by its merge
 
     # -- training progress ------------------------------------------------------------------
@@ -90,7 +92,7 @@ class LearnerCore:
         """Fragment p's contribution now, from ``values`` taken at this step boundary."""
         if self.cfg.late_fragment == "wait":
             self.in_flight[p] = self.step
-        self._sent_tokens[p] = self.tokens[p]
+        self.sent_tokens[p] = self.tokens[p]
         self.seq += 1
         return Contribution(
             learner=self.learner,
@@ -152,7 +154,7 @@ class LearnerCore:
         problem = check_update(u.values, pieces) if pieces is not None else None
         if problem is not None:
             return Receipt("ignore", problem=problem)
-        sent = self._sent_tokens.pop(p, None)
+        sent = self.sent_tokens.pop(p, None)
         if u.reason == "merged" and sent is not None:
             self._overwritten += max(0, self.tokens[p] - sent)
         self.base_version[p] = u.version

@@ -200,8 +200,11 @@ class LearnerProcess:
         import torch.distributed as dist
 
         position = self.comm.data_position if self.comm is not None else None
-        box: list[Any] = [msgs, (position, dict(vars(self.core))) if initial else None]
+        box: list[Any] = [msgs, (position, dict(vars(self.core))) if initial else None, dict(self.core.sent_tokens)]
         dist.broadcast_object_list(box, src=0)
+        # Only rank 0 contributes: the others need its record to count the same overwritten
+        # steps, or their LR positions (and so their parameters) would drift apart.
+        self.core.sent_tokens = dict(box[2])
         if initial:
             # rank 0 applied the global state it fetched on join: every rank starts from it
             with torch.no_grad():
