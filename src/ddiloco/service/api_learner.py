@@ -343,7 +343,17 @@ class Learner:
 
     def _check_shapes(self) -> None:
         """The fragments are slices of the parameters as they were at the start: a model whose
-        parameters were replaced or reshaped since would be written out of bounds."""
+        parameters were replaced or reshaped since would be synced wrongly. The parameters we
+        hold are checked every step; the module tree (a replaced submodule) every 16 steps, as
+        walking it costs about 2 us per tensor."""
+        for name, p in self.params.items():
+            if p.shape != self._shapes[name]:
+                raise UsageError(
+                    f"parameter {name} changed shape after the Learner was made (was {self._shapes[name]}, now "
+                    f"{tuple(p.shape)}): make every model change before creating the Learner"
+                )
+        if self.stats.steps % 16:
+            return
         count = 0
         for name, p in self.model.named_parameters():
             count += 1
