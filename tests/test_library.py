@@ -354,3 +354,47 @@ def test_export_writes_tied_weights_loadably(tmp_path):
     assert torch.equal(ddiloco.load_state_dict(out / "model.safetensors")["head.weight"], model.wte.weight)
     with pytest.raises(ddiloco.DDiLoCoError, match="does not exist"):
         ddiloco.load_state_dict(tmp_path / "nowhere")
+
+
+def test_plain_loop_example_trains_alone():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plain_loop.py"), "--syncer", "none", "--steps", "200"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "learner 0: loss" in out.stdout
+
+
+def test_hf_example_end_to_end_two_learners_a_syncer_and_an_export(tmp_path):
+    """examples/hf_causal_lm.py for a few steps: a transformers model from a config, byte-level
+    text through the text workload, two learner processes and a syncer, save_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("ddiloco.workloads.text")
+    import random
+
+    rng = random.Random(0)
+    words = "the of and to a in that is was he for it with as his on be at by this had not are but".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(10)) + "." for _ in range(4000)))
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [
+            sys.executable, str(ROOT / "examples" / "hf_causal_lm.py"), "--text", str(corpus), "--run-dir",
+            str(run_dir), "--steps", "60", "--sync-every", "8",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    loss = float(re.search(r"eval loss \(nats/byte\): ([0-9.]+)", out.stdout).group(1))
+    assert 0 < loss < math.log(256)  # better than uniform bytes
+    assert {e["learner"] for r in merges(run_dir) for e in r["merged"]} == {0, 1}
+    exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    final = ddiloco.load_state_dict(run_dir)
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, final[name]), name
