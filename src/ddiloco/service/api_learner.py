@@ -382,7 +382,9 @@ class Learner:
                 raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
             if self.optimizer is not None:
                 comm.post(PeerStateRequest(self.id, self.incarnation))
-        self._apply(self._share_inbox(initial=True))
+        acks = self._apply(self._share_inbox(initial=True))
+        if self.comm is not None:
+            self.comm.post(*acks)
         self._boundary([])
 
     def _wait_for_fragments(self, comm: LearnerComm, timeout_s: float) -> None:
@@ -398,7 +400,7 @@ class Learner:
             updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
             later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
             got.update(m.fragment for m in updates)
-            self._apply(updates)
+            comm.post(*self._apply(updates))
         for m in later:
             comm.inbox.put(m)
         if comm.data_position:
@@ -432,7 +434,8 @@ class Learner:
     def _contribution(self, p: int) -> Contribution:
         return self.core.contribution(p, self._host_values(p), self._position)
 
-    def _apply(self, msgs: list[Any]) -> None:
+    def _apply(self, msgs: list[Any]) -> list[Ack]:
+        """Write the fragments (and load the peer state) that arrived; returns the acks to send."""
         acks = []
         for msg in msgs:
             if isinstance(msg, PeerState):
@@ -456,16 +459,15 @@ class Learner:
             )
             self.stats.applied += 1
             acks.append(Ack(self.id, self.incarnation, msg.fragment, msg.version))
-        if self.comm is not None:
-            self.comm.post(*acks)
+        return acks
 
     def _boundary(self, sends: list[int]) -> None:
         """Everything the training thread does for the protocol between two inner steps."""
-        self._apply(self._share_inbox())
+        acks = self._apply(self._share_inbox())
         comm = self.comm
         if comm is None:
             return
-        late = []
+        late: list[Any] = list(acks)  # one post per boundary: each wakes the comm thread, which costs the GIL
         for p, answered in _drain(comm.requests):
             self.core.on_request(p)
             if not answered:  # the comm thread had nothing ready for p: answer now
