@@ -382,9 +382,8 @@ class Learner:
                 raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
             if self.optimizer is not None:
                 comm.post(PeerStateRequest(self.id, self.incarnation))
-        acks = self._apply(self._share_inbox(initial=True))
-        if self.comm is not None:
-            self.comm.post(*acks)
+        if self.world > 1:
+            self._share_initial()
         self._boundary([])
 
     def _wait_for_fragments(self, comm: LearnerComm, timeout_s: float) -> None:
@@ -462,44 +461,63 @@ class Learner:
         return acks
 
     def _boundary(self, sends: list[int]) -> None:
-        """Everything the training thread does for the protocol between two inner steps."""
-        acks = self._apply(self._share_inbox())
-        comm = self.comm
-        if comm is None:
-            return
-        late: list[Any] = list(acks)  # one post per boundary: each wakes the comm thread, which costs the GIL
-        for p, answered in _drain(comm.requests):
-            self.core.on_request(p)
-            if not answered:  # the comm thread had nothing ready for p: answer now
-                late.append(self._contribution(p))
-        late += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
-        comm.post(*late)
-        comm.prepare({p: self._contribution(p) for p in self.core.expected})
-        # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
-        # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
-        reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
-        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
+        """Everything the training thread does for the protocol between two inner steps.
 
-    def _share_inbox(self, initial: bool = False) -> list[Any]:
-        """Rank 0 broadcasts the fragments (and peer state) it received, so every rank applies
-        the same ones at the same step. Inside a learner a collective is fine: it is one
-        failure domain."""
-        msgs: list[Any] = _drain(self.comm.inbox) if self.comm is not None else []
-        if self.world == 1:
-            return msgs
+        In a torchrun group rank 0 does it all, then broadcasts what it received and the core
+        calls it made (requests seen, contributions built), in order: the other ranks apply the
+        same fragments and replay the same calls, so every rank's ``LearnerCore`` (its base
+        versions and LR position) stays equal to rank 0's. Inside a learner a collective is
+        fine: it is one failure domain."""
+        comm = self.comm
+        msgs: list[Any] = _drain(comm.inbox) if comm is not None else []
+        acks = self._apply(msgs)
+        calls: list[tuple[str, int]] = []  # the core calls made here, for the other ranks to replay
+        if comm is not None:
+            out: list[Any] = list(acks)  # one post per boundary: each wakes the comm thread, which costs the GIL
+            for p, answered in _drain(comm.requests):
+                self.core.on_request(p)
+                calls.append(("request", p))
+                if not answered:  # the comm thread had nothing ready for p: answer now
+                    out.append(self._contribution(p))
+                    calls.append(("contribution", p))
+            out += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
+            comm.post(*out)
+            comm.prepare({p: self._contribution(p) for p in self.core.expected})
+            calls += [("contribution", p) for p in self.core.expected]
+            # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
+            # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
+            reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
+            comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
+        if self.world > 1:
+            self._follow_rank0(msgs, calls)
+
+    def _follow_rank0(self, msgs: list[Any], calls: list[tuple[str, int]]) -> None:
         import torch.distributed as dist
 
-        box: list[Any] = [msgs, (self._position, dict(vars(self.core))) if initial else None]
+        box: list[Any] = [msgs, calls]
         dist.broadcast_object_list(box, src=0)
-        if initial:
-            # rank 0 applied the global state it fetched on join: every rank starts from it
-            with torch.no_grad():
-                for prm in self.model.parameters():
-                    dist.broadcast(prm.data, src=0)
-            if self.rank != 0:
-                self._position, core_state = box[1]
-                vars(self.core).update(core_state)  # counters, base versions, LR position
-        return list(box[0])
+        if self.rank == 0:
+            return
+        self._apply(box[0])
+        for kind, p in box[1]:
+            if kind == "request":
+                self.core.on_request(p)
+            else:  # the bookkeeping of a contribution rank 0 built (its values stay on rank 0)
+                self.core.contribution(p, [], self._position)
+
+    def _share_initial(self) -> None:
+        """After the join, every rank starts from rank 0's model, counters and data position."""
+        import torch.distributed as dist
+
+        box: list[Any] = [(self._position, dict(vars(self.core)))]
+        dist.broadcast_object_list(box, src=0)
+        # rank 0 applied the global state it fetched on join: every rank starts from it
+        with torch.no_grad():
+            for prm in self.model.parameters():
+                dist.broadcast(prm.data, src=0)
+        if self.rank != 0:
+            self._position, core_state = box[0]
+            vars(self.core).update(core_state)  # counters, base versions, LR position
 
     def _serve_peer_requests(self) -> None:
         """A restarting peer asked (through the syncer) for our optimizer state."""
