@@ -9,7 +9,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak clean
+.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak bench-library clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-runtime: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(BIN)/python bench/soak.py --minutes 10
+
+bench-library: $(STAMP)
+	$(BIN)/python bench/library.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

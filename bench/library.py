@@ -189,7 +189,6 @@ def fleet(work: Path, args: argparse.Namespace) -> dict:
         "goodput": compute / (LEARNERS * wall),
         "down_s": restarted_at - killed_at,
         "restarting_s": restarted["first_step_at"] - restarted_at,
-        "steps_lost_at_kill_max": args.sync_every,
         "sync_share": survivor["sync_s"] / survivor["step_s"],
         "api_rate": survivor["steps"] / survivor["loop_s"],
         "steps": {"survivor": survivor["steps"], "killed": killed["steps"], "restarted": restarted["steps"]},
