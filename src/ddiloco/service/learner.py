@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 
 from ddiloco.config import Config
-from ddiloco.errors import DDiLoCoError, RefusedError
+from ddiloco.errors import CommError, DDiLoCoError, RefusedError
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
@@ -149,7 +149,10 @@ class LearnerProcess:
             inner_step(self.model, self.opt, loss, lr, self.cfg.inner.grad_clip)
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)
-            learner.step(batch.tokens, data_position=self.stream.position)
+            try:
+                learner.step(batch.tokens, data_position=self.stream.position)
+            except (RefusedError, CommError):
+                break  # the comm thread stopped since _should_stop looked: _finish says why, with the exit code
             dt = time.perf_counter() - t0
             s = self.stats
             s["steps"] += 1
