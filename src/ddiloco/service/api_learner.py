@@ -297,6 +297,7 @@ class Learner:
         end = time.perf_counter()
         self.stats.sync_s += end - t0 - blocked
         self._last_end = end
+        self._raise_if_comm_stopped()
 
     def close(self) -> None:
         """Leave the fleet (the syncer stops waiting for this learner at once) and stop the comm
@@ -334,12 +335,16 @@ class Learner:
             raise UsageError(f"step(tokens={tokens!r}): tokens must be an integer >= 0 (tokens in this step)")
         if data_position is not None and (type(data_position) is not int or data_position < 0):
             raise UsageError(f"step(data_position={data_position!r}): must be an integer >= 0")
+        self._check_shapes()
+
+    def _raise_if_comm_stopped(self) -> None:
+        """Raised at the end of a step, after its boundary: in a torchrun group every rank took
+        part in the boundary's broadcast, so the ranks' collectives stay paired."""
         comm = self.comm
         if comm is not None and comm.stop.is_set():
             if comm.refused:
                 raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
             raise CommError(f"learner {self.id}: its comm thread died ({comm.died}); restart the learner")
-        self._check_shapes()
 
     def _check_shapes(self) -> None:
         """The fragments are slices of the parameters as they were at the start: a model whose

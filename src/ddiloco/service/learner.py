@@ -53,7 +53,9 @@ class LearnerProcess:
     ) -> None:
         torch.set_num_threads(threads)
         self.cfg, self.id, self.run_dir, self.clock = cfg, learner_id, Path(run_dir), clock
-        self.syncers, self.connect, self.incarnation, self.keys = syncers, connect, incarnation, keys
+        self.syncers, self.connect, self.keys = syncers, connect, keys
+        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
+        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
         # A torchrun group is one learner: ranks run DDP inside it; rank 0 talks to the syncer.
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -152,7 +154,7 @@ class LearnerProcess:
             try:
                 learner.step(batch.tokens, data_position=self.stream.position)
             except (RefusedError, CommError):
-                break  # the comm thread stopped since _should_stop looked: _finish says why, with the exit code
+                pass  # the comm thread stopped: _should_stop ends the loop on every rank, _finish says why
             dt = time.perf_counter() - t0
             s = self.stats
             s["steps"] += 1
@@ -210,7 +212,7 @@ class LearnerProcess:
                 "world": self.world,
                 "param_checksum": checksum,
                 "learner": self.id,
-                "incarnation": learner.incarnation if learner is not None else self.incarnation,
+                "incarnation": self.incarnation,
                 "pid": os.getpid(),
                 "time": self.clock.wall(),
                 "step_time_ema": learner._step_ema if learner is not None else 0.0,
