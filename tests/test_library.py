@@ -227,10 +227,10 @@ def test_misuse_gives_one_clear_error(fleet, tmp_path):
         ddiloco.Learner(lambda x: x)  # type: ignore[arg-type]
 
 
-def test_fully_sharded_parameters_are_refused_with_the_reason():
-    """FSDP2 shards parameters as DTensors; the Learner says it does not support them yet."""
+def test_dtensor_parameters_other_than_fsdp2_shards_are_refused_with_the_reason():
+    """FSDP2 shards parameters as Shard(0) DTensors (supported); other placements are refused."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
     if dist.is_initialized():
         pytest.skip("a process group is already up")
@@ -239,8 +239,8 @@ def test_fully_sharded_parameters_are_refused_with_the_reason():
     try:
         mesh = init_device_mesh("cpu", (1,))
         model = nn.Linear(4, 4)
-        model.weight = nn.Parameter(DTensor.from_local(model.weight.detach(), mesh, [Replicate()]))
-        with pytest.raises(ddiloco.UsageError, match="is a DTensor .*not support"):
+        model.weight = nn.Parameter(DTensor.from_local(model.weight.detach(), mesh, [Shard(1)]))
+        with pytest.raises(ddiloco.UsageError, match="supports FSDP2's Shard.0."):
             ddiloco.Learner(model)
     finally:
         dist.destroy_process_group()
@@ -291,16 +291,21 @@ def test_the_readme_snippet_runs_as_written_against_a_loopback_syncer(tmp_path):
     assert merges(tmp_path / "runs" / "readme"), "no contribution of the README's learner was merged"
 
 
-def test_ddp_learner_in_a_two_rank_torchrun_group(tmp_path):
-    """One learner = 2 ranks with DDP; rank 0 talks to the syncer, both apply the same fragments."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_two_rank_torchrun_learner_with_ddp_or_fsdp2(tmp_path, mode):
+    """One learner = 2 ranks with DDP or FSDP2 (fully_shard, gloo on CPU); rank 0 talks to the
+    syncer; every rank takes the global model on join and applies the same fragments."""
     torch.set_num_threads(1)
-    server = ddiloco.SyncerServer(DictNet(), "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False)
+    torch.manual_seed(0)
+    initial = DictNet()
+    expected = {k: v.detach().clone() for k, v in initial.state_dict().items()}
+    server = ddiloco.SyncerServer(initial, "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False)
     server.start()
     try:
         out = subprocess.run(
             [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                str(ROOT / "tests" / "library_ddp_worker.py"), server.address, str(tmp_path), *SETTINGS,
+                str(ROOT / "tests" / "library_ddp_worker.py"), server.address, str(tmp_path), mode, *SETTINGS,
             ],
             env=ENV,
             capture_output=True,
@@ -311,11 +316,14 @@ def test_ddp_learner_in_a_two_rank_torchrun_group(tmp_path):
         server.stop()
     assert out.returncode == 0, out.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for r in ranks:  # both ranks started from different inits: the join wrote the global model on each
+        for name, value in expected.items():
+            assert torch.equal(r["joined"][name], value), name
     # rank 0 also counts the join's fetch; both then applied the same merged versions
     assert ranks[1]["applied"] > 0 and ranks[0]["versions"] == ranks[1]["versions"] and max(ranks[1]["versions"]) > 0
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
-    assert merges(tmp_path / "syncer"), "the group's contributions were never merged"
+    assert merges(tmp_path / "syncer"), "the group's contributions were never merged (shapes refused?)"
     assert ranks[0]["global_tokens"] == ranks[1]["global_tokens"] > 0
 
 

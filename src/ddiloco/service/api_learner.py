@@ -199,8 +199,8 @@ class Learner:
         params = dict(self.model.named_parameters())
         if not params:
             raise UsageError("the model has no parameters to synchronise")
-        self._check_supported(params)
         self.params = params
+        self.sharded = self._sharding(params)  # name -> this rank's rows, for FSDP2 parameters
         self._shapes = {n: tuple(p.shape) for n, p in params.items()}
         self.device = next(iter(params.values())).device
         self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
@@ -221,6 +221,7 @@ class Learner:
         self.max_data_position = max_data_position
         self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments, self.incarnation, max_global_tokens)
         self.stats = LearnerStats()
+        self._joined: list[FragmentUpdate] = []
         self._position = 0
         self._closed = False
         self._step_ema = 0.0
@@ -318,15 +319,40 @@ class Learner:
 
     # -- checks --------------------------------------------------------------------------------
 
-    def _check_supported(self, params: dict[str, torch.Tensor]) -> None:
-        # FSDP2 (fully_shard) shards each parameter as a DTensor: host copies would need a gather
-        # on every rank at the same boundaries, and writes a scatter. Not built yet: say so.
+    def _sharding(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """For FSDP2 (``fully_shard``): the rows of each DTensor parameter this rank holds.
+
+        Only what FSDP2 makes is supported: a 1-D mesh over the torchrun group, each parameter
+        ``Shard(0)`` (rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world)) or
+        ``Replicate``. Writes go into the local rows; reads gather the full tensor."""
+        rows: dict[str, tuple[int, int]] = {}
         for name, p in params.items():
-            if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            if type(p).__name__ != "DTensor":
+                continue
+            from torch.distributed.tensor import Replicate, Shard
+
+            mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+            ok = mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], (Shard, Replicate))
+            if ok and isinstance(placements[0], Shard) and placements[0].dim != 0:
+                ok = False
+            if not ok or p.dim() == 0:
                 raise UsageError(
-                    f"parameter {name} is a DTensor (FSDP2 fully_shard or tensor parallelism), which ddiloco.Learner "
-                    "does not support yet; use DDP inside the learner (see docs/library.md)"
+                    f"parameter {name} is a DTensor placed {placements} on a {mesh.ndim}-D mesh; ddiloco.Learner "
+                    "supports FSDP2's Shard(0) (or Replicate) on one mesh dimension: use fully_shard over the group"
                 )
+            n, width, r = p.shape[0], mesh.size(), mesh.get_local_rank()
+            if isinstance(placements[0], Replicate):
+                rows[name] = (0, n)
+                continue
+            c = -(-n // width)
+            lo = min(r * c, n)
+            rows[name] = (lo, min(lo + c, n))
+            local = p.to_local()  # type: ignore[attr-defined]
+            if local.shape[0] != rows[name][1] - lo:
+                raise UsageError(
+                    f"parameter {name}: this rank holds {local.shape[0]} rows, not the expected {rows[name]}"
+                )
+        return rows
 
     def _check_can_step(self, tokens: int, data_position: int | None) -> None:
         if self._closed:
@@ -385,7 +411,7 @@ class Learner:
             self._wait_for_fragments(comm, timeout_s)
             if comm.refused:
                 raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
-            if self.optimizer is not None:
+            if self.optimizer is not None and not self.sharded:
                 comm.post(PeerStateRequest(self.id, self.incarnation))
         if self.world > 1:
             self._share_initial()
@@ -404,6 +430,7 @@ class Learner:
             updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
             later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
             got.update(m.fragment for m in updates)
+            self._joined += updates  # the other ranks of an FSDP2 group write their rows of them too
             comm.post(*self._apply(updates))
         for m in later:
             comm.inbox.put(m)
@@ -428,15 +455,42 @@ class Learner:
     # -- the step boundary ---------------------------------------------------------------------
 
     def _host_values(self, p: int) -> list[torch.Tensor]:
-        """Fragment p's current values, copied to host memory (the seam FSDP2 would gather at)."""
+        """Fragment p's current values, copied to host memory. An FSDP2 parameter is gathered
+        first: a collective, so every rank of the group calls this for the same fragments."""
         out = []
         for pc in self.pieces[p]:
             t = self.params[pc.name].detach()
+            if pc.name in self.sharded:
+                t = t.full_tensor()  # type: ignore[attr-defined]
             out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", copy=True))
         return out
 
     def _contribution(self, p: int) -> Contribution:
-        return self.core.contribution(p, self._host_values(p), self._position)
+        # Only rank 0 sends; the other ranks keep the same counters (and join a gather, FSDP2).
+        values = self._host_values(p) if self.rank == 0 or self.sharded else []
+        return self.core.contribution(p, values if self.rank == 0 else [], self._position)
+
+    def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
+        pieces = self.pieces[p]
+        if not self.sharded:
+            write_fragment(self.params, pieces, [v.to(self.device) for v in values], alpha)
+            return
+        with torch.no_grad():
+            for pc, v in zip(pieces, values):
+                t = self.params[pc.name]
+                if pc.name not in self.sharded:
+                    write_fragment(self.params, [pc], [v.to(self.device)], alpha)
+                    continue
+                lo, hi = self.sharded[pc.name]  # this rank's rows of the parameter
+                a, b = max(pc.row_start, lo), min(pc.row_end, hi)
+                if a >= b:
+                    continue
+                dst = t.to_local()[a - lo : b - lo]  # type: ignore[attr-defined]
+                src = v[a - pc.row_start : b - pc.row_start].to(dst.device)
+                if alpha == 0.0:
+                    dst.copy_(src)
+                else:
+                    dst.mul_(alpha).add_(src.to(dst.dtype), alpha=1.0 - alpha)
 
     def _apply(self, msgs: list[Any]) -> list[Ack]:
         """Write the fragments (and load the peer state) that arrived; returns the acks to send."""
@@ -458,9 +512,7 @@ class Learner:
                     log.warning("learner %d: ignored fragment %d version %d: %s", self.id, msg.fragment, msg.version,
                                 receipt.problem)  # fmt: skip
                 continue
-            write_fragment(
-                self.params, self.pieces[msg.fragment], [v.to(self.device) for v in msg.values], receipt.alpha
-            )
+            self._write(msg.fragment, msg.values, receipt.alpha)
             self.stats.applied += 1
             acks.append(Ack(self.id, self.incarnation, msg.fragment, msg.version))
         return acks
@@ -468,69 +520,63 @@ class Learner:
     def _boundary(self, sends: list[int]) -> None:
         """Everything the training thread does for the protocol between two inner steps.
 
-        In a torchrun group rank 0 does it all, then broadcasts what it received and the core
-        calls it made (requests seen, contributions built), in order: the other ranks apply the
-        same fragments and replay the same calls, so every rank's ``LearnerCore`` (its base
-        versions and LR position) stays equal to rank 0's. Inside a learner a collective is
-        fine: it is one failure domain."""
+        In a torchrun group rank 0 takes what arrived (fragments, peer state, requests) and
+        broadcasts it; then every rank does the same: applies the same fragments and makes the
+        same core calls, so every rank's ``LearnerCore`` (base versions, LR position) stays
+        equal, and FSDP2 gathers happen on every rank in the same order. Only rank 0 sends.
+        Inside a learner a collective is fine: it is one failure domain."""
         comm = self.comm
         msgs: list[Any] = _drain(comm.inbox) if comm is not None else []
-        acks = self._apply(msgs)
-        calls: list[tuple[str, int]] = []  # the core calls made here, for the other ranks to replay
-        if comm is not None:
-            out: list[Any] = list(acks)  # one post per boundary: each wakes the comm thread, which costs the GIL
-            for p, answered in _drain(comm.requests):
-                self.core.on_request(p)
-                calls.append(("request", p))
-                if not answered:  # the comm thread had nothing ready for p: answer now
-                    out.append(self._contribution(p))
-                    calls.append(("contribution", p))
-            out += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
-            comm.post(*out)
-            comm.prepare({p: self._contribution(p) for p in self.core.expected})
-            calls += [("contribution", p) for p in self.core.expected]
-            # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
-            # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
-            reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
-            comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
+        requests: list[tuple[int, bool]] = _drain(comm.requests) if comm is not None else []
         if self.world > 1:
-            self._follow_rank0(msgs, calls)
+            import torch.distributed as dist
 
-    def _follow_rank0(self, msgs: list[Any], calls: list[tuple[str, int]]) -> None:
-        import torch.distributed as dist
-
-        box: list[Any] = [msgs, calls]
-        dist.broadcast_object_list(box, src=0)
-        if self.rank == 0:
+            box: list[Any] = [msgs, requests]
+            dist.broadcast_object_list(box, src=0)
+            msgs, requests = box
+        out: list[Any] = list(self._apply(msgs))  # one post per boundary: each wakes the comm thread
+        for p, answered in requests:
+            self.core.on_request(p)
+            if not answered:  # the comm thread had nothing ready for p: answer now
+                out.append(self._contribution(p))
+        out += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
+        prepared = {p: self._contribution(p) for p in self.core.expected}  # empty until the first request
+        if comm is None:
             return
-        self._apply(box[0])
-        for kind, p in box[1]:
-            if kind == "request":
-                self.core.on_request(p)
-            else:  # the bookkeeping of a contribution rank 0 built (its values stay on rank 0)
-                self.core.contribution(p, [], self._position)
+        comm.post(*out)
+        comm.prepare(prepared)
+        # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
+        # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
+        reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
+        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
 
     def _share_initial(self) -> None:
         """After the join, every rank starts from rank 0's model, counters and data position."""
         import torch.distributed as dist
 
-        box: list[Any] = [(self._position, dict(vars(self.core)))]
+        box: list[Any] = [(self._position, dict(vars(self.core)), self._joined if self.sharded else [])]
         dist.broadcast_object_list(box, src=0)
+        position, core_state, joined = box[0]
+        if self.rank != 0:
+            self._apply(joined)  # FSDP2: each rank writes its own rows of the global state
         # rank 0 applied the global state it fetched on join: every rank starts from it
         with torch.no_grad():
-            for prm in self.model.parameters():
-                dist.broadcast(prm.data, src=0)
+            for name, prm in self.model.named_parameters():
+                if name not in self.sharded:
+                    dist.broadcast(prm.data, src=0)
         if self.rank != 0:
-            self._position, core_state = box[0]
+            self._position = position
             vars(self.core).update(core_state)  # counters, base versions, LR position
+        self._joined = []
 
     def _serve_peer_requests(self) -> None:
         """A restarting peer asked (through the syncer) for our optimizer state."""
         if self.comm is None:
             return
         for who in _drain(self.comm.peer_requests):
-            # Without an optimizer there is nothing to give; the peer does not wait for an answer.
-            if self.optimizer is not None:
+            # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
+            # does not wait for an answer.
+            if self.optimizer is not None and not self.sharded:
                 self.comm.post(state_message(self.optimizer, who, self.id))
 
     def _block_if_lock_step(self) -> float:
