@@ -7,8 +7,8 @@ call, answers requests the comm thread could not answer itself, and copies to ho
 the fragments the schedule says will be asked for next. The comm thread (``learner_comm``) does
 all the talking. ``ddiloco learner`` (``service/learner.py``) is one user of this class.
 
-Inside a torchrun group (DDP) rank 0 alone talks to the syncer and broadcasts what it received
-at each step boundary, so every rank applies the same fragments at the same step.
+Inside a torchrun group (DDP or FSDP2) rank 0 alone talks to the syncer and broadcasts what it
+received at each step boundary, so every rank applies the same fragments at the same step.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class Learner:
     ) -> None:
         """
         Args:
-            model: the model the loop trains (an ``nn.Module``, or DDP around one).
+            model: the model the loop trains (an ``nn.Module``, DDP around one, or an FSDP2 module).
             syncer: the syncer's address (a list: one per shard, in shard order); None: standalone.
             learner_id: this learner's id (0..65535), unique in the fleet; a restarted learner
                 takes its id back, with its data position and a peer's optimizer state.
