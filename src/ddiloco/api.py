@@ -1,0 +1,28 @@
+"""The public library API in one place, imported eagerly (``ddiloco.X`` is the same object,
+imported on first use). See docs/library.md."""
+
+from ddiloco.config import Config, load_config
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
+from ddiloco.export import export_model, fetch_state, load_state_dict, save_state_dict
+from ddiloco.service.api_learner import Learner, LearnerStats
+from ddiloco.service.api_syncer import SyncerServer
+from ddiloco.workloads.custom import workload_from
+
+__all__ = [
+    "CommError",
+    "Config",
+    "DDiLoCoError",
+    "DiLoCoConfig",
+    "Learner",
+    "LearnerStats",
+    "RefusedError",
+    "SyncerServer",
+    "UsageError",
+    "export_model",
+    "fetch_state",
+    "load_config",
+    "load_state_dict",
+    "save_state_dict",
+    "workload_from",
+]

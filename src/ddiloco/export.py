@@ -1,0 +1,118 @@
+"""Exporting the global model: a plain state dict (safetensors) and, for Hugging Face models, a
+folder that ``from_pretrained`` loads.
+
+The syncer writes ``RUN_DIR/final/model.safetensors`` when it stops (``save_state_dict``); a
+live syncer's current model can be fetched instead (``fetch_state``). ``export_model`` loads
+either into the user's model and writes the folder; ``ddiloco export`` calls the same functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddiloco.errors import DDiLoCoError
+
+log = logging.getLogger(__name__)
+
+FINAL = Path("final") / "model.safetensors"
+"""Where a run folder holds the syncer's final global model."""
+
+
+def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path:
+    """Write ``state`` as safetensors. Tensors that share memory (tied weights) are written as
+    copies, so a plain ``model.load_state_dict(load_state_dict(path))`` restores every key."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        # safetensors refuses tensors that share memory: the second of a tied pair is a copy
+        out[name] = t.clone() if ptr and ptr in seen else t
+        seen.add(ptr)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(out, str(tmp))
+    tmp.replace(path)  # a reader never sees half a file
+    return path
+
+
+def load_state_dict(source: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict in a safetensors file, or in a run folder's ``final/model.safetensors``."""
+    from safetensors.torch import load_file
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / FINAL
+    if not path.is_file():
+        raise DDiLoCoError(
+            f"{path} does not exist: pass a run folder whose syncer has stopped (it writes {FINAL}) or a "
+            ".safetensors file"
+        )
+    return load_file(str(path))
+
+
+def fetch_state(
+    model: nn.Module,
+    syncers: Sequence[str],
+    num_fragments: int | str = "auto",
+    config: object = None,
+    key: str | Path | None = None,
+    timeout_s: float = 10.0,
+) -> dict[str, torch.Tensor]:
+    """The current global model of a live syncer (every shard), as a state dict of ``model``'s
+    structure. ``config`` must give the syncer's fragment layout (a Config, DiLoCoConfig or TOML)."""
+    from ddiloco.service.api_learner import as_config, client_keys
+    from ddiloco.service.evaluator import fetch_global, load_global
+    from ddiloco.training.layout import embedding_parameters, layout_of
+
+    cfg = as_config(config)  # type: ignore[arg-type]
+    keys = client_keys(list(syncers), key, "observer", insecure=False)
+    states = fetch_global(list(syncers), timeout_s, keys)
+    if states is None:
+        raise DDiLoCoError(f"no answer from {', '.join(syncers)} within {timeout_s:.0f} s: is the syncer running?")
+    layout = layout_of(model, cfg.algo, embedding_parameters(model)).fragments
+    load_global(model, layout, states)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def export_model(model: nn.Module, state: Mapping[str, torch.Tensor] | str | Path, out_dir: str | Path) -> Path:
+    """Load ``state`` (a state dict, a safetensors file or a run folder) into ``model`` and write
+    ``out_dir``: ``model.safetensors`` (plain state dict) and, for a Hugging Face model
+    (one with ``save_pretrained``), its config and weights, loadable with ``from_pretrained``."""
+    sd = load_state_dict(state) if isinstance(state, (str, Path)) else dict(state)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected:
+        raise DDiLoCoError(
+            f"the exported state has tensors this model lacks ({', '.join(unexpected[:3])}): build the model the "
+            "run trained"
+        )
+    # Tied weights appear once in a fetched state; anything else missing is an error.
+    tied = {n for n in missing if _is_tied(model, n)}
+    if set(missing) - tied:
+        raise DDiLoCoError(f"the exported state lacks {', '.join(sorted(set(missing) - tied)[:3])}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if callable(save_pretrained):
+        save_pretrained(str(out))  # writes its own model.safetensors (tied weights once) and config.json
+    else:
+        save_state_dict(model.state_dict(), out / "model.safetensors")
+    log.info("exported the global model to %s", out)
+    return out
+
+
+def _is_tied(model: nn.Module, name: str) -> bool:
+    """Whether state-dict entry ``name`` shares its memory with a parameter under another name."""
+    sd = model.state_dict(keep_vars=True)
+    t = sd.get(name)
+    if t is None:
+        return False
+    return any(other is not name and v.data_ptr() == t.data_ptr() for other, v in sd.items() if other != name)

@@ -1,0 +1,598 @@
+"""``ddiloco.Learner``: any PyTorch training loop as a Decoupled DiLoCo learner.
+
+The user keeps their model, optimizer, LR scheduler, data loader and batch structure; after
+each optimizer step they call ``learner.step(tokens=n)``. That call never waits on the network
+(``late_fragment = continue``): it applies the global fragments that arrived since the last
+call, answers requests the comm thread could not answer itself, and copies to host memory only
+the fragments the schedule says will be asked for next. The comm thread (``learner_comm``) does
+all the talking. ``ddiloco learner`` (``service/learner.py``) is one user of this class.
+
+Inside a torchrun group (DDP or FSDP2) rank 0 alone talks to the syncer and broadcasts what it
+received at each step boundary, so every rank applies the same fragments at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddiloco.config import Config, load_config
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import write_fragment
+from ddiloco.core.learner import LearnerCore
+from ddiloco.core.messages import ID, Ack, Contribution, FragmentUpdate
+from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
+from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.keys import ClientKeys, is_local
+from ddiloco.service.learner_comm import LearnerComm, Progress
+from ddiloco.service.peer_state import load_state, state_message
+from ddiloco.service.protocol import PeerState, PeerStateRequest, learner_identity, param_spec
+from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket
+from ddiloco.training.layout import embedding_parameters, layout_of
+
+log = logging.getLogger(__name__)
+
+SocketFactory = Callable[[list[str], bytes], LearnerSocket]
+"""Makes a learner's transport from (syncer addresses, transport identity): ZeroMQ by default,
+``InProcessNetwork.learner`` in tests."""
+ConfigLike = Config | DiLoCoConfig | str | Path | None
+"""A whole ``Config``, only its algorithm section, a TOML file shared with ``ddiloco syncer``,
+or None for the defaults."""
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass
+class LearnerStats:
+    """What a learner did so far (read it any time; it is updated by ``step()``)."""
+
+    steps: int = 0
+    """Calls to ``step()``."""
+    tokens: int = 0
+    """Tokens this learner processed (all ranks together)."""
+    step_s: float = 0.0
+    """Wall time between consecutive ``step()`` calls, summed: the training loop's time."""
+    sync_s: float = 0.0
+    """Wall time spent inside ``step()``, lock-step waits excepted: the API's cost."""
+    blocked_s: float = 0.0
+    """Wall time a lock-step (``late_fragment = wait``) learner waited inside ``step()``."""
+    applied: int = 0
+    """Global fragment versions written into the model."""
+
+
+def as_config(config: ConfigLike) -> Config:
+    """Any accepted form of ``config`` as a validated ``Config`` (one line when it is not one)."""
+    if config is None:
+        return Config().validate()
+    if isinstance(config, Config):
+        return config.validate()
+    if isinstance(config, DiLoCoConfig):
+        return Config(algo=config).validate()
+    if isinstance(config, (str, Path)):
+        return load_config(config)
+    raise UsageError(
+        f"config must be a ddiloco Config, a DiLoCoConfig, a TOML file path or None, not a {type(config).__name__}"
+    )
+
+
+def check_addresses(syncer: str | Sequence[str] | None) -> list[str]:
+    """The syncer shard addresses, in shard order (empty: standalone)."""
+    if syncer is None:
+        return []
+    addrs = [syncer] if isinstance(syncer, str) else list(syncer)
+    if not addrs:
+        raise UsageError("syncer is an empty list: pass 'tcp://HOST:PORT' (one per shard), or None to train alone")
+    for a in addrs:
+        if not isinstance(a, str) or not a.startswith(ADDRESS_SCHEMES):
+            raise UsageError(f"syncer address {a!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
+    return addrs
+
+
+def client_keys(
+    syncers: list[str], key: str | Path | ClientKeys | None, name: str, insecure: bool
+) -> ClientKeys | None:
+    """The keys to talk to ``syncers`` as ``name``: ``key`` is a folder from ``ddiloco keys`` (or
+    the ``NAME.key_secret`` file in it, next to ``syncer.key``); none on this machine, or with
+    ``insecure`` (which is said once)."""
+    if isinstance(key, ClientKeys):
+        return key
+    if key is not None:
+        path = Path(key)
+        if path.is_file():
+            if path.name != f"{name}.key_secret":
+                raise UsageError(f"key file {path} is not {name}.key_secret; pass that file or the folder holding it")
+            path = path.parent
+        return ClientKeys.load(path, name)
+    remote = [a for a in syncers if not is_local(a)]
+    if remote and not insecure:
+        raise DDiLoCoError(
+            f"{remote[0]} is not on this machine: pass the keys folder (--keys DIR, or key=DIR in Python) with "
+            f"syncer.key and {name}.key_secret from `ddiloco keys`, or --insecure (insecure=True) on a trusted network"
+        )
+    if remote:
+        log.warning("INSECURE: talking to %s without authentication or encryption", remote[0])
+    return None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose parameters are synced: DDP's ``.module``, or the model itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _drain(q: queue.Queue[Any]) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
+class Learner:
+    """One Decoupled DiLoCo learner around the user's own model and training loop.
+
+    ``Learner(model, syncer="tcp://host:port", learner_id=3)`` registers with the syncer and
+    waits up to ``join_timeout_s`` for every global fragment before it returns; then call
+    ``step(tokens=n)`` after every optimizer step and ``close()`` at the end (or use it as a
+    context manager). ``syncer=None`` trains alone (for debugging: no network at all).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        syncer: str | Sequence[str] | None = None,
+        *,
+        learner_id: int = 0,
+        key: str | Path | ClientKeys | None = None,
+        config: ConfigLike = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        join_timeout_s: float | None = None,
+        insecure: bool = False,
+        transport: SocketFactory | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        incarnation: int | None = None,
+        max_data_position: int | None = None,
+        max_global_tokens: float = math.inf,
+    ) -> None:
+        """
+        Args:
+            model: the model the loop trains (an ``nn.Module``, DDP around one, or an FSDP2 module).
+            syncer: the syncer's address (a list: one per shard, in shard order); None: standalone.
+            learner_id: this learner's id (0..65535), unique in the fleet; a restarted learner
+                takes its id back, with its data position and a peer's optimizer state.
+            key: ``ddiloco keys`` folder (or this learner's ``learner-ID.key_secret`` in it);
+                required for a syncer that is not on this machine (see docs/security.md).
+            config: the run's ``Config`` (or its ``DiLoCoConfig``, or a TOML file); it must give
+                the same fragment layout as the syncer's.
+            optimizer: the user's inner optimizer; with it, a (re)starting learner loads a live
+                peer's ``optimizer.state_dict()`` at a step boundary, and serves its own to peers.
+            join_timeout_s: how long to wait for the global state (default ``runtime.join_timeout_s``).
+            insecure: allow an unencrypted connection off this machine (trusted networks only).
+            transport, clock, incarnation: injected by tests and ``ddiloco learner``.
+            max_data_position: a data position beyond this from the syncer is not believed.
+            max_global_tokens: a global token count beyond this from the syncer is not believed
+                (``ddiloco learner`` passes 1000x the run's budget).
+        """
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
+        if type(learner_id) is not int or not 0 <= learner_id <= ID["max"]:
+            raise UsageError(f"learner_id = {learner_id!r} is out of range; allowed: an integer in 0..{ID['max']}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UsageError(f"optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+        if join_timeout_s is not None and not (isinstance(join_timeout_s, (int, float)) and join_timeout_s > 0):
+            raise UsageError(f"join_timeout_s = {join_timeout_s!r} is out of range; allowed: > 0 seconds")
+        addrs = check_addresses(syncer)
+        self.cfg = cfg = as_config(config)
+        self.id, self.clock, self.optimizer = learner_id, clock, optimizer
+        self.trained = model
+        self.model = unwrap(model)
+        params = dict(self.model.named_parameters())
+        if not params:
+            raise UsageError("the model has no parameters to synchronise")
+        self.params = params
+        self.sharded = self._sharding(params)  # name -> this rank's rows, for FSDP2 parameters
+        self._shapes = {n: tuple(p.shape) for n, p in params.items()}
+        self.device = next(iter(params.values())).device
+        self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
+        self.pieces = self.layout.fragments.fragments
+        self.rank, self.world = 0, 1
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world > 1 and cfg.algo.late_fragment == "wait":
+            raise UsageError(
+                "a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step "
+                "baselines with one process per learner"
+            )
+        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
+        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
+        self.max_global_tokens = max_global_tokens
+        self.max_data_position = max_data_position
+        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments, self.incarnation, max_global_tokens)
+        self.stats = LearnerStats()
+        self._joined: list[FragmentUpdate] = []
+        self._position = 0
+        self._closed = False
+        self._step_ema = 0.0
+        self._last_end: float | None = None
+        self.comm: LearnerComm | None = None
+        if addrs and self.rank == 0:
+            keys = client_keys(addrs, key, f"learner-{learner_id}", insecure)
+            rt = cfg.runtime
+            factory = transport or (
+                lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
+            )
+            self.comm = LearnerComm(
+                rt,
+                learner_id,
+                self.incarnation,
+                param_spec(self.model),
+                self.layout.digest,
+                addrs,
+                factory(addrs, learner_identity(learner_id)),
+                clock,
+                str(self.device),
+            )
+        try:
+            self._join(join_timeout_s if join_timeout_s is not None else cfg.runtime.join_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the public surface ------------------------------------------------------------------
+
+    @property
+    def global_tokens(self) -> float:
+        """Where the run is, in tokens of the whole fleet: the syncer's merged count plus an
+        estimate of what the fleet trained since. Drive an LR schedule with it."""
+        return self.core.lr_tokens()
+
+    @property
+    def data_position(self) -> int:
+        """Where this learner's data resumes: the position the syncer recorded with its last
+        merged contribution (on a restart), advanced by one per ``step()`` unless ``step`` is
+        told the position."""
+        return self._position
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The global version of each fragment this learner last took."""
+        return tuple(self.core.base_version)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def step(self, tokens: int, data_position: int | None = None) -> None:
+        """Count one finished inner step of ``tokens`` tokens (this process's; a torchrun group
+        counts ``tokens x world size``) and run the step boundary. Never waits on the network
+        (except for the lock-step baselines, ``late_fragment = wait``).
+
+        ``data_position``: where the data would resume after this step (default: one more than
+        before), recorded by the syncer with this learner's merged contributions."""
+        t0 = time.perf_counter()
+        self._check_can_step(tokens, data_position)
+        if self._last_end is not None:
+            dt = t0 - self._last_end
+            self.stats.step_s += dt
+            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
+        n = tokens * self.world
+        self._position = self._position + 1 if data_position is None else data_position
+        sends = self.core.on_step(n)
+        self._boundary(sends)
+        blocked = self._block_if_lock_step()
+        self._serve_peer_requests()
+        self.stats.steps += 1
+        self.stats.tokens += n
+        end = time.perf_counter()
+        self.stats.sync_s += end - t0 - blocked
+        self._last_end = end
+        self._raise_if_comm_stopped()
+
+    def close(self) -> None:
+        """Leave the fleet (the syncer stops waiting for this learner at once) and stop the comm
+        thread. Idempotent; the model keeps its last values."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.comm is not None:
+            self.comm.close()
+
+    def __enter__(self) -> Learner:
+        if self._closed:
+            raise UsageError("this Learner is closed; make a new one")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def _sharding(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+        """For FSDP2 (``fully_shard``): the rows of each DTensor parameter this rank holds.
+
+        Only what FSDP2 makes is supported: a 1-D mesh over the torchrun group, each parameter
+        ``Shard(0)`` (rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world)) or
+        ``Replicate``. Writes go into the local rows; reads gather the full tensor."""
+        rows: dict[str, tuple[int, int]] = {}
+        for name, p in params.items():
+            if type(p).__name__ != "DTensor":
+                continue
+            from torch.distributed.tensor import Replicate, Shard
+
+            mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+            ok = mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], (Shard, Replicate))
+            if ok and isinstance(placements[0], Shard) and placements[0].dim != 0:
+                ok = False
+            if not ok or p.dim() == 0:
+                raise UsageError(
+                    f"parameter {name} is a DTensor placed {placements} on a {mesh.ndim}-D mesh; ddiloco.Learner "
+                    "supports FSDP2's Shard(0) (or Replicate) on one mesh dimension: use fully_shard over the group"
+                )
+            n, width, r = p.shape[0], mesh.size(), mesh.get_local_rank()
+            if isinstance(placements[0], Replicate):
+                rows[name] = (0, n)
+                continue
+            c = -(-n // width)
+            lo = min(r * c, n)
+            rows[name] = (lo, min(lo + c, n))
+            local = p.to_local()  # type: ignore[attr-defined]
+            if local.shape[0] != rows[name][1] - lo:
+                raise UsageError(
+                    f"parameter {name}: this rank holds {local.shape[0]} rows, not the expected {rows[name]}"
+                )
+        return rows
+
+    def _check_can_step(self, tokens: int, data_position: int | None) -> None:
+        if self._closed:
+            raise UsageError("step() after close(): make a new Learner (it rejoins and fetches the global state)")
+        if type(tokens) is not int or tokens < 0:
+            raise UsageError(f"step(tokens={tokens!r}): tokens must be an integer >= 0 (tokens in this step)")
+        if data_position is not None and (type(data_position) is not int or data_position < 0):
+            raise UsageError(f"step(data_position={data_position!r}): must be an integer >= 0")
+        self._check_shapes()
+
+    def _raise_if_comm_stopped(self) -> None:
+        """Raised at the end of a step, after its boundary: in a torchrun group every rank took
+        part in the boundary's broadcast, so the ranks' collectives stay paired."""
+        comm = self.comm
+        if comm is not None and comm.stop.is_set():
+            if comm.refused:
+                raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
+            raise CommError(f"learner {self.id}: its comm thread died ({comm.died}); restart the learner")
+
+    def _check_shapes(self) -> None:
+        """The fragments are slices of the parameters as they were at the start: a model whose
+        parameters were replaced or reshaped since would be synced wrongly. The parameters we
+        hold are checked every step; the module tree (a replaced submodule) every 16 steps, as
+        walking it costs about 2 us per tensor."""
+        for name, p in self.params.items():
+            if p.shape != self._shapes[name]:
+                raise UsageError(
+                    f"parameter {name} changed shape after the Learner was made (was {self._shapes[name]}, now "
+                    f"{tuple(p.shape)}): make every model change before creating the Learner"
+                )
+        if self.stats.steps % 16:
+            return
+        count = 0
+        for name, p in self.model.named_parameters():
+            count += 1
+            shape = self._shapes.get(name)
+            if shape is None or self.params[name] is not p or tuple(p.shape) != shape:
+                was = "absent" if shape is None else f"{shape}"
+                raise UsageError(
+                    f"parameter {name} changed after the Learner was made (was {was}, now {tuple(p.shape)}): make "
+                    "every model change (resizing embeddings, adding heads) before creating the Learner"
+                )
+        if count != len(self._shapes):
+            missing = next(n for n in self._shapes if n not in dict(self.model.named_parameters()))
+            raise UsageError(
+                f"parameter {missing} is gone since the Learner was made: make every model change before creating it"
+            )
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def _join(self, timeout_s: float) -> None:
+        """Take the global state before training (bounded: a dead syncer must not stall us)."""
+        comm = self.comm
+        if comm is not None:
+            comm.start()
+            self._wait_for_fragments(comm, timeout_s)
+            if comm.refused:
+                raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
+            if self.optimizer is not None and not self.sharded:
+                comm.post(PeerStateRequest(self.id, self.incarnation))
+        if self.world > 1:
+            self._share_initial()
+        self._boundary([])
+
+    def _wait_for_fragments(self, comm: LearnerComm, timeout_s: float) -> None:
+        deadline = self.clock.monotonic() + timeout_s
+        total = self.layout.num_fragments
+        got: set[int] = set()
+        later: list[Any] = []  # peer state is applied once training starts
+        while self.clock.monotonic() < deadline and not comm.stop.is_set() and len(got) < total:
+            try:
+                msgs = [comm.inbox.get(timeout=0.05), *_drain(comm.inbox)]
+            except queue.Empty:
+                continue
+            updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
+            later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
+            got.update(m.fragment for m in updates)
+            self._joined += updates  # the other ranks of an FSDP2 group write their rows of them too
+            comm.post(*self._apply(updates))
+        for m in later:
+            comm.inbox.put(m)
+        if comm.data_position:
+            self._position = self._plausible_position(comm.data_position)
+        if len(got) < total and not comm.stop.is_set():
+            log.warning(
+                "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
+                self.id,
+                len(got),
+                total,
+                timeout_s,
+            )
+
+    def _plausible_position(self, position: int) -> int:
+        most = self.max_data_position
+        if most is not None and position > most:
+            log.warning("learner %d: ignored a data position of %d (at most %d is plausible)", self.id, position, most)
+            return 0
+        return position
+
+    # -- the step boundary ---------------------------------------------------------------------
+
+    def _host_values(self, p: int) -> list[torch.Tensor]:
+        """Fragment p's current values, copied to host memory. An FSDP2 parameter is gathered
+        first: a collective, so every rank of the group calls this for the same fragments."""
+        out = []
+        for pc in self.pieces[p]:
+            t = self.params[pc.name].detach()
+            if pc.name in self.sharded:
+                t = t.full_tensor()  # type: ignore[attr-defined]
+            out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", copy=True))
+        return out
+
+    def _contribution(self, p: int) -> Contribution:
+        # Only rank 0 sends; the other ranks keep the same counters (and join a gather, FSDP2).
+        values = self._host_values(p) if self.rank == 0 or self.sharded else []
+        return self.core.contribution(p, values if self.rank == 0 else [], self._position)
+
+    def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
+        pieces = self.pieces[p]
+        if not self.sharded:
+            write_fragment(self.params, pieces, [v.to(self.device) for v in values], alpha)
+            return
+        with torch.no_grad():
+            for pc, v in zip(pieces, values):
+                t = self.params[pc.name]
+                if pc.name not in self.sharded:
+                    write_fragment(self.params, [pc], [v.to(self.device)], alpha)
+                    continue
+                lo, hi = self.sharded[pc.name]  # this rank's rows of the parameter
+                a, b = max(pc.row_start, lo), min(pc.row_end, hi)
+                if a >= b:
+                    continue
+                dst = t.to_local()[a - lo : b - lo]  # type: ignore[attr-defined]
+                src = v[a - pc.row_start : b - pc.row_start].to(dst.device)
+                if alpha == 0.0:
+                    dst.copy_(src)
+                else:
+                    dst.mul_(alpha).add_(src.to(dst.dtype), alpha=1.0 - alpha)
+
+    def _apply(self, msgs: list[Any]) -> list[Ack]:
+        """Write the fragments (and load the peer state) that arrived; returns the acks to send."""
+        acks = []
+        for msg in msgs:
+            if isinstance(msg, PeerState):
+                if msg.source >= 0 and msg.tensors and self.optimizer is not None:
+                    problem = load_state(self.optimizer, msg, self.device)
+                    if problem is not None:
+                        log.warning(
+                            "learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem
+                        )
+                continue
+            receipt = self.core.on_update(
+                msg, self.pieces[msg.fragment] if 0 <= msg.fragment < len(self.pieces) else None
+            )
+            if receipt.mode == "ignore":
+                if receipt.problem:
+                    log.warning("learner %d: ignored fragment %d version %d: %s", self.id, msg.fragment, msg.version,
+                                receipt.problem)  # fmt: skip
+                continue
+            self._write(msg.fragment, msg.values, receipt.alpha)
+            self.stats.applied += 1
+            acks.append(Ack(self.id, self.incarnation, msg.fragment, msg.version))
+        return acks
+
+    def _boundary(self, sends: list[int]) -> None:
+        """Everything the training thread does for the protocol between two inner steps.
+
+        In a torchrun group rank 0 takes what arrived (fragments, peer state, requests) and
+        broadcasts it; then every rank does the same: applies the same fragments and makes the
+        same core calls, so every rank's ``LearnerCore`` (base versions, LR position) stays
+        equal, and FSDP2 gathers happen on every rank in the same order. Only rank 0 sends.
+        Inside a learner a collective is fine: it is one failure domain."""
+        comm = self.comm
+        msgs: list[Any] = _drain(comm.inbox) if comm is not None else []
+        requests: list[tuple[int, bool]] = _drain(comm.requests) if comm is not None else []
+        if self.world > 1:
+            import torch.distributed as dist
+
+            box: list[Any] = [msgs, requests]
+            dist.broadcast_object_list(box, src=0)
+            msgs, requests = box
+        out: list[Any] = list(self._apply(msgs))  # one post per boundary: each wakes the comm thread
+        for p, answered in requests:
+            self.core.on_request(p)
+            if not answered:  # the comm thread had nothing ready for p: answer now
+                out.append(self._contribution(p))
+        out += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
+        prepared = {p: self._contribution(p) for p in self.core.expected}  # empty until the first request
+        if comm is None:
+            return
+        comm.post(*out)
+        comm.prepare(prepared)
+        # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
+        # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
+        reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
+        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
+
+    def _share_initial(self) -> None:
+        """After the join, every rank starts from rank 0's model, counters and data position."""
+        import torch.distributed as dist
+
+        box: list[Any] = [(self._position, dict(vars(self.core)), self._joined if self.sharded else [])]
+        dist.broadcast_object_list(box, src=0)
+        position, core_state, joined = box[0]
+        if self.rank != 0:
+            self._apply(joined)  # FSDP2: each rank writes its own rows of the global state
+        # rank 0 applied the global state it fetched on join: every rank starts from it
+        with torch.no_grad():
+            for name, prm in self.model.named_parameters():
+                if name not in self.sharded:
+                    dist.broadcast(prm.data, src=0)
+        if self.rank != 0:
+            self._position = position
+            vars(self.core).update(core_state)  # counters, base versions, LR position
+        self._joined = []
+
+    def _serve_peer_requests(self) -> None:
+        """A restarting peer asked (through the syncer) for our optimizer state."""
+        if self.comm is None:
+            return
+        for who in _drain(self.comm.peer_requests):
+            # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
+            # does not wait for an answer.
+            if self.optimizer is not None and not self.sharded:
+                self.comm.post(state_message(self.optimizer, who, self.id))
+
+    def _block_if_lock_step(self) -> float:
+        """Lock-step baselines wait at step send+tau for the fragment (bounded by syncer_timeout_s);
+        returns how long."""
+        if self.cfg.algo.late_fragment != "wait" or self.comm is None:
+            return 0.0
+        t0 = time.perf_counter()
+        comm = self.comm
+        while not comm.stop.is_set() and self.core.blocking_fragments(self.clock.monotonic()):
+            try:
+                msg = comm.inbox.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            comm.inbox.put(msg)
+            self._boundary([])
+        waited = time.perf_counter() - t0
+        self.stats.blocked_s += waited
+        return waited
