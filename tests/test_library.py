@@ -406,3 +406,11 @@ def test_hf_example_end_to_end_two_learners_a_syncer_and_an_export(tmp_path):
     final = ddiloco.load_state_dict(run_dir)
     for name, value in exported.state_dict().items():
         assert torch.equal(value, final[name]), name
+
+
+def test_the_lazy_and_the_eager_api_export_the_same_objects():
+    import ddiloco
+    import ddiloco.api as api
+
+    assert sorted(ddiloco.__all__) == sorted(api.__all__)
+    assert all(getattr(ddiloco, name) is getattr(api, name) for name in api.__all__)

@@ -34,23 +34,7 @@ _EXPORTS = {
     "RefusedError": "ddiloco.errors",
     "CommError": "ddiloco.errors",
 }
-__all__ = [
-    "CommError",
-    "Config",
-    "DDiLoCoError",
-    "DiLoCoConfig",
-    "Learner",
-    "LearnerStats",
-    "RefusedError",
-    "SyncerServer",
-    "UsageError",
-    "export_model",
-    "fetch_state",
-    "load_config",
-    "load_state_dict",
-    "save_state_dict",
-    "workload_from",
-]
+__all__ = sorted(_EXPORTS)  # ddiloco.api lists the same names and a test checks they agree
 
 
 def __getattr__(name: str) -> Any:
