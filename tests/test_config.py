@@ -30,6 +30,8 @@ from ddiloco.errors import ConfigError, DataError
         ('chaos.stragglers=["9:2.0"]', "chaos.stragglers entry '9:2.0' is out of range"),
         ("workload.factory=nomodule", "workload.factory 'nomodule' is malformed"),
         ("run.method=sgd", "run.method = 'sgd' is not known"),
+        ("run.budget=forever", "run.budget = 'forever' is out of range"),
+        ("algo.staleness=ignore", "algo.staleness = 'ignore' is out of range"),
         ("missing_equals", "must look like section.key=value"),
     ],
 )
