@@ -400,11 +400,9 @@ class Syncer:
             rnd = self._open(c.fragment, now)
             rnd.asked, rnd.late = {c.learner}, True
         if rnd is None:
-            if self.cfg.late_fragment != "wait":
-                # Missed its round: the learner keeps its progress and contributes it later.
-                out.tape.append(Late(c.learner, c.fragment, now))
-                return
-            if self.finishing:  # the final sync asks for this progress: it is not lost
+            if self.cfg.late_fragment != "wait" or self.finishing:
+                # Missed its round: the learner keeps its progress and contributes it later (at
+                # the run's end, the final sync asks for it).
                 out.tape.append(Late(c.learner, c.fragment, now))
                 return
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
@@ -698,7 +696,7 @@ class Syncer:
             frag.outer.lr = self.outer_lr()
             frag.version += 1
             # The part of the live fleet this merge stands for (only a delayed outer step uses it).
-            share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now)))
+            share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now))) if frag.outer.delayed else 1.0
             new_values = frag.outer.step(frag.values, merged, share)
             frag.history.append((frag.version, new_values, now))
             frag.norm = _norm(new_values)
