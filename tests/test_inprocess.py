@@ -9,8 +9,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from helpers import merges, wait_for
+
 from ddiloco.config import load_config
-from ddiloco.report.tape import read_tape
 from ddiloco.service.clock import SkewedClock
 from ddiloco.service.learner import LearnerProcess
 from ddiloco.service.protocol import learner_identity
@@ -69,17 +70,7 @@ class Fleet:
             t.join(timeout=30)
 
     def merges(self) -> list[dict]:
-        tape = read_tape(self.run_dir / "state" / "tape.jsonl")
-        return [r for r in tape if r["event"] == "round" and any(e["weight"] > 0 for e in r["merged"])]
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+        return merges(self.run_dir)
 
 
 def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path):

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import merges, wait_for
 from torch import nn
 
 import ddiloco
 from ddiloco.config import load_config
-from ddiloco.report.tape import read_tape
 from ddiloco.service.transport import InProcessNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,20 +63,6 @@ def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def cfg(*extra: str):
     return load_config(None, [*SETTINGS, *extra])
-
-
-def merges(run_dir: Path) -> list[dict]:
-    tape = read_tape(run_dir / "state" / "tape.jsonl")
-    return [r for r in tape if r["event"] == "round" and any(e["weight"] > 0 for e in r["merged"])]
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def train(learner: ddiloco.Learner, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers import wait_for
 
 from ddiloco.service.launcher import free_port
 
@@ -43,16 +44,6 @@ SETTINGS = [
     "runtime.join_timeout_s=5.0",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def read(path: Path) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers import wait_for
 
 from ddiloco.config import load_config
 from ddiloco.core.config import DiLoCoConfig
@@ -41,16 +42,6 @@ SETTINGS = [
     "runtime.step_sleep_s=0.01",
 ]
 HOST = "127.0.0.7"
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ask(addr: str, msg, keys: ClientKeys | None = None, timeout_s: float = 2.0, identity: bytes | None = None):

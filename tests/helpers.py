@@ -1,0 +1,28 @@
+"""Helpers shared by the tests that run a syncer and learners (imported as ``helpers``: pytest
+puts this folder on the path of the test modules)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddiloco.report.tape import read_tape
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition", poll: float = 0.05) -> Any:
+    """Poll ``pred`` until it returns something true (returned), or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def merges(run_dir: Path) -> list[dict]:
+    """The rounds on a syncer's tape that merged something (an entry with a positive weight)."""
+    tape = read_tape(Path(run_dir) / "state" / "tape.jsonl")
+    return [r for r in tape if r["event"] == "round" and any(e["weight"] > 0 for e in r["merged"])]
