@@ -219,10 +219,10 @@ def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
     restart = statistics.fmean(summary["restart_latencies_s"]) if summary["restart_latencies_s"] else float("nan")
     step_s = statistics.fmean([d for m in range(2) for _, d in Cluster(work / "chaos", []).steps(m)] or [float("nan")])
     H = cfg.algo.sync_every
-    T = summary["wall_s"] * cfg.run.num_learners
+    T = summary["run_time_s"] * cfg.run.num_learners
     target = 1 - len(kills) * (restart + H / 2 * step_s) / T - 0.02
     return {
-        "duration_s": summary["wall_s"],
+        "duration_s": summary["run_time_s"],
         "kills": len(kills),
         "mean_restart_s": restart,
         "mean_step_s": step_s,
@@ -259,7 +259,7 @@ def sleep_fleet(work: Path, duration_s: float) -> dict:
     st = json.loads((work / "sleep" / "status" / "syncer-0.json").read_text())
     return {
         "learners": 4,
-        "duration_s": summary["wall_s"],
+        "duration_s": summary["run_time_s"],
         "merges": st["merges"],
         "merges_per_s": st["merges"] / st["wall_s"],
         "syncer_cpu_share": st["cpu_s"] / st["wall_s"],

@@ -116,7 +116,7 @@ def test_simulate_cli_writes_the_run_folder(tmp_path):
         "goodput",
         "uptime",
         "rounds per fragment",
-        "mean learners per merge",
+        "learners per merge",
         "grace admissions",
     ):
         assert label in out.stdout

@@ -3,45 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import warnings
 
 from ddiloco.errors import DDiLoCoError
-
-SUMMARY_ROWS = [
-    ("eval loss (nats/byte)", "eval_loss", "{:.4f}"),
-    ("tokens processed", "tokens_processed", "{:,.0f}"),
-    ("tokens merged", "tokens_merged", "{:,.0f}"),
-    ("merged / processed", "merged_share", "{:.1%}"),
-    ("goodput", "goodput", "{:.1%}"),
-    ("  lost: blocked", "blocked", "{:.1%}"),
-    ("  lost: down", "down", "{:.1%}"),
-    ("  lost: restarting", "restarting", "{:.1%}"),
-    ("uptime", "uptime", "{:.1%}"),
-    ("failures", "failures", "{:.0f}"),
-    ("work lost in failures (steps)", "lost_steps", "{:.0f}"),
-    ("fragments P", "num_fragments", "{:.0f}"),
-    ("rounds per fragment", "rounds_per_fragment", "{:.1f}"),
-    ("mean learners per merge", "learners_per_merge", "{:.2f}"),
-    ("grace admissions", "grace_admissions", "{:.0f}"),
-    ("rejected / late answers", "rejected", "{:.0f}"),
-    ("run length (s; virtual in simulate)", "virtual_time_s", "{:.1f}"),
-]
-
-
-def summary_table(summary: dict, title: str):
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for label, key, fmt in SUMMARY_ROWS:
-        value = fmt.format(summary[key])
-        if key == "rejected":
-            value = f"{summary['rejected']} / {summary['late']}"
-        table.add_row(label, value)
-    return table
+from ddiloco.lifecycle import EXIT_INTERRUPTED, ProgressLines, StopSignals
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -51,6 +19,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from ddiloco.config import load_config
     from ddiloco.methods import PRESETS
     from ddiloco.report.rundir import prepare_run_dir, write_run_dir
+    from ddiloco.report.summary import print_summary
     from ddiloco.sim.run import simulate
 
     overrides = list(args.set or [])
@@ -63,21 +32,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     overrides.append(f"run.method={method}")
     cfg = load_config(args.config, overrides, base=PRESETS[method])
     prepare_run_dir(cfg.run.run_dir, "ddiloco simulate")  # refuse a foreign folder before any work
+    stop = StopSignals("ddiloco simulate")
     console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.percentage:>3.0f}% of virtual time"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    with (
+        stop,
+        Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}% of virtual time"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            disable=not console.is_terminal,
+        ) as progress,
+    ):
         task = progress.add_task(f"simulating {method}, M={cfg.run.num_learners}", total=1.0)
-        result = simulate(cfg, on_progress=lambda t, T: progress.update(task, completed=t / T))
-    out = write_run_dir(cfg.run.run_dir, cfg, result)
-    Console().print(summary_table(result.summary(), f"ddiloco simulate --method {method}"))
-    Console().print(f"run folder: {out}")
-    return 0
+        lines = ProgressLines(cfg.runtime.progress_interval_s, enabled=not console.is_terminal)
+
+        def on_progress(t: float, horizon: float) -> None:
+            progress.update(task, completed=t / horizon)
+            lines.maybe(lambda: f"simulate {method}: {t / horizon:.0%} of virtual time ({t:.0f} / {horizon:.0f} s)")
+
+        result = simulate(cfg, on_progress=on_progress, should_stop=lambda: stop.requested)
+        out = write_run_dir(cfg.run.run_dir, cfg, result)
+    summary = json.loads((out / "summary.json").read_text())
+    print_summary(summary, f"ddiloco simulate --method {method}", out)
+    return EXIT_INTERRUPTED if result.partial else 0
 
 
 def _method_in(path: str | None, overrides: list[str]) -> str | None:
@@ -152,6 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from ddiloco.report.summary import print_summary
     from ddiloco.service.launcher import Launcher
 
     overrides = list(args.set or [])
@@ -161,19 +142,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
     launcher = Launcher(cfg, args.run_dir or cfg.run.run_dir)
     console = Console(stderr=True)
-    with Live(console=console, refresh_per_second=2, transient=False) as live:
-        launcher.on_status = lambda st: live.update(progress_table(st))
+    lines = ProgressLines(cfg.runtime.progress_interval_s, enabled=not console.is_terminal)
+    with (
+        StopSignals("ddiloco train", on_stop=launcher.request_stop),
+        Live(console=console, refresh_per_second=2, transient=False, redirect_stdout=False) as live,
+    ):
+        if console.is_terminal:
+            launcher.on_status = lambda st: live.update(progress_table(st))
+        else:  # nohup, Slurm, a pipe: a line now and then instead of a live table
+            launcher.on_status = lambda st: lines.maybe(lambda: progress_line(st))
         summary = launcher.run()
-    Console().print(summary_table(summary, f"ddiloco train --method {cfg.run.method} (real processes)"))
-    Console().print(f"run folder: {launcher.run_dir}")
-    return 0
+    title = f"ddiloco train --method {cfg.run.method} (real processes)"
+    print_summary(summary, title, launcher.run_dir)
+    return EXIT_INTERRUPTED if summary.get("partial") else 0
+
+
+def progress_line(st: dict) -> str:
+    """The live table in one line (for output that is not a terminal)."""
+    sy = st["syncer"]
+    up = sum(st["alive"])
+    return (
+        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('global_tokens', 0):,.0f} / {st['tokens_budget']:,} "
+        f"global tokens, {up}/{len(st['alive'])} learners up, faults injected {st['faults']}"
+        + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
+    )
 
 
 def progress_table(st: dict):
     from rich.table import Table
 
-    t = Table(title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, faults injected: {st['faults']}")
-    for col in ("learner", "state", "steps", "steps/s", "loss", "merged back"):
+    sy = st["syncer"]
+    end = f", ending: {sy['run_end']}" if sy.get("run_end") else ""
+    t = Table(
+        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('global_tokens', 0):,.0f} / "
+        f"{st['tokens_budget']:,} global tokens, faults injected: {st['faults']}{end}"
+    )
+    for col in ("learner", "state", "steps", "steps/s", "train loss", "versions applied"):
         t.add_column(col, justify="right")
     for m, (ls, alive) in enumerate(zip(st["learners"], st["alive"])):
         rate = 1.0 / ls["step_time_ema"] if ls.get("step_time_ema") else 0.0
@@ -181,12 +185,11 @@ def progress_table(st: dict):
         t.add_row(
             str(m), "up" if alive else "down", str(ls.get("steps", 0)), f"{rate:.1f}", loss, str(ls.get("applied", 0))
         )
-    sy = st["syncer"]
     if sy:
         versions = list(sy.get("versions", {}).values())
         t.caption = (
-            f"syncer: live {sy.get('live')}, min/max version {min(versions, default=0)}/{max(versions, default=0)}, "
-            f"merged tokens {sy.get('global_tokens', 0):,.0f}, malformed {sy.get('malformed', 0)}"
+            f"syncer: live {len(sy.get('live', []))}, versions {min(versions, default=0)}..{max(versions, default=0)}, "
+            f"malformed messages {sy.get('malformed', 0)}; terms: docs/operations.md#terms"
         )
     return t
 

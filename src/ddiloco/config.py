@@ -120,7 +120,19 @@ class RuntimeConfig:
     eval_interval_s: float = 20.0
     """Seconds between evaluations of the global model by the evaluator process."""
     duration_s: float = 120.0
-    """Wall-clock length of a ``ddiloco train`` run."""
+    """A real run's time budget: the syncer ends the run when its merged global tokens reach
+    run.tokens or when this many wall-clock seconds have passed since the run started
+    (run.json's started_at), whichever comes first."""
+    final_eval: bool = True
+    """The syncer evaluates the final global model once when the run ends (for summary.json);
+    turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
+    then the final figure)."""
+    end_linger_s: float = 3.0
+    """How long a syncer whose run has ended keeps answering, so that learners and the
+    evaluator hear the end, before it exits."""
+    progress_interval_s: float = 30.0
+    """Long-running processes log a one-line progress report this often when their output is
+    not a terminal (under nohup or Slurm); 0: never."""
     status_interval_s: float = 1.0
     """How often processes write their status for the progress view."""
     step_sleep_s: float = 0.0
@@ -210,7 +222,7 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
-        for name in ("restart_limit", "restart_delay_s", "step_sleep_s"):
+        for name in ("restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s"):
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
             raise ConfigError(

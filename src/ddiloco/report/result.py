@@ -11,19 +11,29 @@ from ddiloco.report.accounting import Goodput
 
 
 def summarise_tape(tape: list[dict[str, Any]], num_fragments: int) -> dict[str, float]:
-    """Rounds per fragment, mean learners per merge, grace admissions, rejections, late answers."""
-    merges = [
-        e
-        for e in tape
-        if e.get("event") == "round" and e["merged"] and e["version"] > 0 and any(m["weight"] > 0 for m in e["merged"])
-    ]
+    """Rounds per fragment, mean learners per merge, grace admissions, rejections, late answers.
+
+    A merge is a round that made a new version with at least one entry of weight > 0; an entry
+    of weight 0 answered but took no part, so it is not counted as merged. Records come from
+    files: a malformed one is skipped, not trusted."""
+
+    def entries(e: dict[str, Any]) -> list[dict[str, Any]]:
+        merged = e.get("merged")
+        return [m for m in merged if isinstance(m, dict)] if isinstance(merged, list) else []
+
+    def weighted(e: dict[str, Any]) -> list[dict[str, Any]]:
+        return [m for m in entries(e) if isinstance(m.get("weight"), (int, float)) and m["weight"] > 0]
+
+    rounds = [e for e in tape if e.get("event") == "round"]
+    merges = [e for e in rounds if isinstance(e.get("version"), int) and e["version"] > 0 and weighted(e)]
     rejected = sum(
-        e.get("rejected_total", len(e.get("rejected", []))) for e in tape if e.get("event") == "round"
+        e["rejected_total"] if isinstance(e.get("rejected_total"), int) else len(e.get("rejected") or [])
+        for e in rounds
     ) + sum(1 for e in tape if e.get("event") == "rejected")
     return {
-        "rounds_per_fragment": len(merges) / num_fragments,
-        "learners_per_merge": sum(len(e["merged"]) for e in merges) / len(merges) if merges else 0.0,
-        "grace_admissions": sum(1 for e in merges for m in e["merged"] if m["in_grace"]),
+        "rounds_per_fragment": len(merges) / max(num_fragments, 1),
+        "learners_per_merge": sum(len(weighted(e)) for e in merges) / len(merges) if merges else 0.0,
+        "grace_admissions": sum(1 for e in merges for m in weighted(e) if m.get("in_grace")),
         "rejected": rejected,
         "late": sum(1 for e in tape if e.get("event") == "late"),
     }
@@ -52,6 +62,14 @@ class RunResult:
     tape: list[dict[str, Any]] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """Per-learner records over time (metrics/learners.jsonl in the run folder format)."""
+    num_learners: int = 0
+    """M."""
+    loss_unit: str = ""
+    """The workload's loss unit ("nats/byte"; "" when it does not say)."""
+    partial: bool = False
+    """The run was interrupted before its budget was spent."""
 
     def summary(self) -> dict[str, Any]:
         """The scalar figures (what the table and summary.json show)."""
@@ -74,5 +92,6 @@ class RunResult:
             "grace_admissions": self.grace_admissions,
             "rejected": self.rejected,
             "late": self.late,
-            "virtual_time_s": self.horizon_s,
+            "run_time_s": self.horizon_s,
+            "partial": self.partial,
         }

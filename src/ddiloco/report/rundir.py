@@ -60,43 +60,58 @@ def prepare_run_dir(run_dir: str | Path, by: str) -> Path:
 
 
 def write_run_dir(run_dir: str | Path, cfg: Config, result: RunResult) -> Path:
-    """Write everything a run produced; returns the folder."""
-    d = prepare_run_dir(run_dir, f"ddiloco {result.method}")
+    """Write what a simulated run produced in the run folder format (the same source files a
+    real run's processes write), then its summary through the one summary function."""
+    from ddiloco.report.summary import write_summary
+
+    d = prepare_run_dir(run_dir, "ddiloco simulate")
     (d / "final").mkdir(parents=True, exist_ok=True)
-    (d / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
-    with open(d / "metrics.jsonl", "w") as f:
-        for e in result.evals:
-            f.write(json.dumps({"event": "eval", **e}) + "\n")
-        for e in result.log:
-            f.write(json.dumps(e) + "\n")
-        f.write(json.dumps({"event": "summary", **result.summary()}) + "\n")
+    (d / "metrics").mkdir(parents=True, exist_ok=True)
+    if not (d / "config.toml").exists():
+        (d / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
+    evals = [{"event": "eval", **e, "unit": result.loss_unit} for e in result.evals]
+    faults = [
+        {
+            "event": "fault",
+            "time": e["time"],
+            "kind": "fail" if e["event"] == "fail" else "restart",
+            "target": f"learner-{e['learner']}",
+        }  # fmt: skip
+        for e in result.log
+        if e.get("event") in ("fail", "rejoin")
+    ]
+    end = "interrupted" if result.partial else "end"
+    runlog = [
+        {"event": "run", "time": 0.0, "what": "start", "reason": ""},
+        {"event": "run", "time": result.horizon_s, "what": end,
+         "reason": "interrupted (a signal)" if result.partial else f"budget spent (run.budget = {cfg.run.budget})"},
+    ]  # fmt: skip
+    for name, records in (("eval", evals), ("faults", faults), ("learners", result.samples), ("run", runlog)):
+        with open(d / "metrics" / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    alloc = result.horizon_s * max(result.num_learners, 1)
+    g = result.goodput
+    accounting = {
+        "method": result.method,
+        "horizon_s": result.horizon_s,
+        "learners": result.num_learners,
+        "num_fragments": result.num_fragments,
+        "tokens": result.tokens_processed,
+        "tokens_merged": result.tokens_merged,
+        "compute_s": g.goodput * alloc,
+        "blocked_s": g.blocked * alloc,
+        "down_s": g.down * alloc,
+        "restarting_s": g.restarting * alloc,
+        "uptime": result.uptime,
+        "lost_steps": result.lost_steps,
+        "tape_stats": {
+            k: getattr(result, k)
+            for k in ("rounds_per_fragment", "learners_per_merge", "grace_admissions", "rejected", "late")
+        },
+    }
+    (d / "metrics" / "accounting.json").write_text(json.dumps(accounting, indent=2))
     with open(d / "tape.jsonl", "w") as f:
-        for e in result.tape:
-            f.write(json.dumps(e) + "\n")
-    (d / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+        f.writelines(json.dumps(e) + "\n" for e in result.tape)
     save_file({k: v.contiguous() for k, v in result.state.items()}, str(d / "final" / "model.safetensors"))
-    plot_eval_loss(result, d / "eval_loss.png")
+    write_summary(d)
     return d
-
-
-def plot_eval_loss(result: RunResult, path: Path) -> None:
-    """Eval loss of the global model against virtual time, with failures marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([e["time"] for e in result.evals], [e["loss"] for e in result.evals], marker="o", label=result.method)
-    for e in result.log:
-        # simulator: {"event": "fail", "time"}; real runtime: {"event": "fault", "kind": "sigkill", "t"}
-        if e.get("event") == "fail" or (e.get("event") == "fault" and e.get("kind") != "restart"):
-            ax.axvline(e.get("t", e["time"]), color="red", alpha=0.25, lw=1)
-    ax.set_xlabel("time since start (s; virtual in simulate)")
-    ax.set_ylabel("eval loss (nats/byte)")
-    ax.set_title(f"{result.method}: global model eval loss (red: learner failures)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

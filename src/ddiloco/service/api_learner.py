@@ -274,6 +274,36 @@ class Learner:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def run_ended(self) -> bool:
+        """The syncer ended the run (its budget is spent): stop training and call ``finish()``."""
+        return self.comm is not None and self.comm.run_end is not None
+
+    @property
+    def end_reason(self) -> str:
+        """Why the syncer ended the run ("" while it goes on)."""
+        return self.comm.end_reason if self.comm is not None else ""
+
+    def finish(self, timeout_s: float | None = None) -> bool:
+        """After ``run_ended``: take part in the final sync without training (apply the last
+        merged versions, answer the syncer's final requests) until the syncer says the final
+        model is written, then ``close()``. Bounded by ``timeout_s`` (default: the liveness
+        timeout plus 30 s). True when the syncer confirmed the end."""
+        comm = self.comm
+        if timeout_s is None:
+            timeout_s = self.cfg.algo.liveness_timeout_s + 30.0
+        deadline = self.clock.monotonic() + timeout_s
+        while comm is not None and comm.run_end != "done" and self.clock.monotonic() < deadline:
+            if comm.stop.is_set() and comm.run_end is None:
+                break  # the comm thread died or was refused: nothing to finish
+            self._boundary([])
+            time.sleep(0.01)
+        done = comm is not None and comm.run_end == "done"
+        if done:
+            self._boundary([])  # the last versions that arrived with the end
+        self.close()
+        return done
+
     def step(self, tokens: int, data_position: int | None = None) -> None:
         """Count one finished inner step of ``tokens`` tokens (this process's; a torchrun group
         counts ``tokens x world size``) and run the step boundary. Never waits on the network
@@ -367,7 +397,7 @@ class Learner:
         """Raised at the end of a step, after its boundary: in a torchrun group every rank took
         part in the boundary's broadcast, so the ranks' collectives stay paired."""
         comm = self.comm
-        if comm is not None and comm.stop.is_set():
+        if comm is not None and comm.stop.is_set() and comm.run_end is None:
             if comm.refused:
                 raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
             raise CommError(f"learner {self.id}: its comm thread died ({comm.died}); restart the learner")
@@ -434,6 +464,13 @@ class Learner:
             comm.post(*self._apply(updates))
         for m in later:
             comm.inbox.put(m)
+        if not comm.first_join.is_set() and not comm.stop.is_set():
+            # Never reached: a wrong address or port, a syncer not up, a firewall. Fail loudly
+            # (once joined, a lost syncer is different: the learner trains on and rejoins).
+            raise CommError(
+                f"learner {self.id}: no answer from the syncer at {', '.join(link.address for link in comm.links)} "
+                f"within {timeout_s:.0f} s (runtime.join_timeout_s): is it running, and are the host and port right?"
+            )
         if comm.data_position:
             self._position = self._plausible_position(comm.data_position)
         if len(got) < total and not comm.stop.is_set():

@@ -4,8 +4,10 @@ latest global model every ``runtime.eval_interval_s`` and appends the loss to th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -13,13 +15,19 @@ import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
+from ddiloco.lifecycle import ProgressLines
 from ddiloco.report.rundir import prepare_run_dir
+from ddiloco.report.summary import run_started_at
+from ddiloco.report.tape import read_jsonl
 from ddiloco.service.keys import ClientKeys
 from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.layout import layout_for
+from ddiloco.workloads.base import loss_unit
 from ddiloco.workloads.config import load_workload
+
+log = logging.getLogger(__name__)
 
 
 def fetch_global(
@@ -76,29 +84,48 @@ def run_evaluator(
         pass
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
     wl = load_workload(cfg.workload)
     model = wl.build_model(cfg.run.seed)
     layout = layout_for(model, wl, cfg.algo).fragments
     batches = wl.eval_batches()
-    out = prepare_run_dir(run_dir, "ddiloco evaluator") / "metrics" / "eval.jsonl"
+    folder = prepare_run_dir(run_dir, "ddiloco evaluator")
+    out = folder / "metrics" / "eval.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    next_at = time.monotonic()
+    t0 = run_started_at(folder) or time.time()
+    progress = ProgressLines(cfg.runtime.progress_interval_s, enabled=not sys.stderr.isatty())
+    next_at = next_look = time.monotonic()
     while not stop["flag"]:
+        if time.monotonic() >= next_look:  # a syncer sharing this folder recorded the run's end
+            next_look = time.monotonic() + 1.0
+            runlog = read_jsonl(folder / "metrics" / "run.jsonl")
+            if runlog and runlog[-1].get("what") == "end":
+                log.info("the run ended: the evaluator stops")
+                return 0
         if time.monotonic() >= next_at:
             next_at += cfg.runtime.eval_interval_s
             states = fetch_global(syncers, keys=keys)
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)
+                merged = sum(s.global_tokens for s in states) / len(states)
                 rec = {
                     "event": "eval",
-                    "time": time.time(),
+                    "time": time.time() - t0,
+                    "tokens": 0,
+                    "merged_tokens": merged,
                     "loss": loss,
-                    "merged_tokens": sum(s.global_tokens for s in states) / len(states),
+                    "final": False,
+                    "unit": loss_unit(wl),
                     "versions": versions,
                 }
                 with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+                line = f"evaluator: eval loss {loss:.4f} {loss_unit(wl)} at {merged:,.0f} global tokens"
+                progress.maybe(lambda: line)  # noqa: B023 (called at once, inside this iteration)
+                if all(s.run_ended for s in states):
+                    log.info("the run ended: the evaluator stops")
+                    return 0
             if once:
                 return 0
         time.sleep(0.1)

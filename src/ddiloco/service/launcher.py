@@ -1,9 +1,13 @@
 """``ddiloco train``: a syncer, M learners and an evaluator as processes on this machine.
 
-It restarts a learner that exits abnormally (bounded), injects the configured chaos into real
-processes (SIGKILL learners, SIGSTOP/SIGCONT duty cycles for stragglers, SIGKILL + restart of
-the syncer), logs every fault with its time, shows a combined progress view, and writes the
-same run folder and summary table as ``ddiloco simulate``.
+The syncer decides when the run ends (its token or time budget) and runs the final sync; the
+launcher supervises until then: it restarts a learner that exits abnormally (bounded), injects
+the configured chaos into real processes (SIGKILL learners, SIGSTOP/SIGCONT duty cycles for
+stragglers, SIGKILL + restart of the syncer), logs every fault with its time, and shows a
+combined progress view. Asked to stop (``request_stop``, from a signal), it stops the learners,
+then the syncer (which keeps what was merged and marks the run interrupted). Every child runs
+in its own process group, and every group it ever started is killed before ``run`` returns:
+no path leaves an orphan. The summary comes from the run folder, as for every other command.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import tomli_w
 from ddiloco.chaos.schedule import make_schedule
 from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.accounting import Goodput, uptime
-from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.report.accounting import uptime
 from ddiloco.report.rundir import prepare_run_dir
-from ddiloco.report.tape import read_tape
+from ddiloco.report.summary import run_started_at, write_summary
+from ddiloco.report.tape import read_jsonl
 from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.status import read_status
 
@@ -51,6 +55,9 @@ class Proc:
     stopped: bool = False  # SIGSTOPped by a straggler duty cycle
     log: Any = None
 
+    groups: list[int] = field(default_factory=list)
+    """Process groups of every incarnation started (each child leads its own)."""
+
     def start(self, env: dict[str, str], log_dir: Path) -> None:
         if self.log is not None:
             self.log.close()
@@ -58,7 +65,26 @@ class Proc:
         self.popen = subprocess.Popen(
             self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        self.groups.append(self.popen.pid)
         self.started_at = time.time()
+
+    def kill_groups(self) -> None:
+        """SIGKILL every process group this Proc ever started (children of children too)."""
+        if self.alive():
+            self.signal(signal.SIGCONT)
+        for pgid in self.groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -93,6 +119,11 @@ class LearnerBook:
     restart_latencies: list[float] = field(default_factory=list)
     lost_steps: float = 0.0
     outages: list[tuple[float, float]] = field(default_factory=list)  # (death, first step after)
+    starting_s: float = 0.0
+    """Its first incarnation's start-up (process start to first inner step): the job's
+    start-up, not a restart."""
+    start_spawned: float | None = None
+    """While its first incarnation is starting: when it was spawned."""
 
 
 @dataclass
@@ -116,14 +147,21 @@ class _Plan:
 
 class Launcher:
     def __init__(
-        self, cfg: Config, run_dir: str | Path, host: str = "127.0.0.1", on_status: Callable[[dict], None] | None = None
+        self,
+        cfg: Config,
+        run_dir: str | Path,
+        host: str = "127.0.0.1",
+        on_status: Callable[[dict], None] | None = None,
+        port: int | None = None,
     ) -> None:
         self.cfg, self.run_dir = cfg, prepare_run_dir(run_dir, "ddiloco train")
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
+        (self.run_dir / "metrics").mkdir(exist_ok=True)
         self.cfg_path = self.run_dir / "config.toml"
-        self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
-        self.addr = f"tcp://{host}:{free_port(host)}"
+        if not self.cfg_path.exists():
+            self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
+        self.addr = f"tcp://{host}:{port or free_port(host)}"
         self.on_status = on_status
         py = [sys.executable, "-m", "ddiloco"]
         rd = str(self.run_dir)
@@ -141,9 +179,20 @@ class Launcher:
         self.books = [LearnerBook() for _ in self.learners]
         self.faults: list[dict] = []
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.stop_requested = False
+        self.interrupted = False
+        self.syncer_restarts = 0
+        self._t0 = time.time()
+        self._ending = False  # the syncer announced the run's end: no more chaos
 
-    def _fault(self, kind: str, target: str, t0: float, **extra: Any) -> None:
-        rec = {"event": "fault", "kind": kind, "target": target, "time": time.time(), "t": time.time() - t0, **extra}
+    def request_stop(self) -> None:
+        """Stop early (from a signal handler): ``run`` stops the learners, then the syncer, and
+        writes the partial results."""
+        self.stop_requested = True
+
+    def _fault(self, kind: str, target: str, **extra: Any) -> None:
+        now = time.time()
+        rec = {"event": "fault", "time": now - self._t0, "kind": kind, "target": target, **extra}
         self.faults.append(rec)
         with open(self.run_dir / "metrics" / "faults.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -151,16 +200,15 @@ class Launcher:
     def _wait_syncer_ready(self, timeout: float = 60.0) -> None:
         status = self.run_dir / "status" / "syncer-0.json"
         deadline = time.time() + timeout
-        while time.time() < deadline:
+        while time.time() < deadline and not self.stop_requested:
             if not self.syncer.alive():
-                raise DDiLoCoError(f"the syncer exited at start; see {self.run_dir / 'logs' / 'syncer.log'}")
+                raise DDiLoCoError(f"the syncer exited at start; see {self.logs / 'syncer.log'}")
             st = read_status(status)
             if st and st.get("pid") == self.syncer.popen.pid:
                 return
             time.sleep(0.1)
-        raise DDiLoCoError(
-            f"the syncer did not come up within {timeout:.0f} s; see {self.run_dir / 'logs' / 'syncer.log'}"
-        )
+        if not self.stop_requested:
+            raise DDiLoCoError(f"the syncer did not come up within {timeout:.0f} s; see {self.logs / 'syncer.log'}")
 
     def _bank(self, m: int) -> dict | None:
         """Add a finished incarnation's figures (from its last status) to the learner's book."""
@@ -175,62 +223,113 @@ class Launcher:
         return None
 
     def run(self) -> dict:
-        """Run for ``runtime.duration_s``; returns the summary (and writes the run folder)."""
-        rt = self.cfg.runtime
-        (self.run_dir / "metrics").mkdir(exist_ok=True)
+        """Run until the syncer ends the run (or ``request_stop``); returns the summary, which
+        is also in the run folder."""
+        try:
+            self._supervise()
+        finally:
+            end = self._stop_all()
+            for p in self._procs():
+                p.kill_groups()  # whatever is left, in any path: no orphans
+        return self.finish(end)
+
+    def _procs(self) -> list[Proc]:
+        return [*self.learners, self.evaluator, self.syncer]
+
+    def _supervise(self) -> None:
+        self._t0 = run_started_at(self.run_dir) or time.time()
         plan = _Plan.of(self.cfg, len(self.learners))
         self.syncer.start(self.env, self.logs)
         self._wait_syncer_ready()
-        self._t0 = time.time()
-        for m, p in enumerate(self.learners):
+        self._t_learners = time.time()
+        for p in self.learners:
+            if self.stop_requested:
+                return
             p.start(self.env, self.logs)
-            self.books[m].restart_spawned = p.started_at  # start-up counts as restarting time
+            self.books[self.learners.index(p)].start_spawned = p.started_at
         self.evaluator.start(self.env, self.logs)
-        last_view = 0.0
-        try:
-            while (now := time.time()) - self._t0 < rt.duration_s:
+        last_view = last_look = 0.0
+        while not self.stop_requested:
+            now = time.time()
+            if self._syncer_exited(plan, now):
+                return
+            if not self._ending and now - last_look >= 0.1:  # chaos stops once the syncer ends the run
+                last_look = now
+                self._ending = bool((read_status(self.run_dir / "status" / "syncer-0.json") or {}).get("run_end"))
+                if self._ending:
+                    self._release_stragglers()
+            if not self._ending:
                 self._inject_chaos(plan, now)
-                self._reap_dead(plan, now)
-                self._restart_due(plan, now)
-                self._track_restarts()
-                if self.on_status and now - last_view >= 0.5:
-                    last_view = now
-                    self.on_status(self.status(self._t0))
-                time.sleep(0.02)
-        finally:
-            end = self._stop_all()
-        return self.finish(end - self._t0)
+            self._reap_dead(plan, now)
+            self._restart_due(plan, now)
+            self._track_restarts()
+            if now - last_view >= 0.5 and self.on_status:
+                last_view = now
+                self.on_status(self.status())
+            time.sleep(0.02)
+        self.interrupted = True
+
+    def _syncer_exited(self, plan: _Plan, now: float) -> bool:
+        """True when the syncer has ended the run; a syncer that died otherwise is restarted
+        (it resumes from its durable state), at most runtime.restart_limit times."""
+        if self.syncer.alive() or plan.syncer_back_at is not None:
+            return False
+        code = self.syncer.popen.returncode if self.syncer.popen else None
+        st = read_status(self.run_dir / "status" / "syncer-0.json") or {}
+        if code == 0 and st.get("run_end") == "done":
+            return True
+        if code == 0:  # stopped from outside (not by us): the run is interrupted
+            self.interrupted = True
+            return True
+        self._fault(f"exit {code}", "syncer")
+        if self.syncer_restarts >= self.cfg.runtime.restart_limit:
+            raise DDiLoCoError(
+                f"the syncer exited {self.syncer_restarts + 1} times (runtime.restart_limit); "
+                f"see {self.logs}/syncer.log"
+            )
+        self.syncer_restarts += 1
+        self.syncer.start(self.env, self.logs)
+        self._fault("restart", "syncer")
+        return False
+
+    def _release_stragglers(self) -> None:
+        """The run is ending: a SIGSTOPped learner must hear it and answer the final sync."""
+        for p in self.learners:
+            if p.stopped:
+                p.signal(signal.SIGCONT)
+                p.stopped = False
 
     def _inject_chaos(self, plan: _Plan, now: float) -> None:
         """Scheduled SIGKILLs of learners and of the syncer, syncer restarts, straggler duty cycles."""
-        t0, t = self._t0, now - self._t0
+        t = now - self._t0  # the schedule spans the run's time budget, from the run's start
         while plan.kills and plan.kills[0][0] <= t:
             _, m, back = plan.kills.pop(0)
             if self.learners[m].alive():
                 self.learners[m].signal(signal.SIGKILL)
                 self.learners[m].wait()
-                self._on_learner_death(m, now, t0, kind="sigkill")
-                plan.restarts.append((t0 + max(back, t), m))  # back when its outage ends
+                self._on_learner_death(m, now, kind="sigkill")
+                plan.restarts.append((self._t0 + max(back, t), m))  # back when its outage ends
         while plan.syncer_kills and plan.syncer_kills[0] <= t:
             plan.syncer_kills.pop(0)
             self.syncer.signal(signal.SIGKILL)
             self.syncer.wait()
-            self._fault("sigkill", "syncer", t0)
+            self._fault("sigkill", "syncer")
             plan.syncer_back_at = now + self.cfg.chaos.syncer_down_s
         if plan.syncer_back_at is not None and now >= plan.syncer_back_at:
             plan.syncer_back_at = None
             self.syncer.start(self.env, self.logs)
-            self._fault("restart", "syncer", t0)
+            self._fault("restart", "syncer")
         self._duty_cycle(plan.schedule, t)
 
     def _reap_dead(self, plan: _Plan, now: float) -> None:
-        """A learner that exited by itself is restarted (bounded), unless the syncer refused it."""
+        """A learner that exited by itself is restarted (bounded), unless the syncer refused it
+        or it left because the run ended."""
         rt = self.cfg.runtime
         for m, p in enumerate(self.learners):
-            if p.popen is None or p.alive() or any(mm == m for _, mm in plan.restarts):
+            if p.popen is None or p.alive() or p.popen.returncode == 0 or any(mm == m for _, mm in plan.restarts):
                 continue
             code = p.popen.returncode
-            self._on_learner_death(m, now, self._t0, kind=f"exit {code}")
+            self._on_learner_death(m, now, kind=f"exit {code}")
             if code == EXIT_REFUSED:
                 raise DDiLoCoError(f"learner {m} was refused by the syncer; see {self.logs / p.name}.log")
             if p.restarts >= rt.restart_limit:
@@ -242,7 +341,7 @@ class Launcher:
 
     def _restart_due(self, plan: _Plan, now: float) -> None:
         for when, m in list(plan.restarts):
-            if now < when:
+            if now < when or self._ending:
                 continue
             plan.restarts.remove((when, m))
             p = self.learners[m]
@@ -253,15 +352,26 @@ class Launcher:
                 b.down_s += now - b.down_since
                 b.down_since = None
             b.restart_spawned = p.started_at
-            self._fault("restart", p.name, self._t0)
+            self._fault("restart", p.name)
 
     def _stop_all(self) -> float:
-        """Stop the learners (they leave cleanly), the evaluator, then the syncer, which flushes
-        and writes the final model; returns when the learners' time stopped counting."""
+        """Bring every child down; returns when the learners' time stopped counting.
+
+        After the run's end the learners leave by themselves (they heard it from the syncer);
+        otherwise they are stopped (SIGTERM: they leave cleanly at a step boundary), then the
+        evaluator, then the syncer, which flushes and marks the run interrupted."""
         for p in self.learners:
             if p.stopped:
                 p.signal(signal.SIGCONT)
+                p.stopped = False
         end = time.time()
+        ended = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") == "end"]
+        if ended and not self.stop_requested:  # the learners' time ran until the syncer ended the run
+            end = min(end, self._t0 + float(ended[-1].get("time", end - self._t0)))
+        if not self.interrupted and not self.stop_requested:
+            deadline = time.time() + 15
+            while any(p.alive() for p in self.learners) and time.time() < deadline:
+                time.sleep(0.05)
         for p in self.learners:
             p.signal(signal.SIGTERM)
         for m, p in enumerate(self.learners):
@@ -273,43 +383,49 @@ class Launcher:
                 b.down_s += end - b.down_since
             if b.restart_spawned is not None:
                 b.restarting_s += end - b.restart_spawned
+            if b.start_spawned is not None:
+                b.starting_s += end - b.start_spawned
         self.evaluator.signal(signal.SIGTERM)
-        if not self.syncer.alive():
-            self.syncer.start(self.env, self.logs)  # bring it back to flush and write the final model
-            self._wait_syncer_ready()
-        self.syncer.signal(signal.SIGTERM)
-        self.syncer.wait(timeout=60)
+        if self.syncer.alive():
+            self.syncer.signal(signal.SIGTERM)  # it flushes, writes the final model and summary
+        self.syncer.wait(timeout=120)
         self.evaluator.wait(timeout=30)
-        for p in (self.syncer, self.evaluator, *self.learners):
-            if p.log is not None:
-                p.log.close()
         return end
 
-    def _on_learner_death(self, m: int, now: float, t0: float, kind: str) -> None:
+    def _on_learner_death(self, m: int, now: float, kind: str) -> None:
         st = self._bank(m)
         b = self.books[m]
         b.failures += 1
         b.lost_steps += (st or {}).get("pending_steps", 0.0)  # steps it had not yet had merged back
         b.down_since = now
         if not b.outages or b.outages[-1][1] != float("inf"):
-            b.outages.append((now - t0, float("inf")))
+            b.outages.append((now - self._t_learners, float("inf")))
         if b.restart_spawned is not None:  # died while still restarting
             b.restarting_s += now - b.restart_spawned
             b.restart_spawned = None
-        self._fault(kind, f"learner-{m}", t0)
+        if b.start_spawned is not None:  # died while still starting
+            b.starting_s += now - b.start_spawned
+            b.start_spawned = None
+        self._fault(kind, f"learner-{m}")
 
     def _track_restarts(self) -> None:
-        """A restart ends at the new incarnation's first inner step."""
+        """A learner's first step ends its start-up (first incarnation) or its restart."""
         for m, b in enumerate(self.books):
-            if b.restart_spawned is None:
+            p = self.learners[m]
+            if p.popen is None or (b.start_spawned is None and b.restart_spawned is None):
                 continue
             st = read_status(self.run_dir / "status" / f"learner-{m}.json")
-            if st and st.get("pid") == self.learners[m].popen.pid and st.get("first_step_at"):
+            if not (st and st.get("pid") == p.popen.pid and st.get("first_step_at")):
+                continue
+            if b.start_spawned is not None:
+                b.starting_s += st["first_step_at"] - b.start_spawned
+                b.start_spawned = None
+            elif b.restart_spawned is not None:
                 b.restarting_s += st["first_step_at"] - b.restart_spawned
                 b.restart_latencies.append(st["first_step_at"] - b.restart_spawned)
                 b.restart_spawned = None
                 if b.outages and b.outages[-1][1] == float("inf"):
-                    b.outages[-1] = (b.outages[-1][0], st["first_step_at"] - self._t0)
+                    b.outages[-1] = (b.outages[-1][0], st["first_step_at"] - self._t_learners)
 
     def _duty_cycle(self, schedule: Any, t: float) -> None:
         """Stragglers: SIGSTOP for (1 - 1/factor) of every second, SIGCONT for the rest."""
@@ -320,75 +436,45 @@ class Launcher:
                 p.signal(signal.SIGSTOP if want_stop else signal.SIGCONT)
                 p.stopped = want_stop
 
-    def status(self, t0: float) -> dict:
+    def status(self) -> dict:
         learners = [read_status(self.run_dir / "status" / f"learner-{m}.json") or {} for m in range(len(self.learners))]
         return {
-            "t": time.time() - t0,
+            "t": time.time() - self._t0,
             "T": self.cfg.runtime.duration_s,
+            "tokens_budget": self.cfg.run.tokens,
             "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
             "learners": learners,
             "alive": [p.alive() for p in self.learners],
             "faults": len(self.faults),
         }
 
-    def finish(self, elapsed: float) -> dict:
-        """Final evaluation of the global model and the run folder."""
-        from safetensors.torch import load_file
-
-        from ddiloco.report.rundir import write_run_dir
-        from ddiloco.training.evaluate import evaluate
-        from ddiloco.workloads.config import load_workload
-
-        wl = load_workload(self.cfg.workload)
-        model = wl.build_model(self.cfg.run.seed)
-        model.load_state_dict(load_file(str(self.run_dir / "final" / "model.safetensors")))
-        final_loss = evaluate(wl, model, wl.eval_batches())
-        tape = read_tape(self.run_dir / "state" / "tape.jsonl")
-        evals = (
-            [json.loads(line) for line in (self.run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
-            if (self.run_dir / "metrics" / "eval.jsonl").exists()
-            else []
-        )
-        evals.append({"time": time.time(), "loss": final_loss, "final": True})
-        for e in evals:
-            e["time"] -= self._t0  # seconds since the learners started, like the fault log's "t"
-        alloc = elapsed * len(self.books)
-        compute = sum(b.compute_s for b in self.books)
-        down = sum(b.down_s for b in self.books)
-        restarting = sum(b.restarting_s for b in self.books)
-        syncer_status = read_status(self.run_dir / "status" / "syncer-0.json") or {}
-        P = len(syncer_status.get("versions", {})) or 1
-        outages = [(m, a, min(b, elapsed)) for m, bk in enumerate(self.books) for a, b in bk.outages]
+    def finish(self, end: float) -> dict:
+        """Where the learners' time went (metrics/accounting.json), then the summary from the
+        run folder, through the function every command uses."""
+        if self.interrupted or self.stop_requested:
+            self._run_event("interrupted", "ddiloco train was stopped by a signal")
+        t_start = getattr(self, "_t_learners", end)
+        horizon = max(end - t_start, 0.0)
+        outages = [(m, a, min(b, horizon)) for m, bk in enumerate(self.books) for a, b in bk.outages]
         need = self.cfg.algo.quorum_size or 1
-        result = RunResult(
-            method=f"{self.cfg.run.method} (real)",
-            final_loss=final_loss,
-            evals=[
-                {
-                    "time": e["time"],
-                    "tokens": 0,
-                    "merged_tokens": e.get("merged_tokens", 0.0),
-                    "loss": e["loss"],
-                    "final": e.get("final", False),
-                }
-                for e in evals
-            ],
-            horizon_s=elapsed,
-            tokens_processed=sum(b.tokens for b in self.books),
-            tokens_merged=float(syncer_status.get("global_tokens", 0.0)),
-            goodput=Goodput(compute / alloc, 0.0, down / alloc, restarting / alloc),
-            uptime=uptime(outages, len(self.books), min(need, len(self.books)), elapsed),
-            lost_steps=sum(b.lost_steps for b in self.books),
-            failures=sum(b.failures for b in self.books),
-            num_fragments=P,
-            tape=tape,
-            log=self.faults,
-            state=dict(model.state_dict()),
-            **summarise_tape(tape, P),
-        )
-        write_run_dir(self.run_dir, self.cfg, result)
-        summary = result.summary()
-        summary["restart_latencies_s"] = [x for b in self.books for x in b.restart_latencies]
-        summary["wall_s"] = elapsed
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+        accounting = {
+            "method": f"{self.cfg.run.method} (real)",
+            "horizon_s": horizon,
+            "learners": len(self.books),
+            "tokens": sum(b.tokens for b in self.books),
+            "compute_s": sum(b.compute_s for b in self.books),
+            "blocked_s": 0.0,
+            "down_s": sum(b.down_s for b in self.books),
+            "restarting_s": sum(b.restarting_s for b in self.books),
+            "starting_s": sum(b.starting_s for b in self.books),
+            "uptime": uptime(outages, len(self.books), min(need, len(self.books)), horizon) if horizon else None,
+            "lost_steps": sum(b.lost_steps for b in self.books),
+            "restart_latencies_s": [x for b in self.books for x in b.restart_latencies],
+        }
+        (self.run_dir / "metrics" / "accounting.json").write_text(json.dumps(accounting, indent=2))
+        return write_summary(self.run_dir)
+
+    def _run_event(self, what: str, reason: str) -> None:
+        rec = {"event": "run", "time": time.time() - self._t0, "what": what, "reason": reason}
+        with open(self.run_dir / "metrics" / "run.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,6 +19,7 @@ import torch
 
 from ddiloco.config import Config
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError
+from ddiloco.lifecycle import ProgressLines
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 EXIT_REFUSED = 3
 EXIT_COMM_DIED = 4
+EXIT_NO_SYNCER = 5
+"""The first join never got an answer within runtime.join_timeout_s."""
 
 
 class LearnerProcess:
@@ -121,7 +125,7 @@ class LearnerProcess:
 
     def _should_stop(self, learner: Learner) -> bool:
         """Ranks of one learner stop at the same step: rank 0's decision is shared."""
-        stop = self.stop or (learner.comm is not None and learner.comm.stop.is_set())
+        stop = self.stop or learner.run_ended or (learner.comm is not None and learner.comm.stop.is_set())
         if self.world == 1:
             return stop
         import torch.distributed as dist
@@ -138,9 +142,14 @@ class LearnerProcess:
             log.error("%s", e)
             self._finish(None)
             return EXIT_REFUSED
+        except CommError as e:
+            log.error("%s", e)
+            self._finish(None)
+            return EXIT_NO_SYNCER
         rt = self.cfg.runtime
         last_status = -float("inf")
         step_log = self._open_step_log()
+        progress = ProgressLines(rt.progress_interval_s, enabled=self.rank == 0 and not sys.stderr.isatty())
         while not self._should_stop(learner):
             t0 = time.perf_counter()
             batch = self.stream.next_batch()
@@ -163,6 +172,11 @@ class LearnerProcess:
             s["loss"] = float(loss.detach())
             if s["first_step_at"] is None:
                 s["first_step_at"] = self.clock.wall()
+            progress.maybe(
+                lambda: f"learner {self.id}: step {self.stats['steps']:,}, {self.stats['tokens']:,} tokens, "
+                f"loss {self.stats['loss']:.4f}, "
+                f"{1.0 / max(learner._step_ema, 1e-9):.1f} steps/s, fleet at {learner.global_tokens:,.0f} tokens"
+            )
             if step_log is not None:
                 step_log.write(f"{self.clock.wall():.6f},{dt:.6f}\n")
             if self.clock.monotonic() - last_status >= rt.status_interval_s and self.rank == 0:
@@ -175,6 +189,10 @@ class LearnerProcess:
     def _finish(self, step_log: TextIO | None) -> int:
         learner = self.learner
         comm = learner.comm if learner is not None else None
+        if learner is not None and learner.run_ended and self.world == 1:  # (a torchrun group just leaves)
+            confirmed = learner.finish()
+            log.info("learner %d: the run ended (%s)%s", self.id, learner.end_reason,
+                     "" if confirmed else "; the syncer did not confirm the final sync in time")  # fmt: skip
         if learner is not None:
             learner.close()
         self.write_status()
@@ -187,6 +205,8 @@ class LearnerProcess:
         if comm is not None and comm.refused:
             log.error("learner %d refused by the syncer: %s", self.id, comm.refused)
             return EXIT_REFUSED
+        if comm is not None and comm.run_end is not None:
+            return 0
         if comm is not None and comm.died:
             log.error("learner %d stops: its comm thread died (%s)", self.id, comm.died)
             return EXIT_COMM_DIED

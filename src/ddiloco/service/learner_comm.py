@@ -21,7 +21,7 @@ from typing import Any
 from ddiloco.config import RuntimeConfig
 from ddiloco.core.messages import MAX_STEP_TIME_S, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.service.clock import Clock
-from ddiloco.service.protocol import JoinReply, PeerState, PeerStateRequest, Register, SyncerHeartbeat
+from ddiloco.service.protocol import JoinReply, PeerState, PeerStateRequest, Register, RunEnd, SyncerHeartbeat
 from ddiloco.service.transport import LearnerSocket
 from ddiloco.service.wire import WireError, decode, encode
 
@@ -83,6 +83,8 @@ class LearnerComm:
         self.data_position: int | None = None
         self.refused: str | None = None
         self.died: str | None = None
+        self.run_end: str | None = None  # the syncer ended the run: "stop", then "done"
+        self.end_reason = ""
         self.stop = threading.Event()
         self.cpu_s = 0.0
         self.answered = 0
@@ -220,6 +222,11 @@ class LearnerComm:
             if self.data_position is None:
                 self.data_position = msg.data_position
             self.first_join.set()
+        elif isinstance(msg, RunEnd):
+            if self.run_end != "done":
+                self.run_end, self.end_reason = msg.stage, msg.reason
+            if msg.stage == "done":
+                self.stop.set()  # nothing more to say: the final model is written
         elif isinstance(msg, FragmentRequest):
             self._answer(link, msg.fragment)
         elif isinstance(msg, (FragmentUpdate, PeerState)):

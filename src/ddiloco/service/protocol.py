@@ -10,7 +10,7 @@ core's ``Join``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -161,3 +161,19 @@ class GlobalState:
     """Tokens merged so far."""
     tensors: dict[str, torch.Tensor]
     """Pieces named 'FRAGMENT.PIECE'."""
+    run_ended: bool = False
+    """Whether the run has ended (this is the final model): an evaluator stops after it."""
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """Syncer -> learner: the run reached its budget.
+
+    ``stage`` "stop": stop training, but keep applying merged versions and answering fragment
+    requests (the final sync merges every live learner's remaining progress); "done": the
+    final model is written, leave and exit."""
+
+    stage: Literal["stop", "done"]
+    """How far the end has come."""
+    reason: str = field(metadata={"max_len": 512})
+    """Why the run ended, for the log (e.g. "600,000 global tokens reached (run.tokens)")."""

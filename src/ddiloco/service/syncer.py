@@ -8,9 +8,11 @@ the service. The transport and the clock are injected (``service.transport``, ``
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +26,10 @@ from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Output, Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
+from ddiloco.lifecycle import ProgressLines
 from ddiloco.report.rundir import prepare_run_dir
+from ddiloco.report.summary import run_started_at, write_summary
+from ddiloco.report.tape import read_jsonl
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.protocol import (
@@ -34,6 +39,7 @@ from ddiloco.service.protocol import (
     PeerState,
     PeerStateRequest,
     Register,
+    RunEnd,
     SyncerHeartbeat,
     first_mismatch,
     param_spec,
@@ -108,6 +114,7 @@ class SyncerService:
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
         self.clock = clock
+        self.evaluates = model is None  # a model given in code has no workload here to evaluate on
         if model is None:
             wl = load_workload(cfg.workload)
             model = wl.build_model(cfg.run.seed)
@@ -144,6 +151,24 @@ class SyncerService:
         self._last_heartbeat = -float("inf")
         self._started = start
         self._warned: set[str] = set()
+        # The run's end (see _advance_end): None while training, then "stop" (learners stop and
+        # the open rounds close), "final" (the final sync), "done" (final model written).
+        self.started_at = run_started_at(self.run_dir) or clock.wall()
+        # The run's age: the wall clock is read once here (a restart resumes the count), then only
+        # the monotonic clock advances it, so a wall-clock jump moves no decision.
+        self._age_at_start = max(0.0, clock.wall() - self.started_at)
+        self.end_stage: str | None = None
+        self.end_reason = ""
+        self._end_next = 0.0
+        self._progress = ProgressLines(rt.progress_interval_s, enabled=not sys.stderr.isatty())
+        runlog = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
+        if runlog and runlog[-1].get("what") == "end":  # restarted on a finished run: say so, then leave
+            self.end_stage, self.end_reason = "done", str(runlog[-1].get("reason", "the run ended"))
+            self._end_next = start + rt.end_linger_s
+            log.warning("this run already ended (%s): nothing to do; start a new run folder to train more",
+                        self.end_reason)  # fmt: skip
+        else:
+            self._run_event("resume" if self.restored else "start", "")
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -240,6 +265,9 @@ class SyncerService:
             log.warning("%s (dropped; further ones are counted silently)", text)
 
     def _on_register(self, identity: bytes, msg: Register, now: float) -> None:
+        if self.end_stage is not None:  # too late to take part: the learner hears the run is over
+            self._send(identity, RunEnd("done", self.end_reason))
+            return
         mismatch = first_mismatch(self.spec, msg.params)
         if mismatch is None and msg.layout != self.layout.digest:
             mismatch = (
@@ -279,7 +307,7 @@ class SyncerService:
             for i, v in enumerate(self.core.fragments[p].values):
                 tensors[f"{p}.{i}"] = v
         versions = {str(p): self.core.fragments[p].version for p in self.core.owned}
-        return GlobalState(versions, self.core.global_tokens, tensors)
+        return GlobalState(versions, self.core.global_tokens, tensors, run_ended=self.end_stage == "done")
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -313,14 +341,98 @@ class SyncerService:
             for identity, frames, key in self.sock.recv(wait, limit=1000):  # bounded so chores still run
                 self.handle(identity, frames, key)
             self._emit(self.core.poll(self.clock.monotonic()))
+            self._advance_end(self.clock.monotonic())
             self._chores(rt)
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
         self.stopping = True
 
+    # -- the run's end -----------------------------------------------------------------------
+
+    def budget_spent(self) -> str | None:
+        """Why the run is over (its token or time budget is spent), or None."""
+        tokens, limit = self.core.global_tokens, self.cfg.run.tokens
+        if tokens >= limit:
+            return f"{tokens:,.0f} global tokens merged, the budget is {limit:,} (run.tokens)"
+        elapsed, duration = self.run_age(), self.cfg.runtime.duration_s
+        if elapsed >= duration:
+            return f"{elapsed:,.0f} s since the run started, the budget is {duration:,.0f} s (runtime.duration_s)"
+        return None
+
+    def run_age(self) -> float:
+        """Seconds since the run started (``run.json``'s started_at), on the monotonic clock."""
+        return self._age_at_start + self.clock.monotonic() - self._started
+
+    def end_run(self, reason: str) -> None:
+        """End the run now (as if its budget were spent): learners stop, the final sync merges
+        their remaining progress, the final model and summary are written, then serve returns."""
+        if self.end_stage is None:
+            self._begin_end(reason, self.clock.monotonic())
+
+    def _begin_end(self, reason: str, now: float) -> None:
+        log.info("the run is over: %s; stopping the learners for the final sync", reason)
+        self.end_stage, self.end_reason = "stop", reason
+        self._broadcast(RunEnd("stop", reason))
+        self._emit(self.core.flush(now, final=True))
+        # The learners apply the versions this flush made before the final sync asks them
+        # (an answer anchored at an older base would count that progress twice).
+        self._end_next = now + max(0.5, 2 * self.cfg.runtime.heartbeat_interval_s)
+
+    def _advance_end(self, now: float) -> None:
+        """Move the run's end along: stop -> final sync -> done -> (linger) -> leave serve."""
+        rt = self.cfg.runtime
+        if self.end_stage is None:
+            reason = self.budget_spent()
+            if reason is not None:
+                self._begin_end(reason, now)
+        elif self.end_stage == "stop" and now >= self._end_next:
+            self.end_stage = "final"
+            self._emit(self.core.final_sync(now))
+            # every live learner answers at once; a silent one stops being waited for at its liveness timeout
+            self._end_next = now + self.cfg.algo.liveness_timeout_s + 2 * rt.heartbeat_interval_s
+        elif self.end_stage == "final" and (not self.core.rounds or now >= self._end_next):
+            if self.core.rounds:
+                self._emit(self.core.flush(now, final=True))
+            self.end_stage = "done"
+            self._broadcast(RunEnd("done", self.end_reason))
+            self.write_final_model()
+            self._run_event("end", self.end_reason)
+            log.info("final sync done; final model written to %s", self.run_dir / "final")
+            self._end_next = now + rt.end_linger_s
+        elif self.end_stage == "done" and now >= self._end_next:
+            self.stopping = True
+
+    def _broadcast(self, msg: Any) -> None:
+        for identity in self.identities.values():
+            self._send(identity, msg)
+
+    def _run_event(self, what: str, reason: str) -> None:
+        """Append to metrics/run.jsonl (shard 0 speaks for the run). A failed write is said
+        once and does not stop the syncer."""
+        if self.shard != 0:
+            return
+        rec = {"event": "run", "time": self.run_age(), "what": what, "reason": reason}
+        try:
+            (self.run_dir / "metrics").mkdir(exist_ok=True)
+            with open(self.run_dir / "metrics" / "run.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            log.warning("cannot record %r in %s: %s", what, self.run_dir / "metrics" / "run.jsonl", e)
+
+    def _progress_line(self) -> str:
+        versions = [self.core.fragments[p].version for p in self.core.owned]
+        elapsed = self.run_age()
+        return (
+            f"syncer shard {self.shard}: {self.core.global_tokens:,.0f} / {self.cfg.run.tokens:,} global tokens, "
+            f"{elapsed:,.0f} / {self.cfg.runtime.duration_s:,.0f} s, {len(self.core.live(self.clock.monotonic()))} "
+            f"live learners, versions {min(versions)}..{max(versions)}"
+            + (f", ending ({self.end_stage})" if self.end_stage else "")
+        )
+
     def _next_chore(self, rt: RuntimeConfig) -> float:
         return min(
+            self._end_next if self.end_stage is not None else float("inf"),
             self._last_heartbeat + rt.heartbeat_interval_s,
             self._last_snapshot + rt.snapshot_interval_s,
             self._last_status + rt.status_interval_s,
@@ -338,6 +450,7 @@ class SyncerService:
         if mono - self._last_status >= rt.status_interval_s:
             self._last_status = mono
             self.write_status()
+        self._progress.maybe(self._progress_line)
 
     def write_status(self) -> None:
         now = self.clock.monotonic()
@@ -349,6 +462,8 @@ class SyncerService:
             "versions": {p: self.core.fragments[p].version for p in self.core.owned},
             "live": self.core.live(now),
             "global_tokens": self.core.global_tokens,
+            "run_end": self.end_stage,
+            "end_reason": self.end_reason,
             "cpu_s": time.process_time(),
             "wall_s": now - self._started,
             **self.counts,
@@ -357,7 +472,11 @@ class SyncerService:
 
     def shutdown(self) -> None:
         """Close open rounds, make everything durable, write the final model, close the socket
-        and release the run folder."""
+        and release the run folder; then (shard 0) the final evaluation and the summary.
+
+        Stopped before the run's end (a signal, a requeue), the run is marked interrupted and
+        its summary partial; a later start on the folder resumes it."""
+        ended = self.end_stage == "done"
         try:
             self._emit(self.core.flush(self.clock.monotonic()))
             snapshot(self.store, self.core)
@@ -366,6 +485,38 @@ class SyncerService:
         finally:
             self.sock.close()
             self.store.close()
+        if not ended:
+            self._run_event("interrupted", "the syncer was stopped before the run's end")
+        if self.shard == 0:
+            if ended and self.cfg.runtime.final_eval and self.num_shards == 1 and self.evaluates:
+                self._final_eval()
+            try:
+                write_summary(self.run_dir)
+            except OSError as e:
+                log.warning("cannot write the summary in %s: %s", self.run_dir, e)
+
+    def _final_eval(self) -> None:
+        """Evaluate the final global model once (summary.json's eval loss)."""
+        from ddiloco.training.evaluate import evaluate
+        from ddiloco.workloads.base import loss_unit
+
+        evals = read_jsonl(self.run_dir / "metrics" / "eval.jsonl")
+        if any(e.get("final") for e in evals[-1:]):
+            return  # already evaluated (a restarted syncer on a finished run)
+        wl = load_workload(self.cfg.workload)
+        loss = evaluate(wl, self.model, wl.eval_batches())
+        rec = {
+            "event": "eval",
+            "time": self.run_age(),
+            "tokens": 0,
+            "merged_tokens": self.core.global_tokens,
+            "loss": loss,
+            "final": True,
+            "unit": loss_unit(wl),
+        }
+        with open(self.run_dir / "metrics" / "eval.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log.info("final eval loss %.4f %s", loss, loss_unit(wl))
 
     def write_final_model(self) -> Path:
         from ddiloco.export import save_state_dict
@@ -404,6 +555,7 @@ def bind_syncer(
                 "keys with `ddiloco keys DIR --learners M` and pass --keys DIR, or pass --insecure on a trusted network"
             )
         log.warning("INSECURE: %s accepts any peer without authentication or encryption (--insecure)", bind)
+    from_workload = model is None
     if model is None:
         wl = load_workload(cfg.workload)
         model = wl.build_model(cfg.run.seed)
@@ -414,9 +566,11 @@ def bind_syncer(
     except Exception as e:  # zmq.ZMQError: one line, not a trace
         raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
     try:
-        return SyncerService(
+        service = SyncerService(
             cfg, sock, run_dir, shard, num_shards, keys=keys, model=model, embedding_like=embedding_like
         )
+        service.evaluates = from_workload
+        return service
     except BaseException:
         sock.close()
         raise

@@ -41,13 +41,14 @@ from ddiloco.service.protocol import (
     PeerState,
     PeerStateRequest,
     Register,
+    RunEnd,
     SyncerHeartbeat,
 )
 
-SCHEMA = 2  # 2: incarnations and sequence numbers, Register replaces Join
+SCHEMA = 3  # 2: incarnations and sequence numbers, Register replaces Join; 3: RunEnd, GlobalState.run_ended
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 MESSAGES: dict[str, type] = {
-    cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState)
+    cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd)
 }
 DTYPES = {
     "float32": torch.float32,

@@ -12,11 +12,14 @@ from ddiloco.report.accounting import Goodput
 from ddiloco.report.result import RunResult
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
-from ddiloco.workloads.base import Workload
+from ddiloco.workloads.base import Workload, loss_unit
 
 
 def run_data_parallel(
-    cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None
+    cfg: Config,
+    workload: Workload,
+    on_progress: Callable[[float, float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Train one model on the M shards' batches together (no failures: the healthy reference).
 
@@ -40,8 +43,14 @@ def run_data_parallel(
     steps = math.ceil(r.tokens / (r.num_learners * probe.tokens))
     horizon = steps * cfg.sim.step_time_s
     eval_at = {round(steps * k / (r.eval_points + 1)) for k in range(1, r.eval_points + 1)}
-    evals, tokens = [], 0
+    evals, tokens, partial = [], 0, False
     for step in range(1, steps + 1):
+        if should_stop is not None and should_stop():
+            partial = True
+            evals.append({"time": (step - 1) * cfg.sim.step_time_s, "tokens": tokens, "merged_tokens": tokens,
+                          "loss": evaluate(workload, model, eval_batches), "final": True})  # fmt: skip
+            horizon = (step - 1) * cfg.sim.step_time_s
+            break
         model.train()
         batches = [s.next_batch() for s in streams]
         loss = sum(workload.loss(model, b) for b in batches) / len(batches)
@@ -72,10 +81,13 @@ def run_data_parallel(
         lost_steps=0.0,
         failures=0,
         num_fragments=1,
-        rounds_per_fragment=float(steps),
+        rounds_per_fragment=float(step - 1 if partial else steps),
         learners_per_merge=float(r.num_learners),
         grace_admissions=0,
         rejected=0,
         late=0,
         state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        num_learners=r.num_learners,
+        loss_unit=loss_unit(workload),
+        partial=partial,
     )

@@ -32,7 +32,7 @@ from ddiloco.report.result import RunResult, summarise_tape
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for
-from ddiloco.workloads.base import DataStream, Workload
+from ddiloco.workloads.base import DataStream, Workload, loss_unit
 
 SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)
 MAX_TIME_FACTOR = 4.0
@@ -56,6 +56,14 @@ class SimLearner:
     inbox: list[FragmentUpdate] = field(default_factory=list)
     lost_steps: float = 0.0
     failures: int = 0
+    loss: float | None = None  # the last inner step's training loss
+    bytes_sent: int = 0  # contribution bytes of this incarnation
+    incarnation_start: tuple[float, int, int] = (0.0, 0, 0)  # (busy_s, tokens, steps) at its start
+
+    def busy_s(self, now: float) -> float:
+        """Seconds in inner steps so far, all incarnations."""
+        busy = self.account.totals["compute"]
+        return busy + (now - self.account.since if self.account.state == "compute" else 0.0)
 
     @property
     def up(self) -> bool:
@@ -65,10 +73,21 @@ class SimLearner:
 class Simulation:
     """Runs one configured method in virtual time and returns a RunResult."""
 
+    SAMPLES = 200
+    """Per-learner records (metrics/learners.jsonl) over a run's virtual time budget."""
+
     def __init__(
-        self, cfg: Config, workload: Workload, on_progress: Callable[[float, float], None] | None = None
+        self,
+        cfg: Config,
+        workload: Workload,
+        on_progress: Callable[[float, float], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
+        """``should_stop``: polled between events; True ends the run early (a partial result)."""
         self.cfg, self.wl, self.on_progress = cfg, workload, on_progress
+        self.should_stop = should_stop
+        self.interrupted = False
+        self.samples: list[dict[str, Any]] = []
         a, s, r = cfg.algo, cfg.sim, cfg.run
         torch.use_deterministic_algorithms(True)
         base = workload.build_model(r.seed)
@@ -117,6 +136,7 @@ class Simulation:
         self.evals: list[dict[str, float]] = []
         self.log: list[dict[str, Any]] = []
         self._wakes: set[float] = set()
+        self._next_sample = 0.0
 
     # -- event plumbing --------------------------------------------------------------------
 
@@ -170,7 +190,11 @@ class Simulation:
         batch = ln.stream.next_batch()
         lr = lr_at(ln.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner)
         ln.model.train()
-        inner_step(ln.model, ln.opt, self.wl.loss(ln.model, batch), lr, self.cfg.inner.grad_clip)
+        loss = self.wl.loss(ln.model, batch)
+        inner_step(ln.model, ln.opt, loss, lr, self.cfg.inner.grad_clip)
+        ln.loss = float(loss.detach())
+        if self.now >= self._next_sample:
+            self._sample()
         sends = ln.core.on_step(batch.tokens)
         self.processed += batch.tokens
         if self.cfg.run.budget == "tokens":
@@ -204,6 +228,7 @@ class Simulation:
 
     def _send_fragment(self, ln: SimLearner, p: int) -> None:
         values = read_fragment(ln.params, self.layout.fragments[p])
+        ln.bytes_sent += self.fragment_bytes[p]
         self._to_syncer(ln.core.contribution(p, values, ln.stream.position), self.fragment_bytes[p])
 
     def _apply(self, ln: SimLearner, u: FragmentUpdate) -> None:
@@ -235,6 +260,7 @@ class Simulation:
         ln.lost_steps += sum(ln.core.steps) / len(ln.core.steps)  # steps not yet contributed
         ln.inbox.clear()
         ln.account.switch("down", self.now)
+        ln.bytes_sent, ln.loss = 0, None
         self.log.append({"event": "fail", "learner": ln.id, "time": self.now})
         self._at(restart_at, ln.id, "restart_begin", None)
         self._at(back_at, ln.id, "rejoin", None)
@@ -257,6 +283,7 @@ class Simulation:
             {"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id}
         )
         ln.account.switch("compute", self.now)
+        ln.incarnation_start = (ln.busy_s(self.now), ln.core.tokens_processed, ln.core.step)
         self._dispatch(out)
         self._start_step(ln)
 
@@ -305,13 +332,17 @@ class Simulation:
         }
         self.handlers = handlers
         self._run_until(self.time_limit, stop_when_ending=True)
-        if not self.ending:
+        if not self.ending and not self.interrupted:
             self.now = self.time_limit  # the time budget (or the safety bound) is what ended it
         self.end_time = self.now
         self.ending = True
         for ln in self.learners:
             ln.account.close(self.end_time)
-        self._final_sync()
+        if self.interrupted:  # keep what was done: close the open rounds, no final sync
+            self._dispatch(self.syncer.flush(self.now, final=True))
+        else:
+            self._final_sync()
+        self._sample()
         self._record_eval(final=True)
         if self.on_progress:
             self.on_progress(self.end_time, self.end_time)
@@ -320,6 +351,9 @@ class Simulation:
     def _run_until(self, limit: float, stop_when_ending: bool = False, messages_only: bool = False) -> None:
         """Process events in order up to ``limit`` (each kind by its handler)."""
         while self.events and self.events[0][0] <= limit and not (stop_when_ending and self.ending):
+            if stop_when_ending and self.should_stop is not None and self.should_stop():
+                self.interrupted = True
+                return
             t, actor, _, kind, data = heapq.heappop(self.events)
             if messages_only and kind not in ("syncer_msg", "syncer_wake", "learner_msg"):
                 continue  # after the run: no steps, faults or scheduled evaluations
@@ -346,6 +380,26 @@ class Simulation:
         self._dispatch(self.syncer.final_sync(self.now))
         self._run_until(self.now + bound, messages_only=True)
         self._dispatch(self.syncer.flush(self.now, final=True))  # whatever a silent learner left open
+
+    def _sample(self) -> None:
+        """One metrics/learners.jsonl record per learner (counters of its current incarnation)."""
+        self._next_sample = self.now + self.horizon / self.SAMPLES
+        for ln in self.learners:
+            busy0, tokens0, steps0 = ln.incarnation_start
+            state = "up" if ln.up else "down"
+            self.samples.append(
+                {
+                    "event": "learner",
+                    "time": self.now,
+                    "learner": ln.id,
+                    "state": state,
+                    "steps": ln.core.step - steps0 if state == "up" else 0,
+                    "tokens": ln.core.tokens_processed - tokens0 if state == "up" else 0,
+                    "busy_s": ln.busy_s(self.now) - busy0 if state == "up" else 0.0,
+                    "loss": ln.loss,
+                    "bytes_sent": ln.bytes_sent,
+                }
+            )
 
     def _blocked_heartbeat(self, ln: SimLearner) -> None:
         self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, 0.0))
@@ -375,5 +429,9 @@ class Simulation:
             tape=tape,
             log=self.log,
             state={k: v.detach().clone() for k, v in self.eval_model.state_dict().items()},
+            samples=self.samples,
+            num_learners=len(self.learners),
+            loss_unit=loss_unit(self.wl),
+            partial=self.interrupted,
             **summarise_tape(tape, self.layout.num_fragments),
         )

@@ -68,3 +68,10 @@ class Workload(Protocol):
     def is_embedding_like(self, name: str) -> bool:
         """Whether parameter ``name`` is merged by weighted mean instead of RDA."""
         ...
+
+
+def loss_unit(workload: object) -> str:
+    """The unit of ``workload``'s loss for tables and plots: its ``loss_unit`` attribute (say
+    "nats/byte"), or "" when it does not say (the loss is then shown without a unit)."""
+    unit = getattr(workload, "loss_unit", "")
+    return unit if isinstance(unit, str) else ""

@@ -112,6 +112,7 @@ class SyntheticWorkload:
     """Teacher-student regression (mean squared error); see the module docstring."""
 
     name = "synthetic"
+    loss_unit = "MSE"
 
     def __init__(self, cfg: WorkloadConfig) -> None:
         cfg.validate()

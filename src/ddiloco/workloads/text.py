@@ -221,6 +221,8 @@ def load_corpus(opts: TextOptions, install: str = "") -> Corpus:
 class TextWorkload:
     """Byte-level GPT on a text corpus (see the module docstring for sources and the split)."""
 
+    loss_unit = "nats/byte"
+
     def __init__(self, cfg: WorkloadConfig, opts: TextOptions, name: str | None = None, install: str = "") -> None:
         cfg.validate()
         self.gpt = gpt_config(cfg)

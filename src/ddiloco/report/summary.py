@@ -1,0 +1,320 @@
+"""The run's summary, computed from its run folder: the one function ``train``, ``simulate``,
+the syncer and ``ddiloco report`` all call.
+
+Everything here reads the files of the run folder format (docs/operations.md), never a live
+process, so a run started by hand, one interrupted, and one finished long ago are summarised
+by the same rules. The inputs are ``metrics/*.jsonl``, ``metrics/accounting.json``, the tape,
+``run.json`` and ``config.toml``; the outputs are ``summary.json``, ``metrics.jsonl``,
+``tape.jsonl`` (the syncer shards' tapes, times made relative to the run's start) and
+``eval_loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ddiloco.report.result import summarise_tape
+from ddiloco.report.tape import read_jsonl
+
+log = logging.getLogger(__name__)
+
+TERMS_DOC = "docs/operations.md#terms"
+"""Where every figure below is defined (tables and progress lines point there)."""
+
+MIN_ROUNDS_PER_FRAGMENT = 3.0
+"""Below this many merges per fragment a run's figures are mostly start-up: warn."""
+
+FAILURE_KINDS = ("sigkill", "fail", "crash")
+"""Fault kinds that are a learner failure (restarts and straggler phases are not)."""
+
+SUMMARY_ROWS = [
+    ("eval loss ({unit})", "eval_loss", "{:.4f}"),
+    ("tokens processed", "tokens_processed", "{:,.0f}"),
+    ("tokens merged", "tokens_merged", "{:,.0f}"),
+    ("merged / processed", "merged_share", "{:.1%}"),
+    ("goodput", "goodput", "{:.1%}"),
+    ("  lost: blocked", "blocked", "{:.1%}"),
+    ("  lost: down", "down", "{:.1%}"),
+    ("  lost: restarting", "restarting", "{:.1%}"),
+    ("  lost: starting", "starting", "{:.1%}"),
+    ("uptime", "uptime", "{:.1%}"),
+    ("failures", "failures", "{:.0f}"),
+    ("work lost in failures (steps)", "lost_steps", "{:.0f}"),
+    ("fragments P", "num_fragments", "{:.0f}"),
+    ("rounds per fragment", "rounds_per_fragment", "{:.1f}"),
+    ("learners per merge", "learners_per_merge", "{:.2f}"),
+    ("grace admissions", "grace_admissions", "{:.0f}"),
+    ("rejected / late answers", "rejected", "{:.0f}"),
+    ("run length (s, {clock} clock)", "run_time_s", "{:.1f}"),
+]
+"""The summary table: label, summary.json key, format (every term: ``TERMS_DOC``)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_info(run_dir: str | Path) -> dict[str, Any]:
+    """``run.json``: format, creation, who made it, ``started_at`` (a Unix time)."""
+    return _read_json(Path(run_dir) / "run.json")
+
+
+def run_started_at(run_dir: str | Path) -> float | None:
+    """The run's start (``run.json``'s ``started_at``), or None for a folder without one."""
+    value = run_info(run_dir).get("started_at")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _relative_tape(run_dir: Path) -> list[dict[str, Any]] | None:
+    """The syncer shards' tapes merged in time order, times as seconds since the run started;
+    None when the folder has no syncer state (a simulated run writes tape.jsonl itself)."""
+    state = run_dir / "state"
+    paths = sorted([state / "tape.jsonl", *state.glob("shard-*/tape.jsonl")])
+    paths = [p for p in paths if p.exists()]
+    if not paths:
+        return None
+    t0 = run_started_at(run_dir)
+    out = []
+    for path in paths:
+        for rec in read_jsonl(path):
+            offset = rec.pop("wall_offset", None)
+            if t0 is not None and isinstance(offset, (int, float)):
+                shift = offset - t0
+                for key in ("time", "opened_at", "closed_at"):
+                    if isinstance(rec.get(key), (int, float)):
+                        rec[key] += shift
+                for r in rec.get("rejected", []) if isinstance(rec.get("rejected"), list) else []:
+                    if isinstance(r, dict) and isinstance(r.get("time"), (int, float)):
+                        r["time"] += shift
+            out.append(rec)
+    out.sort(key=lambda r: r.get("closed_at", r.get("time", 0.0)) if isinstance(r, dict) else 0.0)
+    return out
+
+
+def _num(value: Any, default: float = 0.0) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _incarnation_totals(records: list[dict[str, Any]], key: str) -> float:
+    """Sum over learners and their incarnations of a cumulative counter that restarts from 0
+    with each incarnation (a drop means a new process)."""
+    total = 0.0
+    last: dict[Any, float] = {}
+    for r in records:
+        m, v = r.get("learner"), _num(r.get(key))
+        prev = last.get(m, 0.0)
+        if v < prev:  # a restart: bank what the previous incarnation reached
+            total += prev
+        last[m] = v
+    return total + sum(last.values())
+
+
+def summarise(run_dir: str | Path) -> dict[str, Any]:
+    """The run's figures (what summary.json holds), from its folder alone."""
+    d = Path(run_dir)
+    cfg = _config(d)
+    info = run_info(d)
+    metrics = d / "metrics"
+    evals = read_jsonl(metrics / "eval.jsonl")
+    faults = read_jsonl(metrics / "faults.jsonl")
+    learners = read_jsonl(metrics / "learners.jsonl")
+    runlog = read_jsonl(metrics / "run.jsonl")
+    acct = _read_json(metrics / "accounting.json")
+    tape = _relative_tape(d)
+    if tape is None:
+        tape = read_jsonl(d / "tape.jsonl")
+    num_fragments = int(_num(acct.get("num_fragments"))) or _fragments_in(tape) or 1
+    ends = [r for r in runlog if r.get("what") in ("end", "interrupted")]
+    horizon = _num(acct.get("horizon_s")) or (_num(ends[-1].get("time")) if ends else 0.0)
+    if not horizon:
+        horizon = max([_num(r.get("time")) for r in (*evals, *learners, *faults)], default=0.0)
+    m_count = int(_num(acct.get("learners"))) or int(cfg.get("run", {}).get("num_learners", 0)) or 1
+    # goodput: the launcher's or simulator's accounting when there is one, else from the
+    # learners' own busy time (a run started by hand: down and restarting are not known)
+    alloc = max(horizon * m_count, 1e-9)
+    kinds = ("compute", "blocked", "down", "restarting", "starting")
+    if acct:
+        shares: dict[str, float | None] = {k: _num(acct.get(f"{k}_s")) / alloc for k in kinds}
+    else:
+        shares = dict.fromkeys(kinds)
+        shares["compute"] = _incarnation_totals(learners, "busy_s") / alloc if learners else None
+    processed = _num(acct.get("tokens")) or _incarnation_totals(learners, "tokens")
+    # every fragment merges the same tokens once: the global count is the mean over fragments
+    merged = sum(
+        _num(e.get("tokens"))
+        for r in tape
+        if r.get("event") == "round"
+        for e in r.get("merged", [])
+        if _num(e.get("weight")) > 0
+    ) / max(num_fragments, 1)
+    if not tape:
+        merged = _num(acct.get("tokens_merged"))
+    final = [e for e in evals if e.get("final")]
+    last_eval = (final or evals or [{}])[-1]
+    stats = summarise_tape(tape, num_fragments)
+    if not tape and isinstance(acct.get("tape_stats"), dict):  # data-parallel: every step syncs, no tape
+        stats = {k: _num(acct["tape_stats"].get(k)) for k in stats}
+    interrupted = bool(ends) and ends[-1].get("what") == "interrupted"  # a resumed run that ended is whole
+    summary: dict[str, Any] = {
+        "method": acct.get("method") or cfg.get("run", {}).get("method", "?"),
+        "by": info.get("by", "?"),
+        "partial": interrupted,
+        "ended": (ends[-1].get("reason") if ends else None),
+        "clock": "virtual" if str(info.get("by", "")).startswith("ddiloco simulate") else "wall",
+        "loss_unit": str(last_eval.get("unit", "")),
+        "eval_loss": last_eval.get("loss"),
+        "tokens_processed": processed,
+        "tokens_merged": merged,
+        "merged_share": merged / processed if processed else 0.0,
+        "goodput": shares["compute"],
+        "blocked": shares["blocked"],
+        "down": shares["down"],
+        "restarting": shares["restarting"],
+        "starting": shares["starting"],
+        "uptime": acct.get("uptime"),
+        "lost_steps": _num(acct.get("lost_steps")),
+        "restart_latencies_s": acct.get("restart_latencies_s", []),
+        "failures": sum(1 for f in faults if str(f.get("kind", "")).split(" ")[0] in FAILURE_KINDS)
+        + sum(1 for f in faults if str(f.get("kind", "")).startswith("exit ") and f.get("kind") != "exit 0"),
+        "num_fragments": num_fragments,
+        "num_learners": m_count,
+        "run_time_s": horizon,
+        **stats,
+    }
+    summary["warnings"] = warnings_for(summary)
+    return summary
+
+
+def warnings_for(summary: dict[str, Any]) -> list[str]:
+    """What makes these figures not mean much (said in the table, summary.json and the report)."""
+    out = []
+    rounds = _num(summary.get("rounds_per_fragment"))
+    if rounds < MIN_ROUNDS_PER_FRAGMENT:
+        out.append(
+            f"only {rounds:.1f} merges per fragment: too short a run for these figures to mean much "
+            "(raise run.tokens or runtime.duration_s)"
+        )
+    if summary.get("partial"):
+        out.append("the run was interrupted: these are partial figures")
+    if summary.get("eval_loss") is None:
+        out.append("no evaluation of the global model was recorded")
+    return out
+
+
+def _fragments_in(tape: list[dict[str, Any]]) -> int:
+    frags = {r.get("fragment") for r in tape if r.get("event") == "round"}
+    return len(frags)
+
+
+def _config(d: Path) -> dict[str, Any]:
+    from ddiloco.config import tomllib
+
+    try:
+        with open(d / "config.toml", "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def write_summary(run_dir: str | Path) -> dict[str, Any]:
+    """Compute the summary from the folder and write summary.json, metrics.jsonl, the merged
+    tape.jsonl (real runs) and eval_loss.png; returns the summary. Safe to call again (every
+    writer of the folder does, as its part ends): each call recomputes from the sources."""
+    d = Path(run_dir)
+    summary = summarise(d)
+    tape = _relative_tape(d)
+    if tape is not None:
+        _write_lines(d / "tape.jsonl", tape)
+    records = [r for name in ("eval", "faults", "learners", "run") for r in read_jsonl(d / "metrics" / f"{name}.jsonl")]
+    records.sort(key=lambda r: _num(r.get("time")))
+    _write_lines(d / "metrics.jsonl", [*records, {"event": "summary", **summary}])
+    _atomic_write(d / "summary.json", json.dumps(summary, indent=2))
+    try:
+        plot_eval_loss(d, summary)
+    except Exception as e:  # a plot is a courtesy: never lose the summary over it
+        log.warning("could not draw %s: %s", d / "eval_loss.png", e)
+    return summary
+
+
+def _write_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    _atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def plot_eval_loss(run_dir: Path, summary: dict[str, Any]) -> Path | None:
+    """Eval loss of the global model against time, with learner failures marked."""
+    evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    if not evals:
+        return None
+    try:
+        import matplotlib
+    except ImportError:  # the plot extra is not installed: the figures are in summary.json
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    faults = read_jsonl(run_dir / "metrics" / "faults.jsonl")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([_num(e.get("time")) for e in evals], [_num(e.get("loss")) for e in evals], marker="o",
+            label=str(summary["method"]))  # fmt: skip
+    for f in faults:
+        if str(f.get("kind", "")).split(" ")[0] in FAILURE_KINDS or str(f.get("kind", "")).startswith("exit "):
+            ax.axvline(_num(f.get("time")), color="red", alpha=0.25, lw=1)
+    ax.set_xlabel(f"seconds since the run started ({summary['clock']} clock)")
+    ax.set_ylabel(_label("eval loss ({unit})", summary))
+    title = f"{summary['method']}: global model eval loss (red: learner failures)"
+    ax.set_title(title + (" — partial" if summary.get("partial") else ""))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = run_dir / "eval_loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _label(label: str, summary: dict[str, Any]) -> str:
+    unit = summary.get("loss_unit") or ""
+    return label.format(unit=unit, clock=summary.get("clock", "?")).replace(" ()", "")
+
+
+def summary_table(summary: dict[str, Any], title: str) -> Any:
+    """The summary as a rich table (for people; summary.json is for programs)."""
+    from rich.table import Table
+
+    table = Table(title=title + (" — PARTIAL (interrupted)" if summary.get("partial") else ""))
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for label, key, fmt in SUMMARY_ROWS:
+        value = summary.get(key)
+        if key == "rejected":
+            text = f"{summary.get('rejected', 0)} / {summary.get('late', 0)}"
+        else:
+            text = "n/a" if value is None else fmt.format(value)
+        table.add_row(_label(label, summary), text)
+    table.caption = f"every term: {TERMS_DOC}"
+    return table
+
+
+def print_summary(summary: dict[str, Any], title: str, run_dir: str | Path) -> None:
+    """The summary table on stdout, then its warnings, then where the run folder is."""
+    from rich.console import Console
+
+    out = Console()
+    out.print(summary_table(summary, title))
+    for w in summary.get("warnings", []):
+        out.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    out.print(f"run folder: {run_dir}", highlight=False)
