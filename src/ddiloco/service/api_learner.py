@@ -579,9 +579,7 @@ class Learner:
         # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
         reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
         st = self.stats
-        comm.progress = Progress(
-            self.core.step, reported, tuple(self.core.base_version), st.tokens, st.busy_s, st.loss
-        )
+        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version), st.tokens, st.busy_s, st.loss)
 
     def _share_initial(self) -> None:
         """After the join, every rank starts from rank 0's model, counters and data position."""

@@ -49,7 +49,8 @@ from ddiloco.service.protocol import (
 SCHEMA = 3  # 2: incarnations and sequence numbers, Register replaces Join; 3: heartbeat progress, status query
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 MESSAGES: dict[str, type] = {
-    cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, StatusRequest, StatusReply)
+    cls.__name__: cls
+    for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, StatusRequest, StatusReply)
 }
 DTYPES = {
     "float32": torch.float32,
