@@ -204,3 +204,29 @@ def test_an_unreachable_address_says_so_in_one_line_and_fails_quickly(capsys):
 def test_a_folder_without_status_files_is_refused(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) != 0
     assert "no status/syncer-*.json" in capsys.readouterr().err
+
+
+def test_with_keys_an_observer_key_may_ask_and_a_keyless_client_gets_nothing(tmp_path, capsys):
+    from ddiloco.service.keys import ServerKeys, make_keys
+    from ddiloco.service.syncer import SyncerService
+    from ddiloco.service.transport import ZmqSyncerSocket
+
+    keys = tmp_path / "keys"
+    make_keys(keys, learners=1)
+    settings = [*SETTINGS, "workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.options={hidden = 8}"]
+    host = "127.0.0.8"
+    addr = f"tcp://{host}:{free_port(host)}"
+    server_keys = ServerKeys.load(keys)
+    service = SyncerService(load_config(None, settings), ZmqSyncerSocket(addr, keys=server_keys), tmp_path / "run",
+                            fsync=False, keys=server_keys)  # fmt: skip
+    t = threading.Thread(target=service.serve, daemon=True)
+    t.start()
+    try:
+        assert main(["status", addr, "--keys", str(keys), "--json"]) == 0
+        view = json.loads(capsys.readouterr().out)
+        assert view["learners"] == [] and view["fragments"] and view["shard"] == 0
+        assert main(["status", addr, "--timeout", "0.5"]) != 0  # no key: the handshake fails, nothing is answered
+        assert "no answer from" in capsys.readouterr().err
+    finally:
+        service.stop()
+        t.join(timeout=30)
