@@ -213,7 +213,8 @@ def test_with_keys_an_observer_key_may_ask_and_a_keyless_client_gets_nothing(tmp
 
     keys = tmp_path / "keys"
     make_keys(keys, learners=1)
-    settings = [*SETTINGS, "workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.options={hidden = 8}"]
+    synthetic = ["workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.options={hidden = 8}"]
+    settings = [*SETTINGS, *synthetic]
     host = "127.0.0.8"
     addr = f"tcp://{host}:{free_port(host)}"
     server_keys = ServerKeys.load(keys)

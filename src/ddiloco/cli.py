@@ -149,9 +149,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ddiloco.service.status_cmd import run_status
+    try:  # Ctrl-C ends --watch quietly, even while the first query (or importing torch) is under way
+        from ddiloco.service.status_cmd import run_status
 
-    return run_status(args.target, args.watch, args.keys, args.insecure, args.json, args.timeout)
+        return run_status(args.target, args.watch, args.keys, args.insecure, args.json, args.timeout)
+    except KeyboardInterrupt:
+        return 0 if args.watch is not None else 130
 
 
 def cmd_train(args: argparse.Namespace) -> int:
