@@ -30,7 +30,7 @@ SETTINGS = [
     "runtime.status_interval_s=0.5",
     "runtime.snapshot_interval_s=1.0",
     "runtime.backoff_max_s=0.3",
-    "runtime.join_timeout_s=3.0",
+    "runtime.join_timeout_s=15.0",  # a lossy network may drop the first registrations
     "runtime.step_sleep_s=0.01",
 ]
 

@@ -14,6 +14,9 @@ from ddiloco.service.protocol import (
     PeerState,
     PeerStateRequest,
     Register,
+    RunEnd,
+    StatusReply,
+    StatusRequest,
     SyncerHeartbeat,
 )
 from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, max_frame_bytes
@@ -37,6 +40,7 @@ def contribution(values, **kw):
 
 MESSAGES = [
     Heartbeat(1, 5, 20, 0.125),
+    Heartbeat(1, 5, 20, 0.125, tokens=4096, busy_s=12.5, loss=2.75, bytes_sent=1_000_000),
     contribution([torch.randn(3, 4), torch.randn(5)]),
     contribution([torch.randn(2)], kind="delta"),
     Ack(1, 5, 2, 3),
@@ -55,6 +59,11 @@ MESSAGES = [
     ),
     FetchGlobal("evaluator"),
     GlobalState({"0": 3}, 10.0, {"0.0": torch.randn(4)}),
+    GlobalState({"1": 5}, 12.0, {"1.0": torch.randn(2)}, run_ended=True),
+    RunEnd("stop", "600,000 global tokens merged"),
+    RunEnd("done", ""),
+    StatusRequest("ddiloco status"),
+    StatusReply({"shard": 0, "learners": [{"learner": 1, "state": "up", "loss": None, "steps_per_s": 2.5}]}),
 ]
 
 
@@ -269,8 +278,8 @@ def test_every_numeric_field_of_every_message_declares_its_bounds():
 
 def test_values_at_the_bounds_round_trip():
     for msg in [
-        Heartbeat(65535, 2**63 - 1, 2**53, 86400.0),
-        Heartbeat(0, 0, 0, 0.0),
+        Heartbeat(65535, 2**63 - 1, 2**53, 86400.0, 2**53, 1e10, 1e30, 2**53),
+        Heartbeat(0, 0, 0, 0.0, 0, 0.0, -1.0, 0),
         FragmentUpdate(65535, 65535, 2**53, [], 1e18, 65536, 2**53, "stale"),
         PeerState(0, -1, [], {}),
         JoinReply(True, "", 2**63 - 1, 2**53, list(range(0, 65536, 1000))),

@@ -128,6 +128,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    try:  # Ctrl-C ends --watch quietly, even while the first query (or importing torch) is under way
+        from ddiloco.service.status_cmd import run_status
+
+        return run_status(args.target, args.watch, args.keys, args.insecure, args.json, args.timeout)
+    except KeyboardInterrupt:
+        return 0 if args.watch is not None else 130
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -258,6 +267,27 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--run-dir", help="run folder (default: run.run_dir)")
     tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
     tr.set_defaults(func=cmd_train)
+    st = sub.add_parser("status", help="the fleet at a glance: learners and fragments, from a syncer or a run folder")
+    st.add_argument(
+        "target",
+        nargs="+",
+        metavar="ADDR|RUN_DIR",
+        help="a live syncer's address tcp://HOST:PORT (one per shard), or a run folder (reads status/syncer-*.json)",
+    )
+    st.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    st.add_argument("--json", action="store_true", help="print the status as JSON (one line per refresh with --watch)")
+    st.add_argument(
+        "--timeout", type=float, default=5.0, metavar="SECONDS", help="how long to wait for a syncer's answer"
+    )
+    _key_args(st, "syncer.key and observer.key_secret (from `ddiloco keys`)")
+    st.set_defaults(func=cmd_status)
     gp = sub.add_parser("goodput", help="datacenter-scale goodput and bandwidth simulator", add_help=False)
     gp.add_argument("rest", nargs=argparse.REMAINDER)
     gp.set_defaults(func=lambda a: _goodput(a.rest))

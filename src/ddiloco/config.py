@@ -135,6 +135,9 @@ class RuntimeConfig:
     not a terminal (under nohup or Slurm); 0: never."""
     status_interval_s: float = 1.0
     """How often processes write their status for the progress view."""
+    metrics_interval_s: float = 5.0
+    """How often the syncer (shard 0) appends one record per learner to metrics/learners.jsonl
+    (state, steps, tokens, busy_s, loss, bytes_sent; see docs/operations.md)."""
     step_sleep_s: float = 0.0
     """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
     step_log: bool = False
@@ -218,6 +221,7 @@ class Config:
             "eval_interval_s",
             "duration_s",
             "status_interval_s",
+            "metrics_interval_s",
         ):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):

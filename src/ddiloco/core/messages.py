@@ -31,6 +31,12 @@ MAX_STEP_TIME_S = 86400.0
 """Longest inner step a heartbeat may report (a day); a too-small one is the syncer core's concern."""
 MAX_TOKENS_F = 1e18
 """Largest global token count (a float)."""
+MAX_BUSY_S = 1e10
+"""Most seconds of inner steps a heartbeat may report (centuries: a bound, not a limit)."""
+MAX_LOSS = 1e30
+"""Largest training loss a heartbeat may report (a larger or non-finite one is reported unknown)."""
+LOSS_UNKNOWN = -1.0
+"""A heartbeat's ``loss`` when the learner has none (the wire is strict JSON: no null, no NaN)."""
 
 ID: dict[str, Any] = {"min": 0, "max": MAX_ID}
 SERIAL: dict[str, Any] = {"min": 0, "max": MAX_SERIAL}
@@ -38,6 +44,8 @@ COUNT: dict[str, Any] = {"min": 0, "max": MAX_COUNT}
 STEP_TIME: dict[str, Any] = {"min": 0.0, "max": MAX_STEP_TIME_S}
 GLOBAL_TOKENS: dict[str, Any] = {"min": 0.0, "max": MAX_TOKENS_F}
 LIVE: dict[str, Any] = {"min": 1, "max": MAX_ID + 1}
+BUSY: dict[str, Any] = {"min": 0.0, "max": MAX_BUSY_S}
+LOSS: dict[str, Any] = {"min": LOSS_UNKNOWN, "max": MAX_LOSS}
 VERSIONS: dict[str, Any] = {**COUNT, "max_len": MAX_ID + 1}
 
 
@@ -65,7 +73,12 @@ class Leave:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Learner -> syncer: I am alive; my recent inner-step duration."""
+    """Learner -> syncer: I am alive; my recent inner-step duration and my progress so far.
+
+    The progress fields (``tokens``, ``busy_s``, ``loss``, ``bytes_sent``) only feed the fleet
+    view (``ddiloco status``, metrics/learners.jsonl); the algorithm never reads them. They are
+    cumulative over the sending incarnation: they restart from 0 when its process restarts.
+    """
 
     learner: int = field(metadata=ID)
     """Learner id."""
@@ -75,6 +88,14 @@ class Heartbeat:
     """The learner's inner steps so far."""
     step_time_s: float = field(metadata=STEP_TIME)
     """Duration of the learner's recent inner steps (seconds; 0 if unknown yet)."""
+    tokens: int = field(default=0, metadata=COUNT)
+    """Tokens this incarnation has processed."""
+    busy_s: float = field(default=0.0, metadata=BUSY)
+    """Seconds this incarnation has spent in inner steps."""
+    loss: float = field(default=LOSS_UNKNOWN, metadata=LOSS)
+    """Its last training loss; ``LOSS_UNKNOWN`` (-1) when it has none (or it was not finite)."""
+    bytes_sent: int = field(default=0, metadata=COUNT)
+    """Bytes of contributions this incarnation has sent (every frame, per syncer shard)."""
 
 
 class ContributionId(NamedTuple):

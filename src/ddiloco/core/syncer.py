@@ -122,6 +122,24 @@ class LearnerInfo:
     """Contributions refused in a row for what they carried (not for arriving late or twice)."""
     quarantine: dict[int, int] | None = None
     """While quarantined: per fragment, the version its answers must start from again."""
+    step: int = 0
+    """Its inner steps, as last reported (heartbeats and contributions)."""
+    tokens: int = 0
+    """Tokens its current incarnation processed, as last reported (fleet view only)."""
+    busy_s: float = 0.0
+    """Seconds its current incarnation spent in inner steps, as last reported (fleet view only)."""
+    loss: float | None = None
+    """Its last training loss, as last reported (None: none yet)."""
+    bytes_sent: int = 0
+    """Contribution bytes its current incarnation sent, as last reported (fleet view only)."""
+    last_contribution_at: float = -math.inf
+    """When its last contribution was accepted into a round (-inf: none yet)."""
+    held: dict[int, int] = field(default_factory=dict)
+    """Per owned fragment, the newest version it is known to hold (its join, acks, answers)."""
+
+    def restart_counters(self) -> None:
+        """A new incarnation: its reported counters start again from 0."""
+        self.step, self.tokens, self.busy_s, self.loss, self.bytes_sent = 0, 0, 0.0, None, 0
 
 
 @dataclass
@@ -142,6 +160,10 @@ class FragmentState:
     screen_rounds: int = 0
     """Merged rounds with steps so far (the history becomes a reference after SCREEN_ROUNDS)."""
     """|delta| per step of its recent merged contributions (the robust screening's history)."""
+    last_merged: int = 0
+    """Learners merged with a positive weight in its last merge (fleet view only)."""
+    last_grace_s: float = 0.0
+    """The grace window of its last merged round (seconds)."""
     scratch: list[torch.Tensor] | None = None
     """Merge accumulators of this fragment's open round, reused round after round (one round
     of a fragment is open at a time): large fresh allocations cost page faults every time."""
@@ -337,8 +359,10 @@ class Syncer:
                 return
             info.incarnation, info.last_seq = j.incarnation, {}
             info.step_time = Ema(self.cfg.ema_decay)
+            info.restart_counters()
         info.last_heard, info.left = now, False
         have = j.base_versions if len(j.base_versions) == len(self.fragments) else None
+        info.held = {p: have[p] for p in self.owned} if have is not None else {}
         for p in self.owned:
             # A learner that already holds the current version (e.g. after a syncer restart)
             # keeps its local progress on it; everything else is sent.
@@ -354,9 +378,14 @@ class Syncer:
         if self.cfg.min_step_time_s <= hb.step_time_s <= self.cfg.max_step_time_s:
             info.step_time.update(hb.step_time_s)
         self.max_step_seen = max(self.max_step_seen, hb.step)
+        info.step, info.tokens, info.busy_s, info.bytes_sent = hb.step, hb.tokens, hb.busy_s, hb.bytes_sent
+        info.loss = hb.loss if hb.loss >= 0 else None
 
     def _on_ack(self, ack: Ack, now: float) -> None:
         """The first ack of a version times the sync path (pull + merge + apply + send)."""
+        info = self._current(ack.learner, ack.incarnation)
+        if info is not None and ack.fragment in self.owned:
+            info.held[ack.fragment] = max(info.held.get(ack.fragment, 0), ack.version)
         waiting = self._awaiting_ack.get(ack.fragment)
         if waiting is not None and waiting[0] == ack.version and self._current(ack.learner, ack.incarnation):
             del self._awaiting_ack[ack.fragment]
@@ -392,7 +421,9 @@ class Syncer:
             self._reject(c, *problem, now, out)
             return
         info = self.learners[c.learner]
-        info.last_heard = now
+        info.last_heard = info.last_contribution_at = now
+        info.step = max(info.step, c.step)
+        info.held[c.fragment] = max(info.held.get(c.fragment, 0), c.base_version)
         self.max_step_seen = max(self.max_step_seen, c.step)
         rnd = self.rounds.get(c.fragment)
         if rnd is None and self.cfg.staleness == "delayed" and self.cfg.late_fragment != "wait" and not self.finishing:
@@ -701,6 +732,7 @@ class Syncer:
             frag.history.append((frag.version, new_values, now))
             frag.norm = _norm(new_values)
             frag.tokens_merged += sum(_tokens(pd) for pd in pending)
+            frag.last_merged, frag.last_grace_s = sum(1 for w in weights if w > 0), rnd.grace_s
             record.version = frag.version
             out.durable.append(rnd.fragment)
             pull_s = (rnd.first_answer_at or now) - rnd.opened_at

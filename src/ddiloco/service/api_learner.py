@@ -66,6 +66,16 @@ class LearnerStats:
     """Wall time a lock-step (``late_fragment = wait``) learner waited inside ``step()``."""
     applied: int = 0
     """Global fragment versions written into the model."""
+    loss: float | None = None
+    """The last loss given to ``step(loss=...)`` (None: none yet)."""
+    bytes_sent: int = 0
+    """Bytes of contributions sent to the syncer so far (as of the last ``step()``)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Wall time in training steps: the loop's time between ``step()`` calls plus the time
+        inside them, lock-step waits excepted (what heartbeats report as ``busy_s``)."""
+        return self.step_s + self.sync_s
 
 
 def as_config(config: ConfigLike) -> Config:
@@ -304,15 +314,23 @@ class Learner:
         self.close()
         return done
 
-    def step(self, tokens: int, data_position: int | None = None) -> None:
+    def step(self, tokens: int, data_position: int | None = None, *, loss: float | torch.Tensor | None = None) -> None:
         """Count one finished inner step of ``tokens`` tokens (this process's; a torchrun group
         counts ``tokens x world size``) and run the step boundary. Never waits on the network
         (except for the lock-step baselines, ``late_fragment = wait``).
 
         ``data_position``: where the data would resume after this step (default: one more than
-        before), recorded by the syncer with this learner's merged contributions."""
+        before), recorded by the syncer with this learner's merged contributions.
+
+        ``loss``: this step's training loss (a number or a one-element tensor), shown by
+        ``ddiloco status`` and recorded in metrics/learners.jsonl; the last one given is kept, so
+        it may be passed every N steps only. A tensor is read at once: on an accelerator that
+        waits for the step to finish (a device sync), so pass a number you already have, or the
+        tensor every N steps. A loss that is not finite (or negative) is reported as unknown."""
         t0 = time.perf_counter()
         self._check_can_step(tokens, data_position)
+        if loss is not None:
+            self.stats.loss = self._loss_value(loss)
         if self._last_end is not None:
             dt = t0 - self._last_end
             self.stats.step_s += dt
@@ -328,6 +346,8 @@ class Learner:
         end = time.perf_counter()
         self.stats.sync_s += end - t0 - blocked
         self._last_end = end
+        if self.comm is not None:
+            self.stats.bytes_sent = self.comm.bytes_sent
         self._raise_if_comm_stopped()
 
     def close(self) -> None:
@@ -392,6 +412,16 @@ class Learner:
         if data_position is not None and (type(data_position) is not int or data_position < 0):
             raise UsageError(f"step(data_position={data_position!r}): must be an integer >= 0")
         self._check_shapes()
+
+    @staticmethod
+    def _loss_value(loss: Any) -> float:
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise UsageError(f"step(loss=...): a tensor of shape {tuple(loss.shape)}; pass one value (loss.mean())")
+            return float(loss.detach().reshape(()).item())
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise UsageError(f"step(loss={loss!r}): must be a number or a one-element tensor")
+        return float(loss)
 
     def _raise_if_comm_stopped(self) -> None:
         """Raised at the end of a step, after its boundary: in a torchrun group every rank took
@@ -585,7 +615,8 @@ class Learner:
         # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
         # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
         reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
-        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version))
+        st = self.stats
+        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version), st.tokens, st.busy_s, st.loss)
 
     def _share_initial(self) -> None:
         """After the join, every rank starts from rank 0's model, counters and data position."""

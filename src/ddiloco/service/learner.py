@@ -160,8 +160,9 @@ class LearnerProcess:
             inner_step(self.model, self.opt, loss, lr, self.cfg.inner.grad_clip)
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)
+            loss_value = float(loss.detach())  # read once: the status file and the heartbeats show it
             try:
-                learner.step(batch.tokens, data_position=self.stream.position)
+                learner.step(batch.tokens, data_position=self.stream.position, loss=loss_value)
             except (RefusedError, CommError):
                 pass  # the comm thread stopped: _should_stop ends the loop on every rank, _finish says why
             dt = time.perf_counter() - t0
@@ -169,7 +170,7 @@ class LearnerProcess:
             s["steps"] += 1
             s["tokens"] += batch.tokens * self.world
             s["compute_s"] += dt
-            s["loss"] = float(loss.detach())
+            s["loss"] = loss_value
             if s["first_step_at"] is None:
                 s["first_step_at"] = self.clock.wall()
             progress.maybe(

@@ -19,7 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddiloco.config import RuntimeConfig
-from ddiloco.core.messages import MAX_STEP_TIME_S, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
+from ddiloco.core.messages import (
+    LOSS_UNKNOWN,
+    MAX_BUSY_S,
+    MAX_COUNT,
+    MAX_LOSS,
+    MAX_STEP_TIME_S,
+    Contribution,
+    FragmentRequest,
+    FragmentUpdate,
+    Heartbeat,
+    Leave,
+)
 from ddiloco.service.clock import Clock
 from ddiloco.service.protocol import JoinReply, PeerState, PeerStateRequest, Register, RunEnd, SyncerHeartbeat
 from ddiloco.service.transport import LearnerSocket
@@ -49,6 +60,29 @@ class Progress:
     step: int = 0
     step_time_s: float = 0.0
     base_versions: tuple[int, ...] = ()
+    tokens: int = 0
+    """Tokens this incarnation processed."""
+    busy_s: float = 0.0
+    """Seconds this incarnation spent in inner steps."""
+    loss: float | None = None
+    """The last training loss the loop gave ``Learner.step`` (None: none yet)."""
+
+
+def heartbeat(learner: int, incarnation: int, pr: Progress, bytes_sent: int) -> Heartbeat:
+    """The heartbeat for ``pr``, every figure clamped into its wire bounds: a step longer than a
+    day (a learner stopped in a debugger) is reported as a day, a loss that is negative, not
+    finite or huge as unknown."""
+    loss = pr.loss if pr.loss is not None and 0.0 <= pr.loss <= MAX_LOSS else LOSS_UNKNOWN  # NaN fails both
+    return Heartbeat(
+        learner,
+        incarnation,
+        pr.step,
+        min(pr.step_time_s, MAX_STEP_TIME_S),
+        min(pr.tokens, MAX_COUNT),
+        min(max(pr.busy_s, 0.0), MAX_BUSY_S),
+        loss,
+        min(bytes_sent, MAX_COUNT),
+    )
 
 
 class LearnerComm:
@@ -88,6 +122,8 @@ class LearnerComm:
         self.stop = threading.Event()
         self.cpu_s = 0.0
         self.answered = 0
+        self.bytes_sent = 0
+        """Bytes of contributions sent (every frame, to every shard it went to); written by this thread only."""
         self._thread = threading.Thread(target=self._run, name=f"ddiloco-comm-{learner}", daemon=True)
 
     # -- the training thread's side ----------------------------------------------------------
@@ -151,13 +187,10 @@ class LearnerComm:
                 except queue.Empty:
                     break
                 for index in self._route(out):
-                    self.sock.send(index, encode(out))
+                    self._send(index, out)
             if now - last_hb >= rt.heartbeat_interval_s:
                 last_hb = now
-                pr = self.progress
-                # A step longer than a day (a learner stopped in a debugger) is reported as a day.
-                step_time = min(pr.step_time_s, MAX_STEP_TIME_S)
-                hb = encode(Heartbeat(self.learner, self.incarnation, pr.step, step_time))
+                hb = encode(heartbeat(self.learner, self.incarnation, self.progress, self.bytes_sent))
                 for index, link in enumerate(self.links):
                     if link.joined:
                         self.sock.send(index, hb)
@@ -183,6 +216,13 @@ class LearnerComm:
             if link.joined:
                 self.sock.send(index, encode(Leave(self.learner, self.incarnation)))
         self.sock.close(linger_s=0.2)
+
+    def _send(self, index: int, msg: Any) -> None:
+        """Encode and send one message; a contribution's bytes are counted."""
+        frames = encode(msg)
+        if isinstance(msg, Contribution):
+            self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        self.sock.send(index, frames)
 
     def _register(self) -> Register:
         bases = list(self.progress.base_versions) if self.first_join.is_set() else []
@@ -240,6 +280,6 @@ class LearnerComm:
         with self._lock:
             ready = self._prepared.get(p)
         if ready is not None:
-            self.sock.send(self.links.index(link), encode(ready))
+            self._send(self.links.index(link), ready)
             self.answered += 1
         self.requests.put((p, ready is not None))

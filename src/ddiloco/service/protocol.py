@@ -177,3 +177,24 @@ class RunEnd:
     """How far the end has come."""
     reason: str = field(metadata={"max_len": 512})
     """Why the run ended, for the log (e.g. "600,000 global tokens reached (run.tokens)")."""
+
+
+MAX_STATUS_KEYS = 64
+"""Most top-level entries of a StatusReply's ``status``."""
+
+
+@dataclass(frozen=True)
+class StatusRequest:
+    """Observer (``ddiloco status``) -> syncer: send me your fleet view (read-only)."""
+
+    requester: str = field(metadata={"max_len": 256})
+    """Who asks (for logs)."""
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    """Syncer -> observer: this shard's fleet view, the same figures as its status file
+    (``service/fleet_status.py`` builds it; learners and fragments are listed up to a cap)."""
+
+    status: dict[str, Any] = field(metadata={"max_len": MAX_STATUS_KEYS})
+    """The status dict (JSON values only; bounded by the wire's header size and nesting)."""

@@ -31,6 +31,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import read_jsonl
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.protocol import (
     FetchGlobal,
@@ -40,6 +41,7 @@ from ddiloco.service.protocol import (
     PeerStateRequest,
     Register,
     RunEnd,
+    StatusRequest,
     SyncerHeartbeat,
     first_mismatch,
     param_spec,
@@ -169,6 +171,8 @@ class SyncerService:
                         self.end_reason)  # fmt: skip
         else:
             self._run_event("resume" if self.restored else "start", "")
+        self._learner_metrics = LearnerMetrics(self.run_dir / "metrics" / "learners.jsonl")
+        self._last_metrics = start
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -226,6 +230,8 @@ class SyncerService:
             self._on_register(identity, msg, now)
         elif isinstance(msg, FetchGlobal):
             self._send(identity, self._global_state())
+        elif isinstance(msg, StatusRequest):
+            self._send(identity, status_reply(self.status()))
         elif isinstance(msg, CORE_MESSAGES + RELAYED):
             claimed = msg.source if isinstance(msg, PeerState) else msg.learner
             if self.identities.get(claimed) != identity:
@@ -244,13 +250,13 @@ class SyncerService:
 
     def _not_allowed(self, msg: Any, key: bytes | None) -> str | None:
         """With keys, a learner id is bound to its key: a message for learner m must come from
-        learner-m's key, and an observer key may only fetch the global model."""
+        learner-m's key, and an observer key may only fetch the global model and the status."""
         if self.keys is None:
             return None
         peer = self.keys.allowed.get(key or b"")
         if peer is None:
             return "no allowed key"  # (the handshake already refuses unknown keys)
-        if isinstance(msg, FetchGlobal):
+        if isinstance(msg, (FetchGlobal, StatusRequest)):
             return None
         claimed = msg.source if isinstance(msg, PeerState) else getattr(msg, "learner", None)
         if peer.role != "learner" or peer.learner != claimed:
@@ -436,6 +442,7 @@ class SyncerService:
             self._last_heartbeat + rt.heartbeat_interval_s,
             self._last_snapshot + rt.snapshot_interval_s,
             self._last_status + rt.status_interval_s,
+            self._last_metrics + rt.metrics_interval_s,
         )
 
     def _chores(self, rt: RuntimeConfig) -> None:
@@ -450,25 +457,35 @@ class SyncerService:
         if mono - self._last_status >= rt.status_interval_s:
             self._last_status = mono
             self.write_status()
+        if mono - self._last_metrics >= rt.metrics_interval_s:
+            self._last_metrics = mono
+            self.write_learner_metrics()
         self._progress.maybe(self._progress_line)
 
-    def write_status(self) -> None:
-        now = self.clock.monotonic()
-        status = {
-            "shard": self.shard,
-            "time": self.clock.wall(),
-            "epoch": self.epoch,
+    def status(self) -> dict[str, Any]:
+        """This shard's figures: the fleet view (``fleet_status``) and the process's counters.
+        The status file holds it and a ``StatusRequest`` is answered with it."""
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        return {
+            "time": wall,
             "pid": os.getpid(),
-            "versions": {p: self.core.fragments[p].version for p in self.core.owned},
-            "live": self.core.live(now),
-            "global_tokens": self.core.global_tokens,
-            "run_end": self.end_stage,
-            "end_reason": self.end_reason,
             "cpu_s": time.process_time(),
             "wall_s": now - self._started,
             **self.counts,
+            "run_end": self.end_stage,
+            "end_reason": self.end_reason,
+            **fleet_status(self.core, now, shard=self.shard, epoch=self.epoch, run_time_s=self.run_age()),
         }
-        write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", status)
+
+    def write_status(self) -> None:
+        write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
+
+    def write_learner_metrics(self) -> None:
+        """Append one record per learner to metrics/learners.jsonl (shard 0 only: every shard
+        hears every learner's heartbeats, one copy is enough)."""
+        if self.shard == 0:
+            records = learner_records(self.core, self.clock.monotonic(), self.run_age())
+            self._learner_metrics.append(records)
 
     def shutdown(self) -> None:
         """Close open rounds, make everything durable, write the final model, close the socket

@@ -42,13 +42,16 @@ from ddiloco.service.protocol import (
     PeerStateRequest,
     Register,
     RunEnd,
+    StatusReply,
+    StatusRequest,
     SyncerHeartbeat,
 )
 
-SCHEMA = 3  # 2: incarnations and sequence numbers, Register replaces Join; 3: RunEnd, GlobalState.run_ended
+SCHEMA = 3  # 2: incarnations and sequence numbers, Register replaces Join; 3: RunEnd, heartbeat progress, status query
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 MESSAGES: dict[str, type] = {
-    cls.__name__: cls for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd)
+    cls.__name__: cls
+    for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
 }
 DTYPES = {
     "float32": torch.float32,

@@ -1,0 +1,275 @@
+"""``ddiloco status ADDR|RUN_DIR``: the fleet at a glance, from a live syncer or a run folder.
+
+From an address it sends a ``StatusRequest`` through a short-lived ZeroMQ DEALER, as an
+observer (``observer.key_secret`` with ``--keys``), and waits a bounded time for the
+``StatusReply``. From a run folder it reads every shard's status/syncer-K.json. Either way it
+merges the shards' views into one and prints two tables (learners, fragments), or the dict
+with ``--json``; ``--watch`` refreshes it until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ddiloco.errors import DDiLoCoError
+from ddiloco.service.keys import ClientKeys
+from ddiloco.service.protocol import StatusReply, StatusRequest
+from ddiloco.service.status import read_status
+from ddiloco.service.wire import WireError, decode, encode
+
+TERMS = "docs/operations.md#terms"
+_RANK = {"up": 2, "left": 1, "down": 0}
+
+
+def is_address(target: str) -> bool:
+    return "://" in target
+
+
+def fetch_status(addr: str, timeout_s: float, keys: ClientKeys | None = None) -> dict[str, Any] | None:
+    """One shard's status from the syncer at ``addr``; None if no answer within ``timeout_s``."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    try:
+        if keys is not None:
+            keys.apply(s)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, f"observer-status-{os.getpid()}-{time.monotonic_ns()}".encode())
+        s.connect(addr)
+        s.send_multipart(encode(StatusRequest("ddiloco status")))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not s.poll(max(1, int(left * 1000))):
+                return None
+            try:
+                msg = decode(s.recv_multipart(copy=False))
+            except WireError:
+                continue  # not ours to judge: keep waiting for the reply
+            if isinstance(msg, StatusReply):
+                return msg.status
+        return None
+    finally:
+        s.close(0)
+
+
+def read_run_dir(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every shard's last status file in ``run_dir`` (DDiLoCoError when there is none)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise DDiLoCoError(f"{run_dir} is neither a run folder nor an address (write a syncer as tcp://HOST:PORT)")
+    views = [v for p in sorted(d.glob("status/syncer-*.json")) if (v := read_status(p)) is not None]
+    if not views:
+        raise DDiLoCoError(f"{run_dir} has no status/syncer-*.json: has a syncer run on this folder yet?")
+    return views
+
+
+def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """One view of several shards: a learner's figures are the freshest any shard has (its
+    versions behind add up over the shards), fragments are listed together."""
+    if len(views) == 1:
+        return views[0]
+    learners: dict[int, dict[str, Any]] = {}
+    for v in views:
+        for entry in v.get("learners", []):
+            cur = learners.get(entry["learner"])
+            if cur is None:
+                learners[entry["learner"]] = dict(entry)
+                continue
+            if _RANK.get(entry["state"], 0) > _RANK.get(cur["state"], 0):
+                cur["state"] = entry["state"]
+            for k in ("step", "tokens", "busy_s", "bytes_sent", "steps_per_s"):
+                cur[k] = _pick(max, cur.get(k), entry.get(k))
+            for k in ("heard_age_s", "contribution_age_s"):
+                cur[k] = _pick(min, cur.get(k), entry.get(k))
+            if entry.get("loss") is not None and (cur.get("loss") is None or _fresher(entry, cur)):
+                cur["loss"] = entry["loss"]
+            cur["behind"] = _pick(lambda a, b: a + b, cur.get("behind"), entry.get("behind"))
+    n_frag = [max(1, v.get("fragments_total", 1)) for v in views]
+    return {
+        "shards": sorted(v.get("shard", 0) for v in views),
+        "time": max(v.get("time", 0.0) for v in views),
+        "run_time_s": max(v.get("run_time_s", 0.0) for v in views),
+        "global_tokens": sum(v.get("global_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
+        "learners_total": max(v.get("learners_total", 0) for v in views),
+        "fragments_total": sum(v.get("fragments_total", 0) for v in views),
+        "learners": [learners[m] for m in sorted(learners)],
+        "fragments": sorted((f for v in views for f in v.get("fragments", [])), key=lambda f: f["fragment"]),
+    }
+
+
+def _pick(fn: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    return b if a is None else a if b is None else fn(a, b)
+
+
+def _fresher(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a.get("heard_age_s") or math.inf) < (b.get("heard_age_s") or math.inf)
+
+
+# -- showing it ---------------------------------------------------------------------------------
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f} s ago" if s < 120 else f"{s / 60:.1f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _opt(v: Any, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(view: dict[str, Any], source: str) -> Any:
+    """Two rich tables (learners, fragments) and the line that says where the figures are from."""
+    from rich.console import Group
+    from rich.table import Table
+
+    learners, fragments = view.get("learners", []), view.get("fragments", [])
+    up = sum(1 for ln in learners if ln["state"] == "up")
+    total, ftotal = view.get("learners_total", len(learners)), view.get("fragments_total", len(fragments))
+    lt = Table(
+        title=f"learners: {up} up of {total} - global tokens {view.get('global_tokens', 0):,.0f} - "
+        f"run time {view.get('run_time_s', 0):,.0f} s",
+        caption=f"terms: {TERMS}" + (f" ({len(learners)} of {total} listed)" if len(learners) < total else ""),
+    )
+    for col in ("learner", "state", "step", "tokens", "steps/s", "loss", "busy", "sent", "last contribution",
+                "behind"):  # fmt: skip
+        lt.add_column(col, justify="left" if col == "state" else "right")
+    for ln in learners:
+        lt.add_row(
+            str(ln["learner"]),
+            ln["state"],
+            f"{ln.get('step', 0):,}",
+            f"{ln.get('tokens', 0):,}",
+            _opt(ln.get("steps_per_s"), "{:.2f}"),
+            _opt(ln.get("loss"), "{:.4f}"),
+            f"{ln.get('busy_s', 0.0):,.0f} s",
+            _bytes(ln.get("bytes_sent", 0)),
+            _age(ln.get("contribution_age_s")),
+            _opt(ln.get("behind"), "{}"),
+        )
+    ft = Table(
+        title=f"fragments: {ftotal}",
+        caption=f"terms: {TERMS}" + (f" ({len(fragments)} of {ftotal} listed)" if len(fragments) < ftotal else ""),
+    )
+    for col in ("fragment", "version", "last merge", "merged", "grace", "tokens merged"):
+        ft.add_column(col, justify="right")
+    for f in fragments:
+        ft.add_row(
+            str(f["fragment"]),
+            str(f["version"]),
+            _age(f.get("merge_age_s")),
+            str(f.get("merged", 0)),
+            f"{f.get('grace_s', 0.0):.2f} s",
+            f"{f.get('tokens_merged', 0):,}",
+        )
+    return Group(lt, ft, source)
+
+
+def _clock(wall: float) -> str:
+    return datetime.fromtimestamp(wall).strftime("%H:%M:%S")
+
+
+class Source:
+    """Where the figures come from: one or more shard addresses, or a run folder."""
+
+    def __init__(self, targets: list[str], timeout_s: float, keys_dir: str | None, insecure: bool) -> None:
+        self.addresses = [t for t in targets if is_address(t)]
+        self.run_dir = None if self.addresses else targets[0]
+        if self.addresses and len(self.addresses) != len(targets) or not self.addresses and len(targets) != 1:
+            raise DDiLoCoError("give one run folder, or one address per syncer shard (tcp://HOST:PORT ...)")
+        self.timeout_s = timeout_s
+        self.keys: ClientKeys | None = None
+        if self.addresses:
+            from ddiloco.service.api_learner import client_keys
+
+            self.keys = client_keys(self.addresses, keys_dir, "observer", insecure)
+
+    def read(self) -> tuple[dict[str, Any], str]:
+        """The merged view and the line saying where it is from (DDiLoCoError: nothing to show)."""
+        if self.run_dir is not None:
+            views = read_run_dir(self.run_dir)
+            written = max(v.get("time", 0.0) for v in views)
+            line = f"(from the run folder, last written {_clock(written)}, {max(0.0, time.time() - written):.0f} s ago)"
+            return merge_views(views), line
+        views = []
+        for addr in self.addresses:
+            v = fetch_status(addr, self.timeout_s, self.keys)
+            if v is None:
+                raise DDiLoCoError(
+                    f"no answer from {addr} within {self.timeout_s:g} s: is the syncer running? (check the address "
+                    "and port; a syncer with keys needs --keys DIR holding observer.key_secret)"
+                )
+            views.append(v)
+        return merge_views(views), f"(live from {', '.join(self.addresses)} at {_clock(time.time())})"
+
+
+def run_status(
+    targets: list[str],
+    watch: float | None = None,
+    keys_dir: str | None = None,
+    insecure: bool = False,
+    as_json: bool = False,
+    timeout_s: float = 5.0,
+) -> int:
+    """The ``ddiloco status`` command; returns its exit code (DDiLoCoError for a one-shot failure)."""
+    from rich.console import Console
+
+    if watch is not None and not (watch > 0 and math.isfinite(watch)):
+        raise DDiLoCoError(f"--watch {watch}: the refresh interval must be > 0 seconds")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise DDiLoCoError(f"--timeout {timeout_s}: must be > 0 seconds")
+    source = Source(targets, timeout_s, keys_dir, insecure)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+
+    def show() -> Any:
+        try:
+            view, line = source.read()
+        except DDiLoCoError as e:
+            if watch is None:
+                raise
+            return None, str(e)
+        return view, line
+
+    if watch is None:
+        view, line = show()
+        if as_json:
+            print(json.dumps(view, indent=2))
+        else:
+            console.print(render(view, line))
+        return 0
+    try:
+        if console.is_terminal and not as_json:
+            from rich.live import Live
+
+            with Live(console=console, refresh_per_second=4, transient=False) as live:
+                while True:
+                    view, line = show()
+                    live.update(render(view, line) if view is not None else line)
+                    time.sleep(watch)
+        while True:
+            view, line = show()
+            if as_json:
+                print(json.dumps(view if view is not None else {"error": line}), flush=True)
+            else:
+                console.print(render(view, line) if view is not None else line)
+                sys.stdout.flush()
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0
