@@ -501,3 +501,27 @@ def test_export_from_a_live_syncer_uses_the_run_config(sim_run, tmp_path, monkey
     assert seen["syncers"] == ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"] and seen["insecure"]
     assert seen["config"].run.tokens == 4000
     assert load_file(str(out)).keys() == load_file(str(sim_run / "final" / "model.safetensors")).keys()
+
+
+def test_export_hf_writes_a_from_pretrained_folder(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import ddiloco.export_cmd as ec
+    from ddiloco.config import Config
+    from ddiloco.export import save_state_dict
+    from ddiloco.report.rundir import prepare_run_dir
+
+    def tiny(seed: int):
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+        return transformers.GPT2LMHeadModel(config)
+
+    trained = tiny(1)
+    run = prepare_run_dir(tmp_path / "run", "test", Config())
+    save_state_dict(trained.state_dict(), run / "final" / "model.safetensors")
+    monkeypatch.setattr(ec, "_model", lambda cfg: tiny(2))  # the run's workload builds this HF model
+    assert main(["export", str(run), "--format", "hf", "-o", str(tmp_path / "hf")]) == 0
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    for name, t in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
