@@ -525,3 +525,46 @@ def test_export_hf_writes_a_from_pretrained_folder(tmp_path, monkeypatch):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
     for name, t in trained.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t), name
+
+
+def test_a_learner_checks_an_existing_run_folder_but_makes_none(tmp_path, monkeypatch, capsys):
+    from ddiloco.config import load_config
+    from ddiloco.report.rundir import prepare_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    prepare_run_dir(tmp_path / "run", "test", load_config(None, ["algo.sync_every=6"]))
+    seen = _capture(monkeypatch, "ddiloco.service.learner", "run_learner")
+    argv = ["learner", "--syncer", "tcp://127.0.0.1:5555", "--id", "1", "--device", "cpu"]
+    assert main([*argv, "--run-dir", "run"]) == 2 and not seen
+    assert "was made with algo.sync_every = 6, but this command has algo.sync_every = 24" in capsys.readouterr().err
+    assert main([*argv, "--run-dir", "run", "--set", "algo.sync_every=6"]) == 2 and seen  # matches: runs
+    assert main([*argv, "--run-dir", "status-only"]) == 2
+    assert not (tmp_path / "status-only").exists()  # the learner's own status folder is not made a run folder
+
+
+def test_train_passes_host_and_port_to_a_launcher_that_takes_them(tmp_path, monkeypatch, capsys):
+    import ddiloco.service.launcher as launcher
+
+    monkeypatch.chdir(tmp_path)
+    seen: dict = {}
+
+    class WithPort:
+        def __init__(self, cfg, run_dir, host="127.0.0.1", port=None, on_status=None):
+            seen.update(run_dir=run_dir, host=host, port=port)
+            raise Stop("stopped by the test")
+
+    class WithoutPort:
+        def __init__(self, cfg, run_dir, host="127.0.0.1", on_status=None):
+            seen.update(host=host)
+            raise Stop("stopped by the test")
+
+    monkeypatch.setattr(launcher, "Launcher", WithPort)
+    assert main(["train", "--host", "127.0.0.3", "--port", "48911"]) == 2
+    assert (seen["host"], seen["port"]) == ("127.0.0.3", 48911)
+    assert seen["run_dir"].parent == Path("runs") and seen["run_dir"].name.startswith("decoupled-")
+    seen_dir = seen["run_dir"]
+    seen.clear()
+    monkeypatch.setattr(launcher, "Launcher", WithoutPort)
+    assert main(["train", "--port", "48911"]) == 2 and not seen
+    assert "train --port is not supported by this launcher yet" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [seen_dir.name, "latest"]  # no new folder

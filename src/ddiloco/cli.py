@@ -209,6 +209,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ddiloco.report.rundir import choose_run_dir, prepare_run_dir
     from ddiloco.service.launcher import Launcher
 
+    options = _launcher_options(args, Launcher)
     if args.resume:  # the folder first (one line if it is none), then its saved config
         run_dir, _resuming = choose_run_dir("", "", args.run_dir, args.resume)
         cfg = _load_resumed(args, run_dir)
@@ -217,7 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir, _resuming = choose_run_dir(cfg.run.run_dir, cfg.run.method, args.run_dir, None)
     cfg = _with_run_dir(cfg, run_dir)
     prepare_run_dir(run_dir, "ddiloco train", cfg)  # refuse a foreign folder or config before any work
-    launcher = Launcher(cfg, run_dir, **_launcher_options(args, Launcher))
+    launcher = Launcher(cfg, run_dir, **options)
     console = Console(stderr=True)
     with Live(console=console, refresh_per_second=2, transient=False) as live:
         launcher.on_status = lambda st: live.update(progress_table(st))
