@@ -286,7 +286,7 @@ def test_mismatched_model_is_refused_naming_the_first_tensor(cluster):
             "--id",
             "5",
             "--run-dir",
-            str(cluster.run_dir),
+            str(cluster.run_dir / "mismatched"),  # the run's own folder refuses a different config at once
             "--device",
             "cpu",
             *SETTINGS,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import warnings
+from pathlib import Path
 
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import EXIT_INTERRUPTED, ProgressLines, StopSignals
@@ -16,22 +18,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ddiloco.config import load_config
-    from ddiloco.methods import PRESETS
-    from ddiloco.report.rundir import prepare_run_dir, write_run_dir
+    from ddiloco.report.rundir import choose_run_dir, prepare_run_dir, write_run_dir
     from ddiloco.report.summary import print_summary
     from ddiloco.sim.run import simulate
 
     overrides = list(args.set or [])
-    method = args.method or _method_in(args.config, overrides) or "decoupled"
-    if method not in PRESETS:
-        raise DDiLoCoError(f"--method {method!r} is not known; allowed: {', '.join(PRESETS)}")
+    method = _method(args, overrides)
     if args.config is None and method != "dp":
         # The demo without a config file: failures plus one 2x straggler.
         overrides = ["chaos.enabled=true", 'chaos.stragglers=["1:2.0"]', *overrides]
-    overrides.append(f"run.method={method}")
-    cfg = load_config(args.config, overrides, base=PRESETS[method])
-    prepare_run_dir(cfg.run.run_dir, "ddiloco simulate")  # refuse a foreign folder before any work
+    cfg = _load(args, overrides=overrides, runtime=False)
+    run_dir, _ = choose_run_dir(cfg.run.run_dir, cfg.run.method, args.run_dir, None, can_resume=False)
+    cfg = _with_run_dir(cfg, run_dir)
+    prepare_run_dir(run_dir, "ddiloco simulate", cfg)  # refuse a foreign folder before any work
     stop = StopSignals("ddiloco simulate")
     console = Console(stderr=True)
     with (
@@ -60,10 +59,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if result.partial else 0
 
 
-def _method_in(path: str | None, overrides: list[str]) -> str | None:
-    for o in overrides:
+def _method(args: argparse.Namespace, overrides: list[str], default: str = "decoupled") -> str:
+    """The method preset a command starts from: the last ``--set run.method=...`` wins over
+    ``--method``, which wins over the config file's ``run.method``."""
+    for o in reversed(overrides):
         if o.replace(" ", "").startswith("run.method="):
             return o.split("=", 1)[1].strip().strip("\"'")
+    return getattr(args, "method", None) or _method_in(getattr(args, "config", None)) or default
+
+
+def _method_in(path: str | None) -> str | None:
     if path:
         from ddiloco.config import tomllib
 
@@ -75,15 +80,59 @@ def _method_in(path: str | None, overrides: list[str]) -> str | None:
     return None
 
 
-def _load(args: argparse.Namespace, default_method: str = "decoupled"):
+def _load(
+    args: argparse.Namespace,
+    default_method: str = "decoupled",
+    overrides: list[str] | None = None,
+    runtime: bool = True,
+):
+    """Defaults <- the method's preset <- the config file <- ``--method`` <- ``--set``
+    (``runtime``: only the methods the real runtime runs)."""
     from ddiloco.config import load_config
     from ddiloco.methods import PRESETS
 
-    overrides = list(getattr(args, "set", None) or [])
-    method = getattr(args, "method", None) or _method_in(args.config, overrides) or default_method
-    if method not in PRESETS or method == "dp":
+    overrides = list(getattr(args, "set", None) or []) if overrides is None else overrides
+    method = _method(args, overrides, default_method)
+    if method not in PRESETS:
+        raise DDiLoCoError(f"method {method!r} is not known; allowed: {', '.join(PRESETS)}")
+    if runtime and method == "dp":
         raise DDiLoCoError(f"method {method!r} cannot run on the real runtime; use decoupled, diloco or streaming")
-    return load_config(args.config, [*overrides, f"run.method={method}"], base=PRESETS[method])
+    return load_config(args.config, [f"run.method={method}", *overrides], base=PRESETS[method])
+
+
+def _load_resumed(args: argparse.Namespace, run_dir: Path):
+    """``--resume RUN_DIR``: the run's saved config, with only runtime overrides."""
+    from ddiloco.config import load_config
+
+    given = [flag for flag, on in (("CONFIG", args.config), ("--method", args.method), ("--chaos", args.chaos)) if on]
+    if given:
+        raise DDiLoCoError(f"--resume continues the run's saved config: drop {', '.join(given)}")
+    overrides = list(args.set or [])
+    for o in overrides:
+        if not o.strip().startswith(("runtime.", "run.threads")):
+            raise DDiLoCoError(
+                f"--resume allows only runtime.* and run.threads overrides; --set {o} changes the run: start a new one"
+            )
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise DDiLoCoError(f"--resume {args.resume}: the run folder has no config.toml to continue from")
+    return load_config(path, overrides)
+
+
+def _with_run_dir(cfg, run_dir: Path):
+    """``cfg`` with ``run.run_dir`` set to the folder the run actually uses."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
+
+
+def _check_run_dir(run_dir: str, cfg, by: str, create: bool = True) -> None:
+    """Refuse a run folder of another format, or whose saved config differs, before the command
+    writes anything into it (``create``: make it a run folder with ``cfg`` when it is not one)."""
+    from ddiloco.report.rundir import is_run_dir, prepare_run_dir
+
+    if create or is_run_dir(run_dir):
+        prepare_run_dir(run_dir, by, cfg)
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
@@ -91,7 +140,9 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 
     from ddiloco.service.syncer import bind_syncer
 
-    service = bind_syncer(_load(args), args.bind, args.run_dir, args.shard, args.num_shards, args.keys, args.insecure)
+    cfg = _load(args)
+    _check_run_dir(args.run_dir, cfg, f"ddiloco syncer (shard {args.shard})")
+    service = bind_syncer(cfg, args.bind, args.run_dir, args.shard, args.num_shards, args.keys, args.insecure)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     signal.signal(signal.SIGINT, lambda *_: service.stop())
     service.serve()
@@ -108,6 +159,7 @@ def cmd_learner(args: argparse.Namespace) -> int:
         )
     device = ("cuda" if _cuda() else "cpu") if args.device == "auto" else args.device
     threads = args.threads or cfg.run.threads
+    _check_run_dir(args.run_dir, cfg, "ddiloco learner", create=False)
     return run_learner(cfg, args.syncer, args.id, args.run_dir, device, threads, args.keys, args.insecure)
 
 
@@ -115,8 +167,10 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
     from ddiloco.service.evaluator import run_evaluator
     from ddiloco.service.learner import client_keys
 
+    cfg = _load(args)
+    _check_run_dir(args.run_dir, cfg, "ddiloco evaluator")
     keys = client_keys(args.syncer, args.keys, "observer", args.insecure)
-    return run_evaluator(_load(args), args.syncer, args.run_dir, keys=keys)
+    return run_evaluator(cfg, args.syncer, args.run_dir, keys=keys)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -141,15 +195,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from ddiloco.report.rundir import choose_run_dir, prepare_run_dir
     from ddiloco.report.summary import print_summary
     from ddiloco.service.launcher import Launcher
 
-    overrides = list(args.set or [])
-    if args.chaos:
-        overrides = ["chaos.enabled=true", *overrides]
-    args.set = overrides
-    cfg = _load(args)
-    launcher = Launcher(cfg, args.run_dir or cfg.run.run_dir)
+    options = _launcher_options(args)
+    if args.resume:  # the folder first (one line if it is none), then its saved config
+        run_dir, _resuming = choose_run_dir("", "", args.run_dir, args.resume)
+        cfg = _load_resumed(args, run_dir)
+    else:
+        cfg = _load(args, overrides=["chaos.enabled=true", *(args.set or [])] if args.chaos else None)
+        run_dir, _resuming = choose_run_dir(cfg.run.run_dir, cfg.run.method, args.run_dir, None)
+    cfg = _with_run_dir(cfg, run_dir)
+    prepare_run_dir(run_dir, "ddiloco train", cfg)  # refuse a foreign folder or config before any work
+    launcher = Launcher(cfg, run_dir, **options)
     console = Console(stderr=True)
     lines = ProgressLines(cfg.runtime.progress_interval_s, enabled=not console.is_terminal)
     with (
@@ -175,6 +234,38 @@ def progress_line(st: dict) -> str:
         f"global tokens, {up}/{len(st['alive'])} learners up, faults injected {st['faults']}"
         + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
     )
+
+
+def _launcher_options(args: argparse.Namespace) -> dict:
+    """``--host`` and ``--port`` for the launcher."""
+    return {"host": args.host, "port": args.port}
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """``ddiloco config``: every key with its type, default and docs, or a resolved config."""
+    if args.list:
+        from ddiloco.config_reference import format_reference, reference
+
+        if args.config or args.set:
+            raise DDiLoCoError("--list shows the defaults (of --method's preset); drop CONFIG and --set")
+        sys.stdout.write(format_reference(reference(args.method)))
+        return 0
+    import tomli_w
+
+    from ddiloco.config import to_dict
+
+    sys.stdout.write(tomli_w.dumps(to_dict(_load(args, runtime=False))))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ddiloco.export_cmd import run_export
+
+    out = run_export(
+        args.source, args.out, args.format, args.config, args.run_dir, args.keys, args.insecure, args.timeout
+    )
+    print(f"exported the global model to {out}")
+    return 0
 
 
 def progress_table(st: dict):
@@ -203,69 +294,92 @@ def progress_table(st: dict):
     return t
 
 
+RUNTIME_METHODS = ["diloco", "streaming", "decoupled"]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ddiloco import __version__
+    from ddiloco.cli_types import bind_address, connect_address, int_range
+
     parser = argparse.ArgumentParser(
         prog="ddiloco", description="Decoupled DiLoCo: resilient, low-communication distributed pre-training."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sim = sub.add_parser("simulate", help="train in deterministic virtual time (M learners in one process)")
-    sim.add_argument("config", nargs="?", help="TOML config file (sections run, workload, algo, inner, sim, chaos)")
-    sim.add_argument(
-        "--method", choices=["dp", "diloco", "streaming", "decoupled"], help="method preset (default: decoupled)"
-    )
-    sim.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    _config_args(sim, ["dp", "diloco", "streaming", "decoupled"], "without one: the demo (chaos on)")
+    _run_dir_args(sim, resume=False)
     sim.set_defaults(func=cmd_simulate)
     sy = sub.add_parser("syncer", help="run a syncer service (one shard)")
-    sy.add_argument("config", nargs="?", help="TOML config (the same for syncer and learners)")
-    sy.add_argument("--bind", required=True, help="ZeroMQ address to bind, e.g. tcp://0.0.0.0:5555")
+    _config_args(sy, RUNTIME_METHODS, "the same for the syncer and its learners")
     sy.add_argument(
-        "--run-dir", required=True, help="durable state, tape and final model go here; restarting on it resumes"
+        "--bind",
+        required=True,
+        type=bind_address,
+        help="ZeroMQ address to bind: tcp://HOST:PORT (HOST may be *, every interface) or ipc://PATH",
     )
     sy.add_argument(
-        "--shard", type=int, default=0, help="this shard's index (fragments p with p %% num_shards == shard)"
+        "--run-dir",
+        required=True,
+        help="durable state, tape and final model go here; a syncer (re)started on an existing run folder resumes "
+        "it, no flag needed (its saved config must match)",
     )
-    sy.add_argument("--num-shards", type=int, default=1, help="number of syncer shards")
-    sy.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
-    sy.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    sy.add_argument(
+        "--shard", type=int_range(0), default=0, help="this shard's index (fragments p with p %% num_shards == shard)"
+    )
+    sy.add_argument("--num-shards", type=int_range(1), default=1, help="number of syncer shards (default: 1)")
     _key_args(sy, "the syncer's key pair and every allowed public key (from `ddiloco keys`)")
     sy.set_defaults(func=cmd_syncer)
     le = sub.add_parser("learner", help="run one learner process")
-    le.add_argument("config", nargs="?")
+    _config_args(le, RUNTIME_METHODS, "the syncer's")
     le.add_argument(
-        "--syncer", action="append", default=[], help="syncer shard address (repeat for each shard, in shard order)"
+        "--syncer",
+        action="append",
+        default=[],
+        type=connect_address,
+        help="syncer shard address, tcp://HOST:PORT (repeat for each shard, in shard order)",
     )
     le.add_argument("--standalone", action="store_true", help="train without any syncer (the 'syncing off' reference)")
     le.add_argument(
-        "--id", type=int, required=True, help="learner id (also picks the data shard: id mod run.num_learners)"
+        "--id",
+        type=int_range(0, 65535),
+        required=True,
+        help="learner id, 0 .. 65535 (also picks the data shard: id mod run.num_learners)",
     )
-    le.add_argument("--run-dir", default="runs/latest", help="where status files go")
+    le.add_argument("--run-dir", default="runs/latest", help="where status files go (default: runs/latest)")
     le.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    le.add_argument("--threads", type=int, default=0, help="torch threads (default: run.threads)")
-    le.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
-    le.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    le.add_argument("--threads", type=int_range(0), default=0, help="torch threads (default 0: run.threads)")
     _key_args(le, "syncer.key and this learner's learner-ID.key_secret (from `ddiloco keys`)")
     le.set_defaults(func=cmd_learner)
     ev = sub.add_parser("evaluator", help="evaluate the syncer's global model periodically (low priority)")
-    ev.add_argument("config", nargs="?")
-    ev.add_argument("--syncer", action="append", required=True)
-    ev.add_argument("--run-dir", required=True)
-    ev.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
-    ev.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    _config_args(ev, RUNTIME_METHODS, "the syncer's")
+    ev.add_argument(
+        "--syncer",
+        action="append",
+        required=True,
+        type=connect_address,
+        help="syncer shard address, tcp://HOST:PORT (repeat for each shard, in shard order)",
+    )
+    ev.add_argument("--run-dir", required=True, help="the run folder; evaluations go to its metrics/eval.jsonl")
     _key_args(ev, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     ev.set_defaults(func=cmd_evaluator)
     ks = sub.add_parser("keys", help="make CURVE key pairs for a syncer, its learners and an observer")
     ks.add_argument("dir", help="folder for the key files (existing pairs are kept)")
-    ks.add_argument("--learners", type=int, required=True, help="learner ids 0 .. N-1 get a key pair each")
-    ks.add_argument("--observers", type=int, default=1, help="read-only clients (evaluator, status)")
+    ks.add_argument(
+        "--learners", type=int_range(1, 65536), required=True, help="learner ids 0 .. N-1 get a key pair each"
+    )
+    ks.add_argument("--observers", type=int_range(0), default=1, help="read-only clients (evaluator, status)")
     ks.set_defaults(func=cmd_keys)
     tr = sub.add_parser("train", help="run a syncer, M learners and an evaluator as local processes")
-    tr.add_argument("config", nargs="?")
-    tr.add_argument("--method", choices=["diloco", "streaming", "decoupled"])
+    _config_args(tr, RUNTIME_METHODS, "without one: the defaults")
     tr.add_argument(
         "--chaos", action="store_true", help="turn on the [chaos] section (kills, stragglers, syncer kills)"
     )
-    tr.add_argument("--run-dir", help="run folder (default: run.run_dir)")
-    tr.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE")
+    _run_dir_args(tr, resume=True)
+    tr.add_argument(
+        "--host", default="127.0.0.1", help="address the local syncer binds and its processes use (default: 127.0.0.1)"
+    )
+    tr.add_argument("--port", type=int_range(1, 65535), help="the syncer's TCP port (default: a free one)")
     tr.set_defaults(func=cmd_train)
     st = sub.add_parser("status", help="the fleet at a glance: learners and fragments, from a syncer or a run folder")
     st.add_argument(
@@ -288,10 +402,81 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _key_args(st, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     st.set_defaults(func=cmd_status)
+    cf = sub.add_parser("config", help="list every config key with its docs, or print a resolved config")
+    _config_args(cf, ["dp", "diloco", "streaming", "decoupled"], "printed resolved, with --set applied")
+    cf.add_argument(
+        "--list",
+        action="store_true",
+        help="list every key (section.key), its type, default and docs; with --method, that preset's defaults",
+    )
+    cf.set_defaults(func=cmd_config)
+    ex = sub.add_parser("export", help="write the global model of a run folder or a live syncer")
+    ex.add_argument(
+        "source",
+        nargs="+",
+        metavar="RUN_DIR|ADDR",
+        help="a run folder (its final/ model), a .safetensors file, or a live syncer's tcp://HOST:PORT (one per "
+        "shard, in shard order)",
+    )
+    ex.add_argument("-o", "--out", help="output file (safetensors) or folder (hf); default: named after the source")
+    ex.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="safetensors: one plain state dict; hf: a from_pretrained folder (Hugging Face models only)",
+    )
+    ex.add_argument("--config", metavar="FILE", help="the run's config (needed for a live syncer or --format hf)")
+    ex.add_argument("--run-dir", help="take the config from this run folder's config.toml")
+    ex.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for a live syncer's answer (default: 10)"
+    )
+    _key_args(ex, "syncer.key and observer.key_secret (from `ddiloco keys`)")
+    ex.set_defaults(func=cmd_export)
     gp = sub.add_parser("goodput", help="datacenter-scale goodput and bandwidth simulator", add_help=False)
-    gp.add_argument("rest", nargs=argparse.REMAINDER)
+    gp.add_argument("rest", nargs=argparse.REMAINDER, help="goodput's own options (see ddiloco goodput --help)")
     gp.set_defaults(func=lambda a: _goodput(a.rest))
     return parser
+
+
+def _config_args(parser: argparse.ArgumentParser, methods: list[str], what: str) -> None:
+    """The config file, ``--method`` and ``--set``, the same on every command that loads a config."""
+    from ddiloco.cli_types import override
+
+    parser.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG.toml",
+        help=f"TOML config file (sections run, workload, algo, inner, sim, chaos, runtime); {what}",
+    )
+    parser.add_argument(
+        "--method",
+        choices=methods,
+        help="method preset the config applies to (default: the file's run.method, else decoupled); "
+        "--set run.method=... wins over it",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        type=override,
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable; wins over the file and --method); `ddiloco config --list` "
+        "lists the keys",
+    )
+
+
+def _run_dir_args(parser: argparse.ArgumentParser, resume: bool) -> None:
+    parser.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="run folder (default: a fresh runs/METHOD-YYYYmmdd-HHMMSS, with runs/latest pointing to it); "
+        "one that already holds a run is refused",
+    )
+    if resume:
+        parser.add_argument(
+            "--resume",
+            metavar="RUN_DIR",
+            help="continue that run with its saved config (only runtime.* and run.threads may be --set)",
+        )
 
 
 def _key_args(parser: argparse.ArgumentParser, what: str) -> None:
@@ -325,16 +510,41 @@ def setup_logging(level: int = logging.INFO) -> None:
     )
 
 
+@contextlib.contextmanager
+def ddiloco_warnings():
+    """ddiloco's own warnings (those raised from module ``ddiloco`` and below) are shown once each,
+    as ``warning: MESSAGE``; every other warning keeps the filters and format already in force."""
+    import ddiloco
+
+    package = str(Path(ddiloco.__file__).parent)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("once", module=r"ddiloco(\.|$)")
+        show = warnings.showwarning
+
+        def show_ours_plainly(message, category, filename, lineno, file=None, line=None):
+            if str(filename).startswith(package):
+                print(f"warning: {message}", file=file or sys.stderr)
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show_ours_plainly
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["goodput"]:  # its own parser owns every option after the word
         return _goodput(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "syncer" and args.shard >= args.num_shards:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["syncer"].error(
+            f"--shard {args.shard} is out of range; allowed: 0 .. --num-shards - 1 ({args.num_shards - 1})"
+        )
     setup_logging()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
+        with ddiloco_warnings():
             return int(args.func(args) or 0)
     except DDiLoCoError as e:
         print(f"error: {e}", file=sys.stderr)  # the one line a user reads; no logger prefix

@@ -49,7 +49,9 @@ class RunSection:
     eval_points: int = 8
     """Evaluations of the global model spread over the run (plus the final one)."""
     run_dir: str = "runs/latest"
-    """Folder for config, metrics, tape, plot and final model."""
+    """Folder for config, metrics, tape, plot and final model. A path named ``latest`` (the
+    default) makes ``train`` and ``simulate`` start a fresh ``METHOD-YYYYmmdd-HHMMSS`` folder
+    next to it and point ``latest`` at it; any other path is used as it is (like ``--run-dir``)."""
     threads: int = 1
     """torch.set_num_threads for this process."""
 

@@ -66,15 +66,17 @@ def fetch_state(
     config: object = None,
     key: str | Path | None = None,
     timeout_s: float = 10.0,
+    insecure: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The current global model of a live syncer (every shard), as a state dict of ``model``'s
-    structure. ``config`` must give the syncer's fragment layout (a Config, DiLoCoConfig or TOML)."""
+    structure. ``config`` must give the syncer's fragment layout (a Config, DiLoCoConfig or TOML).
+    ``insecure`` allows a syncer off this machine without keys (it is said once)."""
     from ddiloco.service.api_learner import as_config, client_keys
     from ddiloco.service.evaluator import fetch_global, load_global
     from ddiloco.training.layout import embedding_parameters, layout_of
 
     cfg = as_config(config)  # type: ignore[arg-type]
-    keys = client_keys(list(syncers), key, "observer", insecure=False)
+    keys = client_keys(list(syncers), key, "observer", insecure=insecure)
     states = fetch_global(list(syncers), timeout_s, keys)
     if states is None:
         raise DDiLoCoError(f"no answer from {', '.join(syncers)} within {timeout_s:.0f} s: is the syncer running?")

@@ -7,8 +7,10 @@ an older one without the file) is refused before anything is written into it.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 import tomli_w
@@ -18,26 +20,39 @@ from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.result import RunResult
 
-RUN_FORMAT = 1
-"""Version of the run-folder layout (1: run.json, config.toml, metrics.jsonl, tape.jsonl,
-summary.json, eval_loss.png, final/, status/, state/)."""
+RUN_FORMAT = 2
+"""Version of the run-folder layout (docs/operations.md, "The run folder format"; 2: run.json
+gains ``started_at``, config.toml is written once when the folder is made and checked by every
+later command)."""
 
 
 ARTIFACTS = ("config.toml", "state", "status", "metrics", "metrics.jsonl", "tape.jsonl", "summary.json", "final")
 """What ddiloco writes into a run folder: a folder holding any of these is a run folder."""
 
+UNCHECKED = ("run.threads", "run.run_dir")
+"""Config keys (besides every ``runtime.*``) that may differ between a run folder's saved
+config and a later command on it."""
 
-def prepare_run_dir(run_dir: str | Path, by: str) -> Path:
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a run folder (ddiloco's ``run.json`` or any of its artifacts)."""
+    d = Path(path)
+    return (d / "run.json").exists() or any((d / name).exists() for name in ARTIFACTS)
+
+
+def prepare_run_dir(run_dir: str | Path, by: str, cfg: Config | None = None) -> Path:
     """Create ``run_dir`` with its ``run.json``, or check an existing one is of this format.
 
     A missing folder, or one without ddiloco's files (say, only the logs a user redirected
     there), is fine. A run folder without ``run.json`` was written by an older ddiloco, and one
     of another format cannot be read back correctly: both are refused with what to do, before
-    anything is written.
+    anything is written. With ``cfg``, a saved ``config.toml`` must agree with it in everything
+    but ``runtime.*``, ``run.threads`` and ``run.run_dir`` (else refused, naming the first key
+    that differs), and a folder without one gets ``cfg`` written as its ``config.toml``.
     """
     d = Path(run_dir)
     marker = d / "run.json"
-    if marker.exists() or any((d / name).exists() for name in ARTIFACTS):
+    if is_run_dir(d):
         try:
             found = json.loads(marker.read_text()).get("format")
         except FileNotFoundError:
@@ -50,13 +65,140 @@ def prepare_run_dir(run_dir: str | Path, by: str) -> Path:
                 f"run folder {d} {what}; this ddiloco writes format {RUN_FORMAT}: choose another folder "
                 "(--run-dir or run.run_dir) or move that one away"
             )
+        if cfg is not None:
+            if (d / "config.toml").exists():
+                check_saved_config(d, cfg)
+            else:
+                _write_config(d, cfg)
         return d
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"run.json.{os.getpid()}.tmp"  # processes of one run may start together
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    tmp.write_text(json.dumps({"format": RUN_FORMAT, "created": stamp, "by": by}))
+    tmp.write_text(json.dumps({"format": RUN_FORMAT, "created": stamp, "by": by, "started_at": time.time()}))
     os.replace(tmp, marker)
+    if cfg is not None:
+        _write_config(d, cfg)
     return d
+
+
+def _write_config(d: Path, cfg: Config) -> None:
+    tmp = d / f"config.toml.{os.getpid()}.tmp"
+    tmp.write_text(tomli_w.dumps(to_dict(cfg)))
+    os.replace(tmp, d / "config.toml")
+
+
+def config_difference(saved: Config, cfg: Config) -> tuple[str, object, object] | None:
+    """The first key (``section.key``, in config order) whose value differs between ``saved``
+    and ``cfg``, ignoring ``runtime.*`` and ``UNCHECKED``; None when they agree."""
+    old, new = to_dict(saved), to_dict(cfg)
+    for section, values in new.items():
+        if section == "runtime":
+            continue
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if name not in UNCHECKED and old[section][key] != value:
+                return name, old[section][key], value
+    return None
+
+
+def check_saved_config(run_dir: str | Path, cfg: Config) -> None:
+    """Refuse (one line) when ``run_dir/config.toml`` differs from ``cfg`` in a checked key."""
+    from ddiloco.config import load_config
+
+    path = Path(run_dir) / "config.toml"
+    try:
+        saved = load_config(path)
+    except DDiLoCoError as e:
+        raise DDiLoCoError(
+            f"run folder {run_dir}: its saved config.toml cannot be read by this ddiloco ({e})"
+        ) from None
+    diff = config_difference(saved, cfg)
+    if diff is not None:
+        name, old, new = diff
+        raise DDiLoCoError(
+            f"run folder {run_dir} was made with {name} = {old!r}, but this command has {name} = {new!r}; only "
+            "runtime.* and run.threads may change on a run: use its config.toml, --resume it, or choose another folder"
+        )
+
+
+def choose_run_dir(
+    cfg_run_dir: str | Path,
+    method: str,
+    run_dir_arg: str | Path | None = None,
+    resume_arg: str | Path | None = None,
+    now: dt.datetime | None = None,
+    can_resume: bool = True,
+) -> tuple[Path, bool]:
+    """The run folder of a ``train`` or ``simulate`` and whether it continues an earlier run.
+
+    ``--resume RUN_DIR``: that run folder (it must be one). ``--run-dir DIR``: that folder, which
+    must not hold a run yet. Otherwise ``run.run_dir``: a path named ``latest`` (the default,
+    ``runs/latest``) means a fresh ``METHOD-YYYYmmdd-HHMMSS`` folder next to it (``-2``, ``-3``
+    ... when taken) with ``latest`` pointed at it; any other path is used like ``--run-dir``.
+    ``can_resume``: whether the command has ``--resume`` (the refusal of a used folder says so).
+    """
+    if run_dir_arg is not None and resume_arg is not None:
+        raise DDiLoCoError("give --run-dir DIR (a new run) or --resume RUN_DIR (continue one), not both")
+    if resume_arg is not None:
+        d = Path(resume_arg)
+        if not d.is_dir() or not is_run_dir(d):
+            raise DDiLoCoError(
+                f"--resume {d}: no run folder there; pass a folder an earlier run wrote (it has run.json)"
+            )
+        return d.resolve(), True
+    if run_dir_arg is None and Path(cfg_run_dir).name != "latest":
+        run_dir_arg = cfg_run_dir
+    if run_dir_arg is not None:
+        d = Path(run_dir_arg)
+        if is_run_dir(d):
+            what = f"continue it with --resume {d}, or choose" if can_resume else "choose"
+            raise DDiLoCoError(f"{d} already holds a run; {what} another folder (or move that one away)")
+        return d, False
+    return fresh_run_dir(Path(cfg_run_dir).parent, method, now), False
+
+
+def fresh_run_dir(parent: str | Path, method: str, now: dt.datetime | None = None) -> Path:
+    """Make ``parent/METHOD-YYYYmmdd-HHMMSS`` (``-2``, ``-3`` ... if taken) and point
+    ``parent/latest`` at it (see ``point_latest``)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    stem = f"{method}-{(now or dt.datetime.now()).strftime('%Y%m%d-%H%M%S')}"
+    for n in itertools.count(1):
+        d = parent / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            d.mkdir()  # atomic: two runs started in the same second get different folders
+        except FileExistsError:
+            continue
+        point_latest(d)
+        return d
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def point_latest(run_dir: Path) -> Path:
+    """Point ``latest`` next to ``run_dir`` at it: a relative symlink, replaced atomically; where
+    symlinks cannot be made (or ``latest`` is a real folder, an older run), ``LATEST`` names it.
+    Returns the link (or the file) written."""
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.{os.getpid()}.tmp"
+    try:
+        if link.is_symlink() or not link.exists():
+            tmp.unlink(missing_ok=True)
+            os.symlink(run_dir.name, tmp, target_is_directory=True)
+            os.replace(tmp, link)
+            return link
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    text = run_dir.parent / "LATEST"
+    if link.exists() and not link.is_symlink():
+        import warnings
+
+        warnings.warn(
+            f"{link} is a folder (an older run), not a link: left as it is; {text} names the new run", stacklevel=2
+        )
+    tmp_text = run_dir.parent / f".LATEST.{os.getpid()}.tmp"
+    tmp_text.write_text(run_dir.name + "\n")
+    os.replace(tmp_text, text)
+    return text
 
 
 def write_run_dir(run_dir: str | Path, cfg: Config, result: RunResult) -> Path:
