@@ -126,7 +126,7 @@ def make_run(
                         "incarnation": 1 if (m == 1 and closed >= back) else 0,
                         "seq": rid,
                         "base_version": max(0, version[p] - m % 2),
-                        "staleness": (m + rid) % 3,
+                        "staleness": (m * (1 + seed) + rid) % (3 + seed),
                         "weight": weight,
                         "tokens": 4096,
                         "steps": 4,

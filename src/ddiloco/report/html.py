@@ -586,7 +586,7 @@ def fig_staleness(runs: list[Run], colours: list[str]) -> Figure:
         "Staleness and grace windows",
         "Left: staleness of the merged contributions (weight > 0), i.e. how many versions the fragment moved "
         "between the learner's base and the merge, as a share of all merged entries. Right: length of the grace "
-        "windows granted (rounds with a window only); the legend counts entries admitted inside one.",
+        "windows granted (rounds with a window only); the legend counts the entries admitted inside one.",
     )
     data = []
     for r, c in zip(runs, colours):
@@ -610,27 +610,40 @@ def fig_staleness(runs: list[Run], colours: list[str]) -> Figure:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
     width = 0.8 / len(data)
+    top = 0.0
     for i, (r, c, stale, _, _) in enumerate(data):
         if not stale:
             continue
         values = sorted(set(stale))
-        shares = [stale.count(v) / len(stale) for v in values]
-        a1.bar([v - 0.4 + width * (i + 0.5) for v in values], [100 * s for s in shares], width=width, color=c,
-               label=f"{r.label} (mean {sum(stale) / len(stale):.2f})")  # fmt: skip
+        shares = [100 * stale.count(v) / len(stale) for v in values]
+        top = max(top, *shares)
+        a1.bar([v - 0.4 + width * (i + 0.5) for v in values], shares, width=width, color=c,
+               label=f"{r.label}: mean {sum(stale) / len(stale):.2f}")  # fmt: skip
     a1.set_xlabel("staleness (versions)")
     a1.set_ylabel("% of merged entries")
     a1.xaxis.get_major_locator().set_params(integer=True)
     a1.grid(alpha=0.3, axis="y")
-    if any(s for _, _, s, _, _ in data):
-        a1.legend(fontsize=8)
-    all_grace = [g for _, _, _, gs, _ in data for g in gs]
+    if top > 0:
+        a1.set_ylim(0, top * (1.12 + 0.12 * len(data)))  # room for the legend above the bars
+        a1.legend(fontsize=8, loc="upper right")
+    all_grace = sorted({g for _, _, _, gs, _ in data for g in gs})
     if all_grace:
-        lo, hi = min(all_grace), max(all_grace)
-        bins, span = (20, (lo, hi)) if hi > lo else (5, (0.5 * lo, 1.5 * lo))
-        for r, c, _, gs, admitted in data:
-            a2.hist(gs, bins=bins, range=span, histtype="step", lw=1.8, color=c,
-                    label=f"{r.label}: {len(gs)} rounds, {admitted} admitted in grace")  # fmt: skip
-        a2.legend(fontsize=8)
+        top = 0.0
+        for i, (r, c, _, gs, admitted) in enumerate(data):
+            label = f"{r.label}: {len(gs)} windows, {admitted} entries admitted"
+            if len(all_grace) <= 12:  # a few distinct lengths (the usual case): one bar group per length
+                counts = [gs.count(g) for g in all_grace]
+                a2.bar([j - 0.4 + width * (i + 0.5) for j in range(len(all_grace))], counts, width=width, color=c,
+                       label=label)  # fmt: skip
+            else:
+                counts, _, _ = a2.hist(gs, bins=20, range=(all_grace[0], all_grace[-1]), histtype="step", lw=1.8,
+                                       color=c, label=label)  # fmt: skip
+            top = max(top, *counts) if len(counts) else top
+        if len(all_grace) <= 12:
+            a2.set_xticks(range(len(all_grace)))
+            a2.set_xticklabels([f"{g:.3g}" for g in all_grace])
+        a2.set_ylim(0, max(top, 1) * (1.12 + 0.12 * len(data)))
+        a2.legend(fontsize=8, loc="upper right")
     else:
         a2.text(0.5, 0.5, "no round had a grace window", ha="center", va="center", transform=a2.transAxes)
     a2.set_xlabel("grace window granted (s)")
