@@ -29,7 +29,7 @@ MAX_LINE_BYTES = 4 << 20
 """A longer JSONL line is skipped without being held in memory."""
 MAX_JSON_BYTES = 16 << 20
 """A larger summary.json / run.json / accounting.json is not read."""
-MAX_FRAGMENT_PANELS = 8
+MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
 TERMS = "docs/operations.md#terms"
 
@@ -500,13 +500,13 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
     fg = Figure(
         "participation",
         "Merge participation per fragment",
-        "One panel per fragment; each column is one round, ending at its close; each row a learner. Colour: the "
-        "learner's share of the merge's total weight; grey: it answered but got weight 0 (not merged); white: no "
-        "answer from it in that round; white dot: admitted in the grace window; hatched: no round open.",
+        "One panel per fragment; each column is one of its rounds that got answers, in the order they closed "
+        "(the k-th round of that fragment), each row a learner. Colour: the learner's share of the merge's total "
+        "weight; grey: it answered but got weight 0 (not merged); white: no answer from it in that round.",
     )
     plt = _plt()
     import matplotlib.colors as mcolors
-    import numpy as np
+    import numpy as np  # a dependency of matplotlib
 
     for r, order in zip(runs, orders):
         frags: dict[Any, list[dict[str, Any]]] = {}
@@ -520,56 +520,39 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
                           key=_sort_key)  # fmt: skip
         row = {lrn: i for i, lrn in enumerate(learners)}
         shown = sorted(frags, key=_sort_key)[:MAX_FRAGMENT_PANELS]
-        h = max(0.9, 0.22 * len(learners) + 0.55)
+        h = max(0.9, 0.2 * len(learners) + 0.6)
         fig, axes = plt.subplots(len(shown), 1, figsize=(10, h * len(shown) + 0.9), sharex=True, squeeze=False)
         cmap = plt.get_cmap("viridis").with_extremes(under="#bdbdbd", bad="white")
         vmax = 0.0
         meshes = []
         for ax, p in zip(axes[:, 0], shown):
             rounds = sorted(frags[p], key=lambda rd: rd["closed_at"])
-            spans = [rd["closed_at"] - (_num(rd.get("opened_at")) or rd["closed_at"]) for rd in rounds]
-            idle_gap = 3 * sorted(spans)[len(spans) // 2]  # a longer pause with no round open is drawn hatched
-            edges: list[float] = []
-            cols: list[list[float]] = []
-            grace_x, grace_y = [], []
-            for rd in rounds:
-                close = rd["closed_at"]
-                opened = _num(rd.get("opened_at"))
-                opened = close if opened is None else min(opened, close)
-                if not edges:
-                    edges.append(opened)
-                elif opened > edges[-1] + idle_gap:
-                    ax.axvspan(edges[-1], opened, facecolor="none", hatch="////", edgecolor="#aaaaaa", lw=0)
-                    edges.append(opened)
-                    cols.append([math.nan] * len(learners))  # nothing open in between
-                if close <= edges[-1]:
-                    close = edges[-1] + 1e-6
+            data = np.full((len(learners), len(rounds)), np.nan)
+            for j, rd in enumerate(rounds):
                 total = sum(max(0.0, _num(m.get("weight")) or 0.0) for m in _entries(rd))
-                col = [math.nan] * len(learners)
                 for m in _entries(rd):
                     w = _num(m.get("weight")) or 0.0
-                    col[row[_key(m["learner"])]] = w / total if w > 0 and total > 0 else -1.0
-                    if m.get("in_grace") and w > 0:
-                        grace_x.append((edges[-1] + close) / 2)
-                        grace_y.append(row[_key(m["learner"])])
-                cols.append(col)
-                edges.append(close)
-            data = np.ma.masked_invalid(np.array(cols, dtype=float).T)
-            vmax = max(vmax, float(data.max()) if data.count() else 0.0)
-            meshes.append(ax.pcolormesh(edges, np.arange(len(learners) + 1) - 0.5, data, cmap=cmap, shading="flat"))
-            if grace_x:
-                ax.plot(grace_x, grace_y, "o", ms=2.5, color="white", mec="black", mew=0.3, ls="none")
+                    data[row[_key(m["learner"])], j] = w / total if w > 0 and total > 0 else -1.0
+            masked = np.ma.masked_invalid(data)
+            vmax = max(vmax, float(masked.max()) if masked.count() else 0.0)
+            extent = (0.5, len(rounds) + 0.5, len(learners) - 0.5, -0.5)
+            meshes.append(
+                ax.imshow(masked, cmap=cmap, aspect="auto", interpolation="nearest", extent=extent, origin="upper")
+            )
+            ax.text(1.0, 1.02, f"{len(rounds)} rounds, closed {rounds[0]['closed_at']:,.0f} s to "
+                    f"{rounds[-1]['closed_at']:,.0f} s", transform=ax.transAxes, ha="right", va="bottom",
+                    fontsize=7, color="#555")  # fmt: skip
             ax.set_yticks(range(len(learners)))
             ax.set_yticklabels([str(lrn) for lrn in learners], fontsize=7 if len(learners) > 12 else 8)
             for tick, lrn in zip(ax.get_yticklabels(), learners):
                 tick.set_color(learner_colour(lrn, order))
                 tick.set_fontweight("bold")
             ax.set_ylabel(f"fragment {p}\nlearner", fontsize=8)
-            ax.set_ylim(len(learners) - 0.5, -0.5)
         norm = mcolors.Normalize(vmin=0.0, vmax=vmax if vmax > 0 else 1.0)
         for mesh in meshes:
             mesh.set_norm(norm)
-        axes[-1, 0].set_xlabel(_time_label([r]))
+        axes[-1, 0].set_xlabel("round of the fragment (k-th round that got answers; time runs left to right)")
+        axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
         fig.tight_layout(rect=(0, 0, 0.9, 1))
         cax = fig.add_axes((0.915, 0.15, 0.015, 0.7))
         cb = fig.colorbar(meshes[0], cax=cax, extend="min")
@@ -725,7 +708,10 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("method", run.method),
         ("clock", run.clock),
         ("partial (interrupted)?", "yes" if partial else "no" if partial is False or s else "–"),
-        (f"final eval loss ({run.loss_unit})", _fmt(s.get("eval_loss"), ".4f")),
+        (
+            "final eval loss" + (f" ({run.loss_unit})" if run.loss_unit != "loss" else ""),
+            _fmt(s.get("eval_loss"), ".4f"),
+        ),
         ("tokens processed", _fmt(s.get("tokens_processed"), ",.0f")),
         ("tokens merged", _fmt(s.get("tokens_merged"), ",.0f")),
         ("goodput", _fmt(s.get("goodput"), ".1%")),
