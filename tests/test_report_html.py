@@ -155,9 +155,10 @@ def make_run(
     _jsonl(d / "tape.jsonl", tape, garbled='{"event": "round", "fragm')
     summary = {
         "method": method, "clock": "wall" if real else "virtual", "loss_unit": "nats/byte",
-        "eval_loss": evals[-1]["loss"], "tokens_processed": 700_000, "tokens_merged": 600_000,
-        "merged_share": 0.857, "goodput": 0.83, "failures": 1, "num_fragments": fragments,
-        "rounds_per_fragment": rid / fragments, "learners_per_merge": 2.7, "virtual_time_s": horizon,
+        "eval_loss": evals[-1]["loss"], "tokens_processed": 700_000, "tokens_merged": 600_000 - 40_000 * seed,
+        "merged_share": (600_000 - 40_000 * seed) / 700_000, "goodput": 0.86 - 0.02 * seed, "failures": 1,
+        "num_fragments": fragments,
+        "rounds_per_fragment": rid / fragments, "learners_per_merge": 2.9 - 0.1 * seed, "virtual_time_s": horizon,
     }  # fmt: skip
     if real:
         summary.update(partial=True, warnings=["learner 2 was slow <b>2x</b> for the last third"])
