@@ -268,6 +268,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from ddiloco.report.html import render_report
+
+    print(f"report: {render_report(args.run_dirs, args.out)}")
+    return 0
+
+
 def progress_table(st: dict):
     from rich.table import Table
 
@@ -432,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _key_args(ex, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     ex.set_defaults(func=cmd_export)
+    rp = sub.add_parser("report", help="one self-contained HTML page (figures inline) about one or more run folders")
+    rp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder (format 2); several are overlaid")
+    rp.add_argument(
+        "-o", "--out", help="HTML file to write (default: RUN_DIR/report.html, or ./ddiloco-report.html for several)"
+    )
+    rp.set_defaults(func=cmd_report)
     gp = sub.add_parser("goodput", help="datacenter-scale goodput and bandwidth simulator", add_help=False)
     gp.add_argument("rest", nargs=argparse.REMAINDER, help="goodput's own options (see ddiloco goodput --help)")
     gp.set_defaults(func=lambda a: _goodput(a.rest))
