@@ -42,6 +42,8 @@ SETTINGS = [
     "runtime.backoff_max_s=0.5",
     "--set",
     "runtime.join_timeout_s=5.0",
+    "--set",
+    "runtime.duration_s=900",  # the shared cluster must outlive the module (tests that want an end set less)
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

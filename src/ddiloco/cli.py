@@ -268,6 +268,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    from ddiloco.report.tensorboard import export_scalars
+
+    with StopSignals("ddiloco tensorboard") as stop:
+        out, n = export_scalars(args.run_dir, args.logdir, args.follow, should_stop=lambda: stop.requested)
+    print(f"{n:,} scalars written to {out} (view: tensorboard --logdir {out})")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from ddiloco.report.html import render_report
 
@@ -445,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--out", help="HTML file to write (default: RUN_DIR/report.html, or ./ddiloco-report.html for several)"
     )
     rp.set_defaults(func=cmd_report)
+    tb = sub.add_parser("tensorboard", help="a run's metrics as TensorBoard scalars (the optional tensorboard extra)")
+    tb.add_argument("run_dir", metavar="RUN_DIR", help="the run folder whose metrics/*.jsonl to write")
+    tb.add_argument("--logdir", help="where the event files go (default: RUN_DIR/tensorboard)")
+    tb.add_argument("--follow", action="store_true", help="keep adding what the run appends until it ends (or Ctrl-C)")
+    tb.set_defaults(func=cmd_tensorboard)
     gp = sub.add_parser("goodput", help="datacenter-scale goodput and bandwidth simulator", add_help=False)
     gp.add_argument("rest", nargs=argparse.REMAINDER, help="goodput's own options (see ddiloco goodput --help)")
     gp.set_defaults(func=lambda a: _goodput(a.rest))

@@ -17,10 +17,9 @@ def plot_goodput(
     title: str = "Goodput vs fleet size (MTBI 1 year)",
 ) -> Path:
     """Write the plot to ``path``; ``paper`` adds the paper's cells as hollow markers."""
-    import matplotlib
+    from ddiloco.report.plotting import pyplot
 
-    matplotlib.use("Agg")  # headless: never needs a display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     names = list(dict.fromkeys(c.strategy.name for c in cells))
@@ -76,10 +75,9 @@ def plot_valley(
     ``predictions[(name, chips)]`` the cell's goodput (%) at each point. Filled dots: K = 1;
     crosses: K = M / 2.
     """
-    import matplotlib
+    from ddiloco.report.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x_of = {"repair (h)": [v / 3600 for v in points["repair_mean_s"]], "pause (s)": list(points["reconfig_mean_s"])}
     w = list(points["weight"])

@@ -322,12 +322,9 @@ def _entries(r: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _plt():
-    import matplotlib
+    from ddiloco.report.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def _png(fig) -> str:

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddiloco.errors import DDiLoCoError
+from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
 from ddiloco.report.tape import read_jsonl
 
@@ -260,11 +262,9 @@ def plot_eval_loss(run_dir: Path, summary: dict[str, Any]) -> Path | None:
     if not evals:
         return None
     try:
-        import matplotlib
-    except ImportError:  # the plot extra is not installed: the figures are in summary.json
+        plt = pyplot()
+    except DDiLoCoError:  # the plot extra is not installed: the figures are in summary.json
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     faults = read_jsonl(run_dir / "metrics" / "faults.jsonl")
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -1,0 +1,19 @@
+"""matplotlib, an optional extra: the one place that imports it for every figure ddiloco draws."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddiloco.errors import DDiLoCoError
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the headless Agg backend, or one clear line on how to get it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise DDiLoCoError("drawing figures needs matplotlib: pip install 'ddiloco[plot]'") from None
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
