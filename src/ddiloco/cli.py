@@ -49,8 +49,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         lines = ProgressLines(cfg.runtime.progress_interval_s, enabled=not console.is_terminal)
 
         def on_progress(t: float, horizon: float) -> None:
-            progress.update(task, completed=t / horizon)
-            lines.maybe(lambda: f"simulate {method}: {t / horizon:.0%} of virtual time ({t:.0f} / {horizon:.0f} s)")
+            done = t / horizon if horizon > 0 else 1.0
+            progress.update(task, completed=done)
+            lines.maybe(lambda: f"simulate {method}: {done:.0%} of virtual time ({t:.0f} / {horizon:.0f} s)")
 
         result = simulate(cfg, on_progress=on_progress, should_stop=lambda: stop.requested)
         out = write_run_dir(cfg.run.run_dir, cfg, result)

@@ -41,12 +41,16 @@ class Goodput:
 
 def fleet_goodput(accounts: list[TimeAccount], horizon_s: float) -> Goodput:
     alloc = horizon_s * len(accounts)
+    if alloc <= 0:  # stopped before any time passed: nothing was allocated, nothing lost
+        return Goodput(0.0, 0.0, 0.0, 0.0)
     tot = {s: sum(a.totals[s] for a in accounts) / alloc for s in STATES}
     return Goodput(tot["compute"], tot["blocked"], tot["down"], tot["restarting"])
 
 
 def uptime(outages: list[tuple[int, float, float]], num_learners: int, need: int, horizon_s: float) -> float:
     """Share of [0, horizon] during which at least ``need`` learners are not in an outage."""
+    if horizon_s <= 0:
+        return 1.0
     edges = sorted([(s, -1) for _, s, _ in outages] + [(e, +1) for _, _, e in outages])
     up, last, good = num_learners, 0.0, 0.0
     for t, d in edges:

@@ -1,0 +1,199 @@
+"""A run's life from the user's side: it ends by itself at its budget (the syncer decides), a
+signal stops it cleanly with partial results, and no process of a run survives it. Real
+processes on loopback with the small synthetic model; every wait is bounded, and only
+outcomes are asserted, never durations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import wait_for
+from test_runtime import ENV, SETTINGS, read
+
+from ddiloco.config import load_config
+from ddiloco.service.clock import SYSTEM_CLOCK
+from ddiloco.service.launcher import free_port
+from ddiloco.service.learner import EXIT_COMM_DIED, LearnerProcess
+
+CLI = [sys.executable, "-m", "ddiloco.cli"]
+
+
+def survivors(marker: str) -> list[str]:
+    """Processes (other than this one) whose command line mentions ``marker`` (a run folder)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":  # a zombie is dead (its parent reaps it)
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def lines(path: Path) -> list[dict]:
+    from ddiloco.report.tape import read_jsonl
+
+    return read_jsonl(path)
+
+
+def test_ctrl_c_on_train_stops_cleanly_writes_partial_results_and_leaves_no_process(tmp_path):
+    """SIGINT once: learners, evaluator and syncer stop, the summary is written and marked
+    partial; a second signal during that cleanup is ignored (and said to be)."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [*CLI, "train", "--run-dir", str(run_dir), *SETTINGS, "--set", "runtime.duration_s=600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only (children lead their own groups)
+    )
+    try:
+        wait_for(lambda: all(read(run_dir / "status" / f"learner-{m}.json").get("steps", 0) > 5 for m in (0, 1)),
+                 120, "both learners to train")  # fmt: skip
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)  # the second one, during cleanup
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "ignored: already stopping cleanly" in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["partial"] is True and any("interrupted" in w for w in summary["warnings"])
+    assert "PARTIAL" in out and summary["tokens_processed"] > 0
+    for name in ("metrics.jsonl", "tape.jsonl", "final/model.safetensors", "metrics/accounting.json"):
+        assert (run_dir / name).is_file(), name
+    assert lines(run_dir / "metrics" / "run.jsonl")[-1]["what"] == "interrupted"
+    wait_for(lambda: not survivors(str(run_dir)), 10, "every process of the run to be gone")
+
+
+def test_ctrl_c_on_simulate_writes_a_partial_run_folder(tmp_path):
+    run_dir = tmp_path / "sim"
+    p = subprocess.Popen(
+        [
+            *CLI, "simulate", "--run-dir", str(run_dir), "--set",
+            "workload.factory=ddiloco.workloads.synthetic:make_workload", "--set", "run.tokens=50000000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (run_dir / "run.json").exists(), 60, "the simulation to start")
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "KeyboardInterrupt" not in err and "Traceback" not in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["partial"] is True and summary["clock"] == "virtual"
+    assert lines(run_dir / "metrics" / "eval.jsonl")[-1]["final"] is True  # the model as it was, evaluated
+
+
+def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(tmp_path):
+    """Syncer, two learners and an evaluator started separately (as docs/operations.md shows):
+    the syncer ends the run at its time budget, runs the final sync, and every process exits 0;
+    tape, metrics, summary and plot are at the top of the folder. A second syncer on the same
+    folder is refused (its lock), and one restarted on the finished run says so and leaves."""
+    run_dir = tmp_path / "run"
+    host = "127.0.0.6"
+    addr = f"tcp://{host}:{free_port(host)}"
+    budget = [*SETTINGS, "--set", "runtime.duration_s=12", "--set", "runtime.eval_interval_s=2"]
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs[name] = subprocess.Popen([*CLI, *args, *budget], stdout=log, stderr=subprocess.STDOUT, text=True, env=ENV)
+        return procs[name]
+
+    try:
+        start("syncer", "syncer", "--bind", addr, "--run-dir", str(run_dir))
+        wait_for(lambda: read(run_dir / "status" / "syncer-0.json"), 60, "the syncer to come up")
+        second = subprocess.run(
+            [*CLI, "syncer", "--bind", f"tcp://{host}:{free_port(host)}", "--run-dir", str(run_dir), *budget],
+            capture_output=True, text=True, env=ENV, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 2 and "in use by another syncer" in second.stderr, second.stderr[-2000:]
+        for m in (0, 1):
+            start(f"learner-{m}", "learner", "--syncer", addr, "--id", str(m), "--run-dir", str(run_dir))
+        start("evaluator", "evaluator", "--syncer", addr, "--run-dir", str(run_dir))
+        codes = {name: p.wait(timeout=180) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
+    assert codes == dict.fromkeys(procs, 0), {n: logs[n][-1500:] for n, c in codes.items() if c}
+    assert "the run ended" in logs["learner-0"] and "final sync done" in logs["syncer"]
+    runlog = lines(run_dir / "metrics" / "run.jsonl")
+    assert [r["what"] for r in runlog] == ["start", "end"] and "runtime.duration_s" in runlog[-1]["reason"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["partial"] is False and summary["eval_loss"] is not None and summary["loss_unit"] == "MSE"
+    assert summary["goodput"] is not None and summary["down"] is None  # from the learners' own reports
+    for name in ("tape.jsonl", "metrics.jsonl", "eval_loss.png", "final/model.safetensors"):
+        assert (run_dir / name).is_file(), name
+    tape = lines(run_dir / "tape.jsonl")
+    rounds = [r for r in tape if r["event"] == "round"]
+    assert rounds and all("wall_offset" not in r for r in rounds)
+    assert all(-5 < r["closed_at"] < summary["run_time_s"] + 60 for r in rounds)  # seconds since the start
+    assert any(r["close_reason"] == "final" for r in rounds)  # the final sync took place
+    assert lines(run_dir / "metrics" / "eval.jsonl")[-1]["final"] is True
+    assert lines(run_dir / "metrics" / "learners.jsonl")
+    again = subprocess.run(
+        [*CLI, "syncer", "--bind", addr, "--run-dir", str(run_dir), *budget, "--set", "runtime.end_linger_s=0.5"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0 and "this run already ended" in again.stderr, again.stderr[-2000:]
+    assert [r["what"] for r in lines(run_dir / "metrics" / "run.jsonl")] == ["start", "end"]
+    assert not survivors(str(run_dir))
+
+
+class DyingSocket:
+    """A transport whose receive fails: the comm thread dies with it."""
+
+    def send(self, link, frames):
+        return True
+
+    def recv(self, timeout_s):
+        raise RuntimeError("the transport broke")
+
+    def wake(self):
+        pass
+
+    def close(self, linger_s=0.0):
+        pass
+
+
+def test_a_dead_comm_thread_ends_the_learner_with_its_exit_code_and_one_line(tmp_path, caplog):
+    cfg = load_config(None, [s for s in SETTINGS if s != "--set"])
+    ln = LearnerProcess(cfg, ["tcp://127.0.0.1:1"], 0, tmp_path, connect=lambda a, i: DyingSocket(), clock=SYSTEM_CLOCK)
+    code: list[int] = []
+    t = threading.Thread(target=lambda: code.append(ln.run()))
+    t.start()
+    t.join(timeout=60)
+    assert code == [EXIT_COMM_DIED]
+    assert any("comm thread died (RuntimeError: the transport broke)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:48911", "tcp://127.0.0.1", "tcp://127.0.0.1:0"])
+def test_a_learner_address_without_scheme_or_port_is_refused_at_parse_time(bad):
+    out = subprocess.run(
+        [*CLI, "learner", "--syncer", bad, "--id", "0"], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert out.returncode == 2 and "--syncer" in out.stderr and "Traceback" not in out.stderr
