@@ -137,16 +137,14 @@ def _check_run_dir(run_dir: str, cfg, by: str, create: bool = True) -> None:
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    import signal
-
     from ddiloco.service.syncer import bind_syncer
 
     cfg = _load(args)
     _check_run_dir(args.run_dir, cfg, f"ddiloco syncer (shard {args.shard})")
     service = bind_syncer(cfg, args.bind, args.run_dir, args.shard, args.num_shards, args.keys, args.insecure)
-    signal.signal(signal.SIGTERM, lambda *_: service.stop())
-    signal.signal(signal.SIGINT, lambda *_: service.stop())
-    service.serve()
+    # A signal stops it durably (the run is marked interrupted); started again on the folder, it resumes.
+    with StopSignals(f"ddiloco syncer (shard {args.shard})", on_stop=service.stop):
+        service.serve()
     return 0
 
 

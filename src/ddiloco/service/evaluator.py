@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -15,7 +14,7 @@ import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
-from ddiloco.lifecycle import ProgressLines
+from ddiloco.lifecycle import ProgressLines, StopSignals
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
@@ -82,9 +81,14 @@ def run_evaluator(
         os.nice(10)  # low priority: never steal a core from a learner
     except OSError:
         pass
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
+    with StopSignals("ddiloco evaluator") as signals:
+        return _evaluate_until_the_end(cfg, syncers, run_dir, once, keys, signals)
+
+
+def _evaluate_until_the_end(
+    cfg: Config, syncers: list[str], run_dir: str, once: bool, keys: ClientKeys | None, signals: StopSignals
+) -> int:
+    """Evaluate every runtime.eval_interval_s until the run ends (or a signal)."""
     wl = load_workload(cfg.workload)
     model = wl.build_model(cfg.run.seed)
     layout = layout_for(model, wl, cfg.algo).fragments
@@ -95,7 +99,7 @@ def run_evaluator(
     t0 = run_started_at(folder) or time.time()
     progress = ProgressLines(cfg.runtime.progress_interval_s, enabled=not sys.stderr.isatty())
     next_at = next_look = time.monotonic()
-    while not stop["flag"]:
+    while not signals.requested:
         if time.monotonic() >= next_look:  # a syncer sharing this folder recorded the run's end
             next_look = time.monotonic() + 1.0
             runlog = read_jsonl(folder / "metrics" / "run.jsonl")

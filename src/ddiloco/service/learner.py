@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 
 from ddiloco.config import Config
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError
-from ddiloco.lifecycle import ProgressLines
+from ddiloco.lifecycle import ProgressLines, StopSignals
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
@@ -267,9 +266,8 @@ def run_learner(
     keys = client_keys(syncers, keys_dir, f"learner-{learner_id}", insecure)
     learner = LearnerProcess(cfg, syncers, learner_id, run_dir, device, threads, keys=keys)
 
-    def stop(*_: Any) -> None:
+    def stop() -> None:
         learner.stop = True
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    return learner.run()
+    with StopSignals(f"ddiloco learner {learner_id}", on_stop=stop):  # it leaves at the next step boundary
+        return learner.run()
