@@ -329,7 +329,7 @@ def _plt():
 
 def _png(fig) -> str:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")  # legends placed outside stay in
     _plt().close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
@@ -520,7 +520,6 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
         h = max(0.9, 0.2 * len(learners) + 0.6)
         fig, axes = plt.subplots(len(shown), 1, figsize=(10, h * len(shown) + 0.9), sharex=True, squeeze=False)
         cmap = plt.get_cmap("viridis").with_extremes(under="#bdbdbd", bad="white")
-        vmax = 0.0
         meshes = []
         for ax, p in zip(axes[:, 0], shown):
             rounds = sorted(frags[p], key=lambda rd: rd["closed_at"])
@@ -531,7 +530,6 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
                     w = _num(m.get("weight")) or 0.0
                     data[row[_key(m["learner"])], j] = w / total if w > 0 and total > 0 else -1.0
             masked = np.ma.masked_invalid(data)
-            vmax = max(vmax, float(masked.max()) if masked.count() else 0.0)
             extent = (0.5, len(rounds) + 0.5, len(learners) - 0.5, -0.5)
             meshes.append(
                 ax.imshow(masked, cmap=cmap, aspect="auto", interpolation="nearest", extent=extent, origin="upper")
@@ -545,7 +543,7 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
                 tick.set_color(learner_colour(lrn, order))
                 tick.set_fontweight("bold")
             ax.set_ylabel(f"fragment {p}\nlearner", fontsize=8)
-        norm = mcolors.Normalize(vmin=0.0, vmax=vmax if vmax > 0 else 1.0)
+        norm = mcolors.Normalize(vmin=0.0, vmax=1.0)  # one scale for every run: shares compare across runs
         for mesh in meshes:
             mesh.set_norm(norm)
         axes[-1, 0].set_xlabel("round of the fragment (k-th round that got answers; time runs left to right)")
@@ -604,8 +602,8 @@ def fig_staleness(runs: list[Run], colours: list[str]) -> Figure:
     a1.xaxis.get_major_locator().set_params(integer=True)
     a1.grid(alpha=0.3, axis="y")
     if top > 0:
-        a1.set_ylim(0, top * (1.12 + 0.12 * len(data)))  # room for the legend above the bars
-        a1.legend(fontsize=8, loc="upper right")
+        a1.set_ylim(0, top * 1.08)
+        a1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))  # below: never over a bar
     all_grace = sorted({g for _, _, _, gs, _ in data for g in gs})
     if all_grace:
         top = 0.0
@@ -622,8 +620,8 @@ def fig_staleness(runs: list[Run], colours: list[str]) -> Figure:
         if len(all_grace) <= 12:
             a2.set_xticks(range(len(all_grace)))
             a2.set_xticklabels([f"{g:.3g}" for g in all_grace])
-        a2.set_ylim(0, max(top, 1) * (1.12 + 0.12 * len(data)))
-        a2.legend(fontsize=8, loc="upper right")
+        a2.set_ylim(0, max(top, 1) * 1.08)
+        a2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     else:
         a2.text(0.5, 0.5, "no round had a grace window", ha="center", va="center", transform=a2.transAxes)
     a2.set_xlabel("grace window granted (s)")
