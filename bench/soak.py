@@ -48,6 +48,7 @@ SETTINGS = [
     "workload.factory=ddiloco.workloads.synthetic:make_workload",
     "run.num_learners=4",  # the same data shards in the baseline (learner 3 is then absent)
     "run.tokens=1000000000",  # no end in sight: the run is as long as --minutes
+    "runtime.duration_s=86400",  # (the syncer would end the run at its time budget otherwise)
     "inner.warmup_frac=0",  # (5% of 1e9 tokens would keep the LR warming up through the whole soak)
     "run.seed=0",
     "algo.sync_every=16",
