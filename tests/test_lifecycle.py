@@ -197,3 +197,20 @@ def test_a_learner_address_without_scheme_or_port_is_refused_at_parse_time(bad):
         [*CLI, "learner", "--syncer", bad, "--id", "0"], capture_output=True, text=True, env=ENV, timeout=60
     )
     assert out.returncode == 2 and "--syncer" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_resumed_train_run_adds_its_accounting_to_the_earlier_sessions():
+    from ddiloco.service.launcher import _add_sessions
+
+    first = {
+        "horizon_s": 10.0, "tokens": 100, "compute_s": 18.0, "down_s": 1.0, "restarting_s": 0.5, "starting_s": 0.5,
+        "blocked_s": 0.0, "lost_steps": 3.0, "uptime": 1.0, "restart_latencies_s": [0.5],
+    }  # fmt: skip
+    second = {**first, "horizon_s": 30.0, "tokens": 300, "uptime": 0.5, "restart_latencies_s": [1.5]}
+    once = _add_sessions(None, first)
+    assert once["sessions"] == 1 and once["tokens"] == 100
+    both = _add_sessions(once, second)
+    assert both["sessions"] == 2 and both["horizon_s"] == 40.0 and both["tokens"] == 400
+    assert both["compute_s"] == 36.0 and both["uptime"] == (1.0 * 10 + 0.5 * 30) / 40
+    assert both["restart_latencies_s"] == [0.5, 1.5]
+    assert _add_sessions({"tokens": "garbage"}, second)["tokens"] == 300  # a damaged file is not trusted

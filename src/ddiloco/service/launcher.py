@@ -184,6 +184,8 @@ class Launcher:
         self.syncer_restarts = 0
         self._t0 = time.time()
         self._ending = False  # the syncer announced the run's end: no more chaos
+        # A resumed run (train --resume) adds this session's accounting to the earlier ones'.
+        self._previous_accounting = _read_accounting(self.run_dir / "metrics" / "accounting.json")
 
     def request_stop(self) -> None:
         """Stop early (from a signal handler): ``run`` stops the learners, then the syncer, and
@@ -471,6 +473,7 @@ class Launcher:
             "lost_steps": sum(b.lost_steps for b in self.books),
             "restart_latencies_s": [x for b in self.books for x in b.restart_latencies],
         }
+        accounting = _add_sessions(self._previous_accounting, accounting)
         (self.run_dir / "metrics" / "accounting.json").write_text(json.dumps(accounting, indent=2))
         return write_summary(self.run_dir)
 
@@ -478,3 +481,36 @@ class Launcher:
         rec = {"event": "run", "time": time.time() - self._t0, "what": what, "reason": reason}
         with open(self.run_dir / "metrics" / "run.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+SUMMED = ("horizon_s", "tokens", "compute_s", "blocked_s", "down_s", "restarting_s", "starting_s", "lost_steps")
+"""Accounting figures that add up over the sessions of a resumed run."""
+
+
+def _read_accounting(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _add_sessions(previous: dict[str, Any] | None, this: dict[str, Any]) -> dict[str, Any]:
+    """One accounting for a run and its resumed sessions: time and work add up; uptime is
+    weighted by each session's length; restart latencies are all kept."""
+    if not previous:
+        return {**this, "sessions": 1}
+    out = dict(this)
+    for key in SUMMED:
+        prev = previous.get(key)
+        if isinstance(prev, (int, float)) and not isinstance(prev, bool):
+            out[key] = this[key] + prev
+    h0, h1 = previous.get("horizon_s"), this["horizon_s"]
+    u0, u1 = previous.get("uptime"), this["uptime"]
+    if all(isinstance(x, (int, float)) for x in (h0, u0, u1)) and h0 + h1 > 0:
+        out["uptime"] = (u0 * h0 + u1 * h1) / (h0 + h1)
+    latencies = previous.get("restart_latencies_s")
+    out["restart_latencies_s"] = [*(latencies if isinstance(latencies, list) else []), *this["restart_latencies_s"]]
+    sessions = previous.get("sessions")
+    out["sessions"] = (sessions if isinstance(sessions, int) else 1) + 1
+    return out
