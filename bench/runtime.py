@@ -469,8 +469,8 @@ def to_markdown(rep: dict) -> str:
     lines += [
         "",
         f"Chaos run: eval loss {c['eval_loss']:.4f}, tokens processed {c['tokens_processed']:,}, merged "
-        f"{c['tokens_merged']:,.0f}, mean learners per merge {c['learners_per_merge']:.2f}, down {c['down']:.1%}, "
-        f"restarting {c['restarting']:.1%}.",
+        f"{c['tokens_merged']:,.0f}, learners per merge (weight > 0) {c['learners_per_merge']:.2f}, "
+        f"down {c['down']:.1%}, restarting {c['restarting']:.1%}.",
     ]
     return "\n".join(lines) + "\n"
 

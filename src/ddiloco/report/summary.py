@@ -184,8 +184,7 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         "uptime": acct.get("uptime"),
         "lost_steps": _num(acct.get("lost_steps")),
         "restart_latencies_s": acct.get("restart_latencies_s", []),
-        "failures": sum(1 for f in faults if str(f.get("kind", "")).split(" ")[0] in FAILURE_KINDS)
-        + sum(1 for f in faults if str(f.get("kind", "")).startswith("exit ") and f.get("kind") != "exit 0"),
+        "failures": sum(1 for f in faults if is_learner_failure(f)),
         "num_fragments": num_fragments,
         "num_learners": m_count,
         "run_time_s": horizon,
@@ -193,6 +192,15 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     }
     summary["warnings"] = warnings_for(summary)
     return summary
+
+
+def is_learner_failure(fault: dict[str, Any]) -> bool:
+    """A fault record that is a learner failure: a SIGKILL, crash or abnormal exit of a
+    learner (restarts, straggler phases and the syncer's own faults are not)."""
+    kind, target = str(fault.get("kind", "")), str(fault.get("target", ""))
+    if not target.startswith("learner"):
+        return False
+    return kind.split(" ")[0] in FAILURE_KINDS or (kind.startswith("exit ") and kind != "exit 0")
 
 
 def warnings_for(summary: dict[str, Any]) -> list[str]:
@@ -271,7 +279,7 @@ def plot_eval_loss(run_dir: Path, summary: dict[str, Any]) -> Path | None:
     ax.plot([_num(e.get("time")) for e in evals], [_num(e.get("loss")) for e in evals], marker="o",
             label=str(summary["method"]))  # fmt: skip
     for f in faults:
-        if str(f.get("kind", "")).split(" ")[0] in FAILURE_KINDS or str(f.get("kind", "")).startswith("exit "):
+        if is_learner_failure(f):
             ax.axvline(_num(f.get("time")), color="red", alpha=0.25, lw=1)
     ax.set_xlabel(f"seconds since the run started ({summary['clock']} clock)")
     ax.set_ylabel(_label("eval loss ({unit})", summary))

@@ -298,17 +298,21 @@ class Learner:
         """After ``run_ended``: take part in the final sync without training (apply the last
         merged versions, answer the syncer's final requests) until the syncer says the final
         model is written, then ``close()``. Bounded by ``timeout_s`` (default: the liveness
-        timeout plus 30 s). True when the syncer confirmed the end."""
+        timeout plus 30 s). True when the syncer confirmed the end; while the run goes on it
+        only closes (False)."""
         comm = self.comm
+        if comm is None or comm.run_end is None:  # the run goes on (or no syncer): just leave
+            self.close()
+            return False
         if timeout_s is None:
             timeout_s = self.cfg.algo.liveness_timeout_s + 30.0
         deadline = self.clock.monotonic() + timeout_s
-        while comm is not None and comm.run_end != "done" and self.clock.monotonic() < deadline:
-            if comm.stop.is_set() and comm.run_end is None:
-                break  # the comm thread died or was refused: nothing to finish
+        while comm.run_end != "done" and self.clock.monotonic() < deadline:
+            if comm.stop.is_set():
+                break  # the comm thread died: nothing more will come
             self._boundary([])
             time.sleep(0.01)
-        done = comm is not None and comm.run_end == "done"
+        done = comm.run_end == "done"
         if done:
             self._boundary([])  # the last versions that arrived with the end
         self.close()

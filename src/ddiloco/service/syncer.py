@@ -498,6 +498,7 @@ class SyncerService:
             self._emit(self.core.flush(self.clock.monotonic()))
             snapshot(self.store, self.core)
             self.write_status()
+            self.write_learner_metrics()  # the learners' last figures, for the summary
             self.write_final_model()
         finally:
             self.sock.close()
