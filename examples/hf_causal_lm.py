@@ -65,14 +65,19 @@ def as_hf(b) -> dict[str, torch.Tensor]:
 
 
 def config(args: argparse.Namespace) -> ddiloco.Config:
-    return ddiloco.Config(algo=ddiloco.DiLoCoConfig(sync_every=args.sync_every))
+    """The run's config, the same for syncer and learners: the syncer ends the run (with a final
+    sync) once the fleet's merged tokens reach the budget; a day is only a safety cap."""
+    total = args.steps * LEARNERS * args.batch_size * args.seq_len  # the run's token budget
+    return ddiloco.load_config(
+        None, [f"algo.sync_every={args.sync_every}", f"run.tokens={total}", "runtime.duration_s=86400"]
+    )
 
 
 def run_syncer(args: argparse.Namespace) -> None:
     model = build_model(args.seq_len)
     server = ddiloco.SyncerServer(model, args.bind, args.run_dir, config=config(args), keys=args.keys)
     log.info("syncer at %s", server.address)
-    server.serve()  # until SIGTERM; then writes RUN_DIR/final/model.safetensors
+    server.serve()  # until the run's token budget (or SIGTERM); then writes RUN_DIR/final/model.safetensors
 
 
 def run_learner(args: argparse.Namespace) -> None:
@@ -83,14 +88,14 @@ def run_learner(args: argparse.Namespace) -> None:
     learner = ddiloco.Learner(model, args.syncer, learner_id=args.id, key=args.keys, config=config(args),
                               optimizer=optimizer)  # fmt: skip  # + joins, takes the global model
     stream.seek(learner.data_position)  # a restarted learner resumes its data where the run recorded it
-    total = args.steps * LEARNERS * args.batch_size * args.seq_len  # the run's token budget
+    total = learner.cfg.run.tokens
 
     def lr_factor(_: int) -> float:  # warm-up, then cosine, over the whole fleet's tokens
         done = min(1.0, learner.global_tokens / total)
         return min(1.0, done / 0.05) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    while learner.global_tokens < total:  # a restarted learner stops where the fleet does
+    while not learner.run_ended:  # the syncer says when the fleet has trained its budget
         batch = as_hf(stream.next_batch())
         loss = loss_of(model, batch)
         loss.backward()
@@ -101,7 +106,7 @@ def run_learner(args: argparse.Namespace) -> None:
         learner.step(tokens=batch["input_ids"].numel(), data_position=stream.position)  # +
         if learner.stats.steps % 50 == 0:
             log.info("learner %d step %d loss %.3f", args.id, learner.stats.steps, loss.item())
-    learner.close()  # +
+    learner.finish()  # + the final sync (the syncer merges what is left), then leave
 
 
 @torch.no_grad()
@@ -133,9 +138,11 @@ def run_all(args: argparse.Namespace) -> float:
         codes = [p.wait() for p in learners]
         if any(codes):
             raise SystemExit(f"a learner failed: exit codes {codes}")
+        syncer.wait(timeout=120)  # it ends the run itself: final sync, final model
     finally:
-        syncer.terminate()
-        syncer.wait(timeout=120)
+        if syncer.poll() is None:
+            syncer.terminate()
+            syncer.wait(timeout=120)
     model = build_model(args.seq_len)
     out = ddiloco.export_model(model, args.run_dir, Path(args.run_dir) / "hf")  # loads the final global model
     loss = evaluate(model, args)

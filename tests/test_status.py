@@ -37,7 +37,7 @@ SETTINGS = [
     "runtime.backoff_max_s=0.3",
     "runtime.join_timeout_s=10.0",
 ]
-RECORD_KEYS = {"event", "time", "learner", "state", "steps", "tokens", "busy_s", "loss", "bytes_sent"}
+RECORD_KEYS = {"event", "time", "learner", "incarnation", "state", "steps", "tokens", "busy_s", "loss", "bytes_sent"}
 
 
 class Net(nn.Module):
@@ -95,6 +95,9 @@ def test_the_core_keeps_each_learners_progress_and_the_fleet_view_shows_it():
     assert decode(encode(status_reply(view))).status == json.loads(json.dumps(view))
     records = learner_records(core, 2.0, 12.0)
     assert all(set(r) == RECORD_KEYS and r["event"] == "learner" and r["time"] == 12.0 for r in records)
+    assert [r["learner"] for r in records] == [0, 1]
+    core.handle(Join(2, 1, []), 3.0)  # not heard since it joined: no record of zeros (they would read as a restart)
+    assert [r["learner"] for r in learner_records(core, 3.0, 13.0)] == [0, 1]
     # A new incarnation starts its counters again.
     core.handle(Join(0, 2, []), 10.0)
     assert core.learners[0].tokens == 0 and core.learners[0].loss is None

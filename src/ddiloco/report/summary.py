@@ -106,17 +106,22 @@ def _num(value: Any, default: float = 0.0) -> float:
 
 
 def _incarnation_totals(records: list[dict[str, Any]], key: str) -> float:
-    """Sum over learners and their incarnations of a cumulative counter that restarts from 0
-    with each incarnation (a drop means a new process)."""
-    total = 0.0
+    """Sum over learners and their incarnations of a counter that is cumulative within an
+    incarnation: its largest value per (learner, incarnation); for records that do not name
+    the incarnation, a drop of the counter is taken as a restart."""
+    best: dict[tuple[Any, Any], float] = {}
+    restarts: dict[Any, int] = {}
     last: dict[Any, float] = {}
     for r in records:
         m, v = r.get("learner"), _num(r.get(key))
-        prev = last.get(m, 0.0)
-        if v < prev:  # a restart: bank what the previous incarnation reached
-            total += prev
-        last[m] = v
-    return total + sum(last.values())
+        inc = r.get("incarnation")
+        if inc is None:  # an older record: count restarts by the counter's drops
+            if v < last.get(m, 0.0):
+                restarts[m] = restarts.get(m, 0) + 1
+            last[m] = v
+            inc = ("drop", restarts.get(m, 0))
+        best[(m, inc)] = max(best.get((m, inc), 0.0), v)
+    return sum(best.values())
 
 
 def summarise(run_dir: str | Path) -> dict[str, Any]:

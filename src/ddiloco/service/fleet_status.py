@@ -123,6 +123,7 @@ def learner_records(core: Syncer, now: float, time_s: float) -> list[dict[str, A
             "event": "learner",
             "time": time_s,
             "learner": m,
+            "incarnation": info.incarnation,
             "state": learner_state(info, m in live),
             "steps": info.step,
             "tokens": info.tokens,
@@ -131,6 +132,8 @@ def learner_records(core: Syncer, now: float, time_s: float) -> list[dict[str, A
             "bytes_sent": info.bytes_sent,
         }
         for m, info in sorted(core.learners.items())
+        # Not heard since it (re)joined this syncer: zeros would read as a restart of its counters.
+        if info.step or info.tokens or info.busy_s
     ]
 
 

@@ -392,6 +392,7 @@ class Simulation:
                     "event": "learner",
                     "time": self.now,
                     "learner": ln.id,
+                    "incarnation": ln.gen,
                     "state": state,
                     "steps": ln.core.step - steps0 if state == "up" else 0,
                     "tokens": ln.core.tokens_processed - tokens0 if state == "up" else 0,

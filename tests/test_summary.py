@@ -1,0 +1,86 @@
+"""The one summary function (report/summary.py), on run folders written by hand: what each
+figure counts, and what it must not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ddiloco.report.summary import summarise, write_summary
+
+
+def jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def merged(learner: int, weight: float, tokens: int = 100, in_grace: bool = False) -> dict:
+    return {"learner": learner, "weight": weight, "tokens": tokens, "steps": 4, "staleness": 0, "in_grace": in_grace}
+
+
+def folder(tmp_path: Path, *, runlog: list[str], rounds_per_fragment: int = 4) -> Path:
+    d = tmp_path / "run"
+    d.mkdir(parents=True)
+    (d / "run.json").write_text(json.dumps({"format": 2, "started_at": 1000.0, "by": "ddiloco syncer (shard 0)"}))
+    (d / "config.toml").write_text('[run]\nmethod = "decoupled"\nnum_learners = 2\n')
+    rounds = []
+    for k in range(rounds_per_fragment):
+        for p in (0, 1):
+            entries = [merged(0, 1.0), merged(1, 0.0 if k == 0 else 1.0, in_grace=k == 1)]
+            # The syncer's own tape: monotonic times and the wall offset (top-level tape: relative).
+            rounds.append({"event": "round", "fragment": p, "version": k + 1, "opened_at": 50.0 + k,
+                           "closed_at": 50.5 + k, "merged": entries, "wall_offset": 960.0})  # fmt: skip
+    jsonl(d / "state" / "tape.jsonl", rounds)
+    jsonl(d / "metrics" / "learners.jsonl", [
+        {"time": 5.0, "learner": 0, "incarnation": 1, "tokens": 500, "busy_s": 4.0},
+        {"time": 10.0, "learner": 0, "incarnation": 1, "tokens": 900, "busy_s": 8.0},
+        {"time": 12.0, "learner": 0, "incarnation": 1, "tokens": 0, "busy_s": 0.0},  # a restarted syncer's zeros
+        {"time": 15.0, "learner": 0, "incarnation": 2, "tokens": 300, "busy_s": 2.5},  # a new process
+        {"time": 15.0, "learner": 1, "incarnation": 7, "tokens": 1000, "busy_s": 9.0},
+    ])  # fmt: skip
+    jsonl(d / "metrics" / "faults.jsonl", [
+        {"time": 11.0, "kind": "sigkill", "target": "learner-0"},
+        {"time": 11.0, "kind": "restart", "target": "learner-0"},
+        {"time": 13.0, "kind": "sigkill", "target": "syncer"},
+        {"time": 14.0, "kind": "exit 0", "target": "learner-1"},
+    ])  # fmt: skip
+    jsonl(d / "metrics" / "eval.jsonl", [{"time": 19.0, "loss": 2.5, "final": True, "unit": "nats/byte"}])
+    jsonl(d / "metrics" / "run.jsonl", [{"time": float(i) * 10, "what": w, "reason": w} for i, w in enumerate(runlog)])
+    return d
+
+
+def test_figures_of_a_hand_started_run(tmp_path):
+    d = folder(tmp_path, runlog=["start", "end"])
+    s = summarise(d)
+    assert s["tokens_processed"] == 900 + 300 + 1000  # per incarnation, the syncer's zeros ignored
+    assert s["run_time_s"] == 10.0 and s["num_learners"] == 2  # the end record's time, M from config.toml
+    assert s["goodput"] == (8.0 + 2.5 + 9.0) / (2 * 10.0) and s["down"] is None  # no accounting: no split
+    assert s["learners_per_merge"] == (2 * 1 + 6 * 2) / 8  # the weight-0 entries of round 0 are not merged
+    assert s["grace_admissions"] == 2 and s["rounds_per_fragment"] == 4.0
+    assert s["tokens_merged"] == (2 * 100 + 6 * 200) / 2  # every fragment merges the same tokens once
+    assert s["failures"] == 1  # a learner SIGKILL; not its restart, not the syncer's kill, not a clean exit
+    assert s["eval_loss"] == 2.5 and s["loss_unit"] == "nats/byte" and s["clock"] == "wall"
+    assert s["partial"] is False and s["warnings"] == []
+
+
+def test_a_short_run_warns_and_an_interrupted_one_is_partial_until_it_ends(tmp_path):
+    s = summarise(folder(tmp_path / "a", runlog=["start", "interrupted"], rounds_per_fragment=1))
+    assert s["partial"] is True
+    assert any("too short a run" in w for w in s["warnings"]) and any("interrupted" in w for w in s["warnings"])
+    s = summarise(folder(tmp_path / "b", runlog=["start", "interrupted", "resume", "end"]))
+    assert s["partial"] is False  # resumed, then ended: whole
+
+
+def test_write_summary_puts_the_tape_and_metrics_at_the_top_in_seconds_since_the_start(tmp_path):
+    d = folder(tmp_path, runlog=["start", "end"])
+    (d / "metrics" / "eval.jsonl").write_text("{torn line\n" + (d / "metrics" / "eval.jsonl").read_text())
+    summary = write_summary(d)
+    assert json.loads((d / "summary.json").read_text()) == summary
+    tape = [json.loads(line) for line in (d / "tape.jsonl").read_text().splitlines()]
+    assert tape[0]["closed_at"] == 50.5 + 960.0 - 1000.0 and "wall_offset" not in tape[0]
+    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["event"] == "summary" and [r["time"] for r in records[:-1]] == sorted(
+        r["time"] for r in records[:-1]
+    )
+    assert (d / "eval_loss.png").stat().st_size > 1000
+    assert write_summary(d) == summary  # every writer of the folder may call it again: same result
