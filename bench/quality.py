@@ -601,6 +601,12 @@ def to_markdown(rep: dict[str, Any]) -> str:
             f"{_fmt_ci(s, 'ratio_at_tokens')} | {s['goodput']:.1%} | {s['tokens_processed']:,.0f} | "
             f"{s['tokens_merged']:,.0f} | {s['learners_per_merge']:.2f} | {s['grace_admissions']:.0f} |"
         )
+    lines += [
+        "",
+        "Learners / merge: runs cached before 2026-11-30 18:00 UTC counted every answer of a merge, weight-0 "
+        "ones too; since then only entries with weight > 0 count (docs/operations.md#terms). The cache keeps "
+        "no tapes, so those figures stay as they were measured.",
+    ]
     lines += ["", "## Targets", "", "| target | measured | limit | met | note |", "|---|---|---|---|---|"]
     for c in rep["checks"]:
         lines.append(
