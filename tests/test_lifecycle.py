@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_for
+from test_report_html import FIGURES, figures, pngs
 from test_runtime import ENV, SETTINGS, read
 
 from ddiloco.config import load_config
@@ -162,6 +163,24 @@ def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(
     assert again.returncode == 0 and "this run already ended" in again.stderr, again.stderr[-2000:]
     assert [r["what"] for r in lines(run_dir / "metrics" / "run.jsonl")] == ["start", "end"]
     assert not survivors(str(run_dir))
+    # `ddiloco report` on this real run next to a simulated one: every figure, drawn from data.
+    sim = tmp_path / "sim"
+    out = subprocess.run(
+        [*CLI, "simulate", "--run-dir", str(sim), "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload",
+         "--set", "run.tokens=20000"],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = subprocess.run(
+        [*CLI, "report", str(run_dir), str(sim), "-o", str(tmp_path / "report.html")],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr[-2000:]
+    page = (tmp_path / "report.html").read_text()
+    figs = figures(page)
+    assert set(figs) == set(FIGURES) and "No data" not in page
+    for fid in FIGURES:
+        assert pngs(figs[fid]) and all(len(png) > 5000 for png in pngs(figs[fid])), fid
 
 
 class DyingSocket:

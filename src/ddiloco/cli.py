@@ -278,6 +278,15 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ddiloco.report.html import render_report
+    from ddiloco.report.rundir import RUN_FORMAT
+    from ddiloco.report.summary import run_info, write_summary
+
+    for d in args.run_dirs:  # the figures come from the one summary function, also for a run cut short
+        if run_info(d).get("format") == RUN_FORMAT:
+            try:
+                write_summary(d)
+            except OSError as e:  # a read-only folder: its summary.json stands
+                logging.getLogger(__name__).warning("could not refresh the summary of %s: %s", d, e)
 
     print(f"report: {render_report(args.run_dirs, args.out)}")
     return 0

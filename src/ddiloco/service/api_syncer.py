@@ -9,7 +9,6 @@ theirs. It is CPU-only and never computes a forward pass.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import zmq
 from torch import nn
 
 from ddiloco.errors import DDiLoCoError, UsageError
+from ddiloco.lifecycle import StopSignals
 from ddiloco.service.api_learner import ConfigLike, as_config
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.syncer import SyncerService
@@ -109,12 +109,14 @@ class SyncerServer:
         return self.service.run_dir / "final" / name
 
     def serve(self, max_seconds: float | None = None, handle_signals: bool = True) -> Path:
-        """Serve in the foreground until ``stop()``, SIGTERM/SIGINT or ``max_seconds``; then write
-        the final model and return its path."""
+        """Serve in the foreground until the run's end (its token or time budget: run.tokens,
+        runtime.duration_s; the final sync included), ``stop()``, SIGTERM/SIGINT or
+        ``max_seconds``; then write the final model and return its path."""
         if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stop())
-        self.service.serve(max_seconds)
+            with StopSignals("ddiloco syncer", on_stop=self.service.stop):
+                self.service.serve(max_seconds)
+        else:
+            self.service.serve(max_seconds)
         return self.final_model_path
 
     def start(self) -> SyncerServer:
