@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.report.html import busy_increments, goodput_series, load_run, read_jsonl, render_report
+from ddiloco.report.html import busy_increments, goodput_series, load_run, render_report
+from ddiloco.report.tape import read_jsonl_cut as read_jsonl
 
 FIGURES = ("eval-loss", "train-loss", "goodput", "participation", "staleness", "bytes-sent")
 STARTED_AT = 1_760_000_000.0
@@ -239,9 +240,9 @@ def test_garbled_torn_and_overlong_lines_are_skipped(tmp_path):
 
 
 def test_overlong_line_is_skipped_without_reading_it_whole(tmp_path, monkeypatch):
-    import ddiloco.report.html as h
+    import ddiloco.report.tape as tape
 
-    monkeypatch.setattr(h, "MAX_LINE_BYTES", 64)
+    monkeypatch.setattr(tape, "MAX_LINE_BYTES", 64)
     p = tmp_path / "x.jsonl"
     p.write_bytes(b'{"a": 1}\n{"big": "' + b"x" * 1000 + b'"}\n{"a": 2}\n')
     assert read_jsonl(p)[0] == [{"a": 1}, {"a": 2}]

@@ -22,11 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.tape import MAX_RECORDS, read_jsonl_cut
 
-MAX_RECORDS = 1_000_000
-"""Records read from one JSONL file at most (the rest is ignored, with a note on the page)."""
-MAX_LINE_BYTES = 4 << 20
-"""A longer JSONL line is skipped without being held in memory."""
 MAX_JSON_BYTES = 16 << 20
 """A larger summary.json / run.json / accounting.json is not read."""
 MAX_FRAGMENT_PANELS = 6
@@ -39,44 +36,6 @@ FAULT_MARKERS = ["v", "X", "D", "s", "P", "*", "^", "o"]
 
 
 # --- reading ---------------------------------------------------------------------------------
-
-
-def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> tuple[list[dict[str, Any]], bool]:
-    """The JSON objects in a JSONL file and whether it was cut at ``limit`` records.
-
-    A missing or unreadable file is empty; a torn, garbled, non-object or over-long line is
-    skipped (a crash mid-write must not lose the report).
-    """
-    out: list[dict[str, Any]] = []
-    try:
-        f = open(path, "rb")  # noqa: SIM115 (closed below; a missing file is an empty list)
-    except OSError:
-        return out, False
-    with f:
-        while True:
-            try:
-                line = f.readline(MAX_LINE_BYTES)
-            except OSError:
-                break
-            if not line:
-                break
-            if not line.endswith(b"\n") and len(line) >= MAX_LINE_BYTES:
-                while True:  # skip the rest of an over-long line in bounded pieces
-                    rest = f.readline(MAX_LINE_BYTES)
-                    if not rest or rest.endswith(b"\n"):
-                        break
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                if len(out) >= limit:
-                    return out, True
-                out.append(record)
-    return out, False
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
@@ -187,18 +146,18 @@ def load_run(path: str | Path) -> Run:
     files = {"eval": "eval.jsonl", "learner": "learners.jsonl", "fault": "faults.jsonl"}
     if (d / "metrics").is_dir():
         for event, attr in sources.items():
-            records, cut = read_jsonl(d / "metrics" / files[event])
+            records, cut = read_jsonl_cut(d / "metrics" / files[event])
             setattr(run, attr, [r for r in records if r.get("event", event) == event])
             if cut:
                 run.notes.append(f"metrics/{files[event]} has more than {MAX_RECORDS:,} records; the rest is not shown")
     else:  # no metrics/ (an older folder, or only the merged file was copied): split metrics.jsonl
-        records, cut = read_jsonl(d / "metrics.jsonl")
+        records, cut = read_jsonl_cut(d / "metrics.jsonl")
         for event, attr in sources.items():
             setattr(run, attr, [r for r in records if r.get("event") == event])
         if cut:
             run.notes.append(f"metrics.jsonl has more than {MAX_RECORDS:,} records; the rest is not shown")
     tape_path = d / "tape.jsonl" if (d / "tape.jsonl").exists() else d / "state" / "tape.jsonl"
-    tape, cut = read_jsonl(tape_path)
+    tape, cut = read_jsonl_cut(tape_path)
     if cut:
         run.notes.append(f"tape.jsonl has more than {MAX_RECORDS:,} records; the rest is not shown")
     run.tape = _tape_times(tape, _num(run.meta.get("started_at")), run.notes)

@@ -8,20 +8,35 @@ from typing import Any
 
 MAX_RECORDS = 1_000_000
 """Most records read from one file: a runaway file cannot eat the reader's memory."""
+MAX_LINE_BYTES = 4 << 20
+"""A longer line is skipped without being held in memory."""
 
 
-def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> list[dict[str, Any]]:
-    """The JSON objects in ``path``, one a line; a missing file is empty, and a torn or garbled
-    line (a crash mid-write) or a line that is not an object is skipped rather than failing the
-    whole report. At most ``limit`` records (the first ones)."""
-    p = Path(path)
+def read_jsonl_cut(path: str | Path, limit: int = MAX_RECORDS) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON objects in a JSONL file and whether it was cut at ``limit`` records.
+
+    A missing or unreadable file is empty; a torn, garbled, non-object or over-long line is
+    skipped (a crash mid-write must not lose the report).
+    """
     out: list[dict[str, Any]] = []
     try:
-        f = p.open("rb")
+        f = open(path, "rb")  # noqa: SIM115 (closed below; a missing file is an empty list)
     except OSError:
-        return out
+        return out, False
     with f:
-        for line in f:
+        while True:
+            try:
+                line = f.readline(MAX_LINE_BYTES)
+            except OSError:
+                break
+            if not line:
+                break
+            if not line.endswith(b"\n") and len(line) >= MAX_LINE_BYTES:
+                while True:  # skip the rest of an over-long line in bounded pieces
+                    rest = f.readline(MAX_LINE_BYTES)
+                    if not rest or rest.endswith(b"\n"):
+                        break
+                continue
             if not line.strip():
                 continue
             try:
@@ -29,10 +44,15 @@ def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> list[dict[str, Any
             except ValueError:
                 continue
             if isinstance(record, dict):
-                out.append(record)
                 if len(out) >= limit:
-                    break
-    return out
+                    return out, True
+                out.append(record)
+    return out, False
+
+
+def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> list[dict[str, Any]]:
+    """The JSON objects in ``path`` (at most ``limit``, the first ones); see ``read_jsonl_cut``."""
+    return read_jsonl_cut(path, limit)[0]
 
 
 def read_tape(path: str | Path) -> list[dict[str, Any]]:
