@@ -61,6 +61,9 @@ def main() -> None:
             "params": full(model),
         }
     torch.save(stats, out / f"rank{rank}.pt")
+    # Both ranks done with every collective before the group goes: once (under a loaded machine)
+    # rank 1 aborted in gloo's teardown ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
