@@ -387,7 +387,7 @@ class Syncer:
         if info is not None and ack.fragment in self.owned:
             info.held[ack.fragment] = max(info.held.get(ack.fragment, 0), ack.version)
         waiting = self._awaiting_ack.get(ack.fragment)
-        if waiting is not None and waiting[0] == ack.version and self._current(ack.learner, ack.incarnation):
+        if waiting is not None and waiting[0] == ack.version and info is not None:
             del self._awaiting_ack[ack.fragment]
             self._t_sync.update(waiting[2] + (now - waiting[1]))
 
