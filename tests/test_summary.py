@@ -84,3 +84,15 @@ def test_write_summary_puts_the_tape_and_metrics_at_the_top_in_seconds_since_the
     )
     assert (d / "eval_loss.png").stat().st_size > 1000
     assert write_summary(d) == summary  # every writer of the folder may call it again: same result
+
+
+def test_damaged_or_hostile_accounting_and_records_are_not_trusted(tmp_path):
+    d = folder(tmp_path, runlog=["start", "end"])
+    (d / "metrics" / "accounting.json").write_text('["not", "an", "object"]')
+    with open(d / "metrics" / "learners.jsonl", "a") as f:
+        f.write('{"time": "soon", "learner": 1, "incarnation": 7, "tokens": "many", "busy_s": null}\n[1, 2]\n')
+    s = summarise(d)
+    assert s["tokens_processed"] == 2200 and s["down"] is None  # as without the bad lines, accounting ignored
+    (d / "metrics" / "accounting.json").write_text('{"horizon_s": "x", "learners": -3, "compute_s": "y"}')
+    s = summarise(d)
+    assert s["goodput"] == 0.0 and s["num_learners"] == 2  # nonsense is read as nothing, M from config.toml

@@ -14,7 +14,6 @@ import base64
 import datetime as dt
 import html
 import io
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.tape import MAX_RECORDS, read_jsonl_cut
+from ddiloco.report.tape import MAX_JSON_BYTES, MAX_RECORDS, read_json, read_jsonl_cut
 
-MAX_JSON_BYTES = 16 << 20
-"""A larger summary.json / run.json / accounting.json is not read."""
 MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
 TERMS = "docs/operations.md#terms"
@@ -36,18 +33,6 @@ FAULT_MARKERS = ["v", "X", "D", "s", "P", "*", "^", "o"]
 
 
 # --- reading ---------------------------------------------------------------------------------
-
-
-def read_json(path: str | Path) -> dict[str, Any]:
-    """A JSON object file; missing, too large, garbled or not an object: ``{}``."""
-    p = Path(path)
-    try:
-        if p.stat().st_size > MAX_JSON_BYTES:
-            return {}
-        value = json.loads(p.read_bytes())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
-from ddiloco.report.tape import read_jsonl
+from ddiloco.report.tape import read_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,9 @@ SUMMARY_ROWS = [
 """The summary table: label, summary.json key, format (every term: ``TERMS_DOC``)."""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def run_info(run_dir: str | Path) -> dict[str, Any]:
     """``run.json``: format, creation, who made it, ``started_at`` (a Unix time)."""
-    return _read_json(Path(run_dir) / "run.json")
+    return read_json(Path(run_dir) / "run.json")
 
 
 def run_started_at(run_dir: str | Path) -> float | None:
@@ -134,16 +126,16 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     faults = read_jsonl(metrics / "faults.jsonl")
     learners = read_jsonl(metrics / "learners.jsonl")
     runlog = read_jsonl(metrics / "run.jsonl")
-    acct = _read_json(metrics / "accounting.json")
+    acct = read_json(metrics / "accounting.json")
     tape = _relative_tape(d)
     if tape is None:
         tape = read_jsonl(d / "tape.jsonl")
     num_fragments = int(_num(acct.get("num_fragments"))) or _fragments_in(tape) or 1
     ends = [r for r in runlog if r.get("what") in ("end", "interrupted")]
-    horizon = _num(acct.get("horizon_s")) or (_num(ends[-1].get("time")) if ends else 0.0)
+    horizon = max(_num(acct.get("horizon_s")), 0.0) or (max(_num(ends[-1].get("time")), 0.0) if ends else 0.0)
     if not horizon:
         horizon = max([_num(r.get("time")) for r in (*evals, *learners, *faults)], default=0.0)
-    m_count = int(_num(acct.get("learners"))) or int(cfg.get("run", {}).get("num_learners", 0)) or 1
+    m_count = max(int(_num(acct.get("learners"))), 0) or max(int(_num(cfg.get("run", {}).get("num_learners"))), 1)
     # goodput: the launcher's or simulator's accounting when there is one, else from the
     # learners' own busy time (a run started by hand: down and restarting are not known)
     alloc = max(horizon * m_count, 1e-9)

@@ -10,6 +10,20 @@ MAX_RECORDS = 1_000_000
 """Most records read from one file: a runaway file cannot eat the reader's memory."""
 MAX_LINE_BYTES = 4 << 20
 """A longer line is skipped without being held in memory."""
+MAX_JSON_BYTES = 16 << 20
+"""A larger JSON file (summary.json, run.json, accounting.json) is not read."""
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object file; missing, too large, garbled or not an object: ``{}``."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_JSON_BYTES:
+            return {}
+        value = json.loads(p.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def read_jsonl_cut(path: str | Path, limit: int = MAX_RECORDS) -> tuple[list[dict[str, Any]], bool]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.tape import MAX_LINE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class _Tail:
         self.offset += len(data)
         chunk = self.rest + data
         *whole, self.rest = chunk.split(b"\n")
+        if len(self.rest) > MAX_LINE_BYTES:  # a runaway line: drop it rather than hold it
+            self.rest = b""
         out = []
         for line in whole:
             try:
@@ -131,11 +134,9 @@ def export_scalars(
 
 
 def _summary(d: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((d / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    from ddiloco.report.tape import read_json
+
+    return read_json(d / "summary.json") or None
 
 
 def _over(d: Path) -> bool:

@@ -32,7 +32,7 @@ from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
-from ddiloco.report.tape import read_jsonl
+from ddiloco.report.tape import read_json, read_jsonl
 from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.status import read_status
 
@@ -185,7 +185,7 @@ class Launcher:
         self._t0 = time.time()
         self._ending = False  # the syncer announced the run's end: no more chaos
         # A resumed run (train --resume) adds this session's accounting to the earlier ones'.
-        self._previous_accounting = _read_accounting(self.run_dir / "metrics" / "accounting.json")
+        self._previous_accounting = read_json(self.run_dir / "metrics" / "accounting.json")
 
     def request_stop(self) -> None:
         """Stop early (from a signal handler): ``run`` stops the learners, then the syncer, and
@@ -485,14 +485,6 @@ class Launcher:
 
 SUMMED = ("horizon_s", "tokens", "compute_s", "blocked_s", "down_s", "restarting_s", "starting_s", "lost_steps")
 """Accounting figures that add up over the sessions of a resumed run."""
-
-
-def _read_accounting(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _add_sessions(previous: dict[str, Any] | None, this: dict[str, Any]) -> dict[str, Any]:
