@@ -244,11 +244,11 @@ class Launcher:
         self.syncer.start(self.env, self.logs)
         self._wait_syncer_ready()
         self._t_learners = time.time()
-        for p in self.learners:
+        for p, book in zip(self.learners, self.books):
             if self.stop_requested:
                 return
             p.start(self.env, self.logs)
-            self.books[self.learners.index(p)].start_spawned = p.started_at
+            book.start_spawned = p.started_at
         self.evaluator.start(self.env, self.logs)
         last_view = last_look = 0.0
         while not self.stop_requested:
