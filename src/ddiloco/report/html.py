@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.tape import MAX_JSON_BYTES, MAX_RECORDS, read_json, read_jsonl_cut
+from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml
 
 MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
@@ -33,19 +33,6 @@ FAULT_MARKERS = ["v", "X", "D", "s", "P", "*", "^", "o"]
 
 
 # --- reading ---------------------------------------------------------------------------------
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # pragma: no cover (Python 3.10)
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            return {}
-        return tomllib.loads(path.read_text(errors="replace"))
-    except (OSError, ValueError):
-        return {}
 
 
 def _num(x: Any) -> float | None:
@@ -118,7 +105,7 @@ def load_run(path: str | Path) -> Run:
     if not d.is_dir():
         raise DDiLoCoError(f"{d} is not a folder; ddiloco report needs run folders (see docs/operations.md)")
     run = Run(path=d, meta=read_json(d / "run.json"), summary=read_json(d / "summary.json"))
-    run.config = _read_toml(d / "config.toml")
+    run.config = read_toml(d / "config.toml")
     run.accounting = read_json(d / "metrics" / "accounting.json")
     fmt = run.meta.get("format")
     if not run.meta:

@@ -20,7 +20,7 @@ from typing import Any
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
-from ddiloco.report.tape import read_json, read_jsonl
+from ddiloco.report.tape import read_json, read_jsonl, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _incarnation_totals(records: list[dict[str, Any]], key: str) -> float:
 def summarise(run_dir: str | Path) -> dict[str, Any]:
     """The run's figures (what summary.json holds), from its folder alone."""
     d = Path(run_dir)
-    cfg = _config(d)
+    cfg = read_toml(d / "config.toml")
     info = run_info(d)
     metrics = d / "metrics"
     evals = read_jsonl(metrics / "eval.jsonl")
@@ -219,16 +219,6 @@ def warnings_for(summary: dict[str, Any]) -> list[str]:
 def _fragments_in(tape: list[dict[str, Any]]) -> int:
     frags = {r.get("fragment") for r in tape if r.get("event") == "round"}
     return len(frags)
-
-
-def _config(d: Path) -> dict[str, Any]:
-    from ddiloco.config import tomllib
-
-    try:
-        with open(d / "config.toml", "rb") as f:
-            return tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
 
 
 def write_summary(run_dir: str | Path) -> dict[str, Any]:

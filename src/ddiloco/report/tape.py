@@ -1,4 +1,5 @@
-"""Reading JSON-lines files back (tapes, metrics): the one reader for them, whoever wrote them."""
+"""Reading a run folder's files back (JSONL tapes and metrics, JSON and TOML files), bounded and
+tolerant of damage, and appending to its run log: the one place for both, whoever wrote them."""
 
 from __future__ import annotations
 
@@ -72,3 +73,24 @@ def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> list[dict[str, Any
 def read_tape(path: str | Path) -> list[dict[str, Any]]:
     """The records of an event tape (``tape.jsonl``)."""
     return read_jsonl(path)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file (a run's config.toml); missing, too large or garbled: ``{}``."""
+    from ddiloco.config import tomllib
+
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_JSON_BYTES:
+            return {}
+        return tomllib.loads(p.read_text(errors="replace"))
+    except (OSError, ValueError):
+        return {}
+
+
+def append_run_event(run_dir: str | Path, time_s: float, what: str, reason: str) -> None:
+    """Append one record to RUN_DIR/metrics/run.jsonl (start, resume, interrupted, end)."""
+    d = Path(run_dir) / "metrics"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "run.jsonl", "a") as f:
+        f.write(json.dumps({"event": "run", "time": time_s, "what": what, "reason": reason}) + "\n")

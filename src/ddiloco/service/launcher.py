@@ -32,7 +32,7 @@ from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
-from ddiloco.report.tape import read_json, read_jsonl
+from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.status import read_status
 
@@ -478,9 +478,7 @@ class Launcher:
         return write_summary(self.run_dir)
 
     def _run_event(self, what: str, reason: str) -> None:
-        rec = {"event": "run", "time": time.time() - self._t0, "what": what, "reason": reason}
-        with open(self.run_dir / "metrics" / "run.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_run_event(self.run_dir, time.time() - self._t0, what, reason)
 
 
 SUMMED = ("horizon_s", "tokens", "compute_s", "blocked_s", "down_s", "restarting_s", "starting_s", "lost_steps")

@@ -29,7 +29,7 @@ from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
-from ddiloco.report.tape import read_jsonl
+from ddiloco.report.tape import append_run_event, read_jsonl
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.keys import ServerKeys, is_local
@@ -418,11 +418,8 @@ class SyncerService:
         once and does not stop the syncer."""
         if self.shard != 0:
             return
-        rec = {"event": "run", "time": self.run_age(), "what": what, "reason": reason}
         try:
-            (self.run_dir / "metrics").mkdir(exist_ok=True)
-            with open(self.run_dir / "metrics" / "run.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_run_event(self.run_dir, self.run_age(), what, reason)
         except OSError as e:
             log.warning("cannot record %r in %s: %s", what, self.run_dir / "metrics" / "run.jsonl", e)
 
