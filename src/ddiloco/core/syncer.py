@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ddiloco.core import admission
+from ddiloco.core.admission import STRIKES, screened
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
 from ddiloco.core.fragments import FragmentLayout, due_fragments, read_fragment
@@ -46,7 +48,7 @@ from ddiloco.core.tape import (
     RoundRecord,
     TapeRecord,
 )
-from ddiloco.core.validation import check_counters, check_norm, check_payload
+from ddiloco.core.validation import check_norm
 
 
 @dataclass
@@ -158,7 +160,7 @@ class FragmentState:
     """|Theta_p| of the current version (bounds the outer gradients against it)."""
     recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     screen_rounds: int = 0
-    """Merged rounds with steps so far (the history becomes a reference after SCREEN_ROUNDS)."""
+    """Merged rounds with steps so far (the history becomes a reference after admission.SCREEN_ROUNDS)."""
     """|delta| per step of its recent merged contributions (the robust screening's history)."""
     last_merged: int = 0
     """Learners merged with a positive weight in its last merge (fleet view only)."""
@@ -237,31 +239,12 @@ class Round:
     answer alone, at once."""
 
 
-STRIKES: frozenset[RejectReason] = frozenset(
-    {"bad_counters", "bad_payload", "bad_norm", "outlier", "implausible", "bad_version", "bad_fragment"}
-)
-"""Refusals that count towards quarantine: what the contribution carried was wrong. Arriving
-late, twice, from an old base or an old process is what honest learners do too."""
-
-
 def _tokens(pd: Pending) -> int:
     """The tokens a contribution brings to the global count: clipped with its weight
     (w = tokens^2/steps), so a clipped learner cannot inflate the count that drives every
     learner's LR schedule either."""
     c = pd.contribution
     return c.tokens if not pd.clipped else int(math.sqrt(pd.weight * c.steps))
-
-
-SCREEN_ROUNDS = 3
-"""Merged rounds (with steps) a fragment needs before its history is a screening reference."""
-
-
-def _screened(norms: Sequence[float], steps: int) -> float:
-    """The statistic the robust screening watches: |delta| per step. A learner that missed
-    rounds (or trained on while the syncer was away) brings progress of many steps, which grows
-    at most about linearly with them; the step count it may claim is bounded by the time since
-    its base version (``max_speedup``)."""
-    return math.sqrt(sum(n * n for n in norms)) / max(steps, 1)
 
 
 class Syncer:
@@ -393,7 +376,7 @@ class Syncer:
 
     def _on_contribution(self, c: Contribution, now: float, out: Output) -> None:
         """Validate, anchor and queue a contribution; a lock-step push may open a round."""
-        problem = self._invalid(c) or self._quarantined(c) or self._implausible(c, now)
+        problem = self._admission(c, now)
         if problem is not None:
             self._reject(c, *problem, now, out)
             return
@@ -416,7 +399,9 @@ class Syncer:
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
         norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
-        problem = check_norm(norms, self.cfg) or self._beyond_relative_bound(c, norms)
+        problem = check_norm(norms, self.cfg) or admission.check_relative_norm(
+            norms, frag.norm, self._numel[c.fragment], self.cfg
+        )
         if problem is not None:
             self._reject(c, *problem, now, out)
             return
@@ -458,70 +443,26 @@ class Syncer:
             rnd.first_answer_at = now
 
     def weight_cap(self, now: float) -> float | None:
-        """weight_cap x the median of the live learners' recent accepted weights (None: no cap
-        yet, or disabled). A share cap would fire on every honest round with one contributor."""
-        if self.cfg.weight_cap <= 0:
-            return None
-        # Only positive weights are kept: a zero-step answer says nothing of a learner's pace,
-        # and a median of zeros would clip every later contribution to nothing.
-        recent = [w for m in self.live(now) for w in self.learners[m].recent_weights]
-        return self.cfg.weight_cap * statistics.median(recent) if recent else None
+        """The cap on one contribution's weight now (``admission.weight_cap`` over the live
+        learners' recent accepted weights)."""
+        return admission.weight_cap((w for m in self.live(now) for w in self.learners[m].recent_weights), self.cfg)
 
-    def _quarantined(self, c: Contribution) -> tuple[RejectReason, str] | None:
-        info = self.learners[c.learner]
-        if info.quarantine is None or c.base_version >= info.quarantine.get(c.fragment, 0):
-            return None
-        return "quarantined", (
-            f"learner {c.learner} is quarantined until it answers from version "
-            f"{info.quarantine.get(c.fragment, 0)} of fragment {c.fragment} (sent to it)"
-        )
-
-    def _implausible(self, c: Contribution, now: float) -> tuple[RejectReason, str] | None:
-        """Steps cannot outrun the time since the learner's base version was made."""
-        made = self.fragments[c.fragment].made_at(c.base_version)
-        t_step = self.t_step(now)
-        if t_step is None or not math.isfinite(made):
-            return None  # the initial or a restored version: no time reference
-        most = (now - made) / t_step * self.cfg.max_speedup + self.cfg.sync_every
-        if c.steps > most:
-            return "implausible", (
-                f"{c.steps} steps since version {c.base_version}, made {now - made:.1f} s ago: more than "
-                f"max_speedup = {self.cfg.max_speedup:g} x the fleet's step time ({t_step:.3g} s) allows ({most:.0f})"
-            )
-        return None
-
-    def _beyond_relative_bound(self, c: Contribution, norms: list[float]) -> tuple[RejectReason, str] | None:
-        """The outer gradient is bounded relative to its fragment (screening against its peers
-        happens when the round closes, when they are known)."""
-        frag = self.fragments[c.fragment]
-        norm = math.sqrt(sum(n * n for n in norms))
-        bound = self.cfg.max_delta_ratio * frag.norm + self.cfg.max_delta_floor * math.sqrt(self._numel[c.fragment])
-        if norm > bound:
-            return "bad_norm", (
-                f"outer-gradient norm {norm:.3g} exceeds {self.cfg.max_delta_ratio:g} x the fragment's "
-                f"{frag.norm:.3g} + {self.cfg.max_delta_floor:g} x sqrt({self._numel[c.fragment]}) = {bound:.3g}"
-            )
-        return None
-
-    def _invalid(self, c: Contribution) -> tuple[RejectReason, str] | None:
+    def _admission(self, c: Contribution, now: float) -> tuple[RejectReason, str] | None:
+        """Why ``c`` may not enter a round before its payload is touched (``core/admission.py``)."""
         info = self.learners.get(c.learner)
-        if info is None or info.left:
-            return "unknown_learner", f"unknown learner {c.learner}: learners must join before contributing"
-        if info.incarnation != c.incarnation:
-            return "stale_incarnation", (
-                f"learner {c.learner} incarnation {c.incarnation} is not the registered {info.incarnation}"
-            )
-        if not 0 <= c.fragment < len(self.fragments):
-            return "bad_fragment", f"unknown fragment {c.fragment} (the layout has {len(self.fragments)})"
-        if c.fragment not in self.owned:
-            return "bad_fragment", f"fragment {c.fragment} is owned by another syncer shard"
-        if c.seq <= info.last_seq.get(c.fragment, -1):
-            return "duplicate", f"contribution {tuple(c.identity)} is a replay or older than one already accepted"
-        if c.base_version > self.fragments[c.fragment].version or c.base_version < 0:
-            return "bad_version", (
-                f"base version {c.base_version} was never issued (current {self.fragments[c.fragment].version})"
-            )
-        return check_counters(c.steps, c.tokens, self.cfg) or check_payload(c, self.layout.fragments[c.fragment])
+        registered = None if info is None or info.left else info.incarnation
+        p = c.fragment
+        frag = self.fragments[p] if 0 <= p < len(self.fragments) else None
+        last_seq = info.last_seq.get(p, -1) if info is not None else -1
+        version = frag.version if frag is not None else None
+        problem = admission.check_identity(c, registered, last_seq, self.owned, len(self.fragments), version)
+        if problem is not None or info is None or frag is None:
+            return problem
+        return (
+            admission.check_claims(c, self.layout.fragments[p], self.cfg)
+            or admission.check_quarantine(c, info.quarantine)
+            or admission.check_pace(c, frag.made_at(c.base_version), now, self.t_step(now), self.cfg)
+        )
 
     def _reject(self, c: Contribution, reason: RejectReason, detail: str, now: float, out: Output) -> None:
         r = Rejection(c.learner, c.fragment, reason, detail, now)
@@ -664,38 +605,18 @@ class Syncer:
         return None
 
     def _screen_round(self, rnd: Round, now: float, out: Output) -> None:
-        """Robust screening, when the round closes: an answer whose |delta| per step exceeds
-        norm_screen_factor x its reference is taken out and the merge rebuilt without it. The
-        reference is the larger of the fragment's history (the 75th percentile of its recent
-        merged answers, once it has SCREEN_ROUNDS merged rounds: the first rounds of the LR
-        warm-up move far less than later ones) and the median of the other answers in this
-        round (when there are at least two): a learner is compared with its peers, and a round
-        in which everyone moves more than before is not an attack."""
+        """Take the answers ``admission.out_of_line`` finds out of the round, each refused with
+        a strike, and rebuild the merge without them."""
         frag = self.fragments[rnd.fragment]
-        if self.cfg.norm_screen_factor <= 0:
-            return
         stats = {
-            m: _screened(pd.norms, pd.contribution.steps) for m, pd in rnd.pending.items() if pd.contribution.steps > 0
+            m: screened(pd.norms, pd.contribution.steps) for m, pd in rnd.pending.items() if pd.contribution.steps > 0
         }
-        recent = sorted(frag.recent_norms)
-        armed = frag.screen_rounds >= SCREEN_ROUNDS and len(recent) >= self.cfg.norm_screen_min
-        history = recent[(3 * (len(recent) - 1)) // 4] if armed else None  # the 75th percentile
-        out_of_line = []
-        for m, x in stats.items():
-            others = [y for o, y in stats.items() if o != m]
-            peers = statistics.median(others) if len(others) >= 2 else None
-            refs = [r for r in (history, peers) if r is not None]
-            if refs and x > self.cfg.norm_screen_factor * max(refs):
-                out_of_line.append((m, x, max(refs)))
-        if not out_of_line:
+        found = admission.out_of_line(stats, list(frag.recent_norms), frag.screen_rounds, self.cfg)
+        if not found:
             return
-        for m, x, ref in out_of_line:  # recorded with the round, each with a strike
+        for m, x, ref in found:  # recorded with the round, each with a strike
             c = rnd.pending.pop(m).contribution
-            detail = (
-                f"|delta| per step = {x:.3g} exceeds {self.cfg.norm_screen_factor:g} x its reference {ref:.3g} "
-                "(the fragment's recent answers and this round's others)"
-            )
-            self._reject(c, "outlier", detail, now, out)
+            self._reject(c, "outlier", admission.outlier_detail(x, ref, self.cfg), now, out)
         # Rebuild the running sums from what remains (exact; a subtraction would leave residue).
         rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
         for pd in rnd.pending.values():
@@ -741,7 +662,7 @@ class Syncer:
         for pd, c, w in zip(pending, contribs, weights):
             info = self.learners[c.learner]
             if c.steps > 0:  # the screening's and the weight cap's references: merged answers only
-                frag.recent_norms.append(_screened(pd.norms, c.steps))
+                frag.recent_norms.append(screened(pd.norms, c.steps))
             if w > 0:
                 info.recent_weights.append(w)
             info.data_position = max(info.data_position, c.data_position)
