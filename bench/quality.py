@@ -378,7 +378,7 @@ def main() -> int:
     args = ap.parse_args()
     tokens = 150_000 if args.quick else TOKENS
     seeds = (0,) if args.quick else SEEDS
-    base = [*COMMON, f"run.num_learners={M}", f"run.tokens={tokens}"]
+    base = [*COMMON, f"run.num_learners={M}", f"run.processed_tokens={tokens}"]
     started = time.time()
     fig = regime(tokens, args.quick)
     print(
@@ -390,7 +390,7 @@ def main() -> int:
     runner = Runner(Path(args.cache) / ("quick" if args.quick else ""), args.workers)  # quick: not kept in git
 
     # 1. DP's LR and the batch sanity check (one learner, batch B, M x the steps), side by side.
-    single = [*COMMON, "run.num_learners=1", f"run.tokens={tokens}"]
+    single = [*COMMON, "run.num_learners=1", f"run.processed_tokens={tokens}"]
     first = run_concurrently(
         runner,
         {

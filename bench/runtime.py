@@ -34,7 +34,7 @@ GPT = [
     "--set",
     "run.num_learners=2",
     "--set",
-    "run.tokens=100000000",
+    "run.processed_tokens=100000000",
     "--set",
     "runtime.duration_s=86400",  # the benchmark decides each phase's length (the chaos run sets its own)
 ]

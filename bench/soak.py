@@ -47,7 +47,7 @@ STRANGER_ID = 7  # an id nobody holds: the intruder claims it (and the real ones
 SETTINGS = [
     "workload.factory=ddiloco.workloads.synthetic:make_workload",
     "run.num_learners=4",  # the same data shards in the baseline (learner 3 is then absent)
-    "run.tokens=1000000000",  # no end in sight: the run is as long as --minutes
+    "run.processed_tokens=1000000000",  # no end in sight: the run is as long as --minutes
     "runtime.duration_s=86400",  # (the syncer would end the run at its time budget otherwise)
     "inner.warmup_frac=0",  # (5% of 1e9 tokens would keep the LR warming up through the whole soak)
     "run.seed=0",
@@ -536,10 +536,11 @@ def attacker_main(args) -> int:
 
     torch.set_num_threads(1)
     from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+    from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
     from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.protocol import JoinReply, Register, SyncerHeartbeat, learner_identity, param_spec
+    from ddiloco.service.transport import learner_identity
     from ddiloco.service.wire import WireError, decode, encode
-    from ddiloco.training.layout import layout_for
+    from ddiloco.training.layout import layout_for, param_spec
     from ddiloco.workloads.config import load_workload
 
     cfg = load_cfg()
@@ -672,8 +673,9 @@ def intruder_main(args) -> int:
     import zmq
     import zmq.auth
 
+    from ddiloco.protocol.messages import Register
     from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.protocol import Register, learner_identity
+    from ddiloco.service.transport import learner_identity
     from ddiloco.service.wire import encode
 
     ctx = zmq.Context.instance()

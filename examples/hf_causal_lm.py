@@ -69,7 +69,7 @@ def config(args: argparse.Namespace) -> ddiloco.Config:
     sync) once the fleet's merged tokens reach the budget; a day is only a safety cap."""
     total = args.steps * LEARNERS * args.batch_size * args.seq_len  # the run's token budget
     return ddiloco.load_config(
-        None, [f"algo.sync_every={args.sync_every}", f"run.tokens={total}", "runtime.duration_s=86400"]
+        None, [f"algo.sync_every={args.sync_every}", f"run.processed_tokens={total}", "runtime.duration_s=86400"]
     )
 
 
@@ -88,7 +88,7 @@ def run_learner(args: argparse.Namespace) -> None:
     learner = ddiloco.Learner(model, args.syncer, learner_id=args.id, key=args.keys, config=config(args),
                               optimizer=optimizer)  # fmt: skip  # + joins, takes the global model
     stream.seek(learner.data_position)  # a restarted learner resumes its data where the run recorded it
-    total = learner.cfg.run.tokens
+    total = learner.cfg.run.processed_tokens
 
     def lr_factor(_: int) -> float:  # warm-up, then cosine, over the whole fleet's tokens
         done = min(1.0, learner.global_tokens / total)

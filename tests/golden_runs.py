@@ -41,7 +41,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
         [
             *SYNTH,
             "run.num_learners=3",
-            "run.tokens=9600",
+            "run.processed_tokens=9600",
             "algo.sync_every=8",
             "chaos.enabled=true",
             "chaos.restart_s=2.0",
@@ -53,10 +53,10 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     # a small byte-level GPT, heterogeneous learners: quorum, grace window, RDA over real tensors
     "decoupled_gpt": (
         "decoupled",
-        [*GPT, "run.num_learners=3", "run.tokens=12000", "sim.speeds=[1.0,1.0,0.8]", "algo.sync_every=6"],
+        [*GPT, "run.num_learners=3", "run.processed_tokens=12000", "sim.speeds=[1.0,1.0,0.8]", "algo.sync_every=6"],
     ),
     # a lock-step baseline: learners push on their own schedule and wait for the fragment
-    "streaming": ("streaming", [*SYNTH, "run.num_learners=2", "run.tokens=6400", "algo.sync_every=8"]),
+    "streaming": ("streaming", [*SYNTH, "run.num_learners=2", "run.processed_tokens=6400", "algo.sync_every=8"]),
 }
 
 

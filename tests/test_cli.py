@@ -23,7 +23,7 @@ SYNTH = [
     "--set",
     "workload.batch_size=16",
     "--set",
-    "run.tokens=4000",
+    "run.processed_tokens=4000",
     "--set",
     "run.eval_points=2",
     "--set",
@@ -274,7 +274,7 @@ def test_good_addresses_pass(flag, address):
     argv = (
         ["syncer", "--bind", address, "--run-dir", "r"]
         if flag == "--bind"
-        else ["learner", "--syncer", address, "--id", "3", "--set", "run.tokens = 10"]
+        else ["learner", "--syncer", address, "--id", "3", "--set", "run.processed_tokens = 10"]
     )
     args = build_parser().parse_args(argv)
     assert (args.bind if flag == "--bind" else args.syncer) in (address, [address])
@@ -435,7 +435,7 @@ def test_simulate_writes_a_fresh_format_2_folder(sim_run):
     run = json.loads((sim_run / "run.json").read_text())
     assert run["format"] == 2 and "started_at" in run and run["by"] == "ddiloco simulate"
     cfg = load_config(sim_run / "config.toml")
-    assert cfg.run.run_dir == str(Path("runs") / sim_run.name) and cfg.run.tokens == 4000
+    assert cfg.run.run_dir == str(Path("runs") / sim_run.name) and cfg.run.processed_tokens == 4000
     assert (sim_run / "final" / "model.safetensors").is_file()
 
 
@@ -499,7 +499,7 @@ def test_export_from_a_live_syncer_uses_the_run_config(sim_run, tmp_path, monkey
     argv = ["export", "tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555", "--run-dir", str(sim_run), "-o", str(out)]
     assert main([*argv, "--insecure"]) == 0
     assert seen["syncers"] == ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"] and seen["insecure"]
-    assert seen["config"].run.tokens == 4000
+    assert seen["config"].run.processed_tokens == 4000
     assert load_file(str(out)).keys() == load_file(str(sim_run / "final" / "model.safetensors")).keys()
 
 

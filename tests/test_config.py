@@ -99,7 +99,7 @@ def test_simulate_cli_writes_the_run_folder(tmp_path):
         "--set",
         "workload.factory=ddiloco.workloads.synthetic:make_workload",
         "--set",
-        "run.tokens=4000",
+        "run.processed_tokens=4000",
         "--set",
         "chaos.restart_s=0.5",
         "--set",

@@ -21,7 +21,7 @@ from ddiloco.sim.run import simulate
 INFLUENCE = {"bad_counters", "bad_payload", "bad_norm", "outlier", "implausible", "quarantined"}
 SMALL = [
     "workload.d_model=32", "workload.n_layer=2", "workload.n_head=2", "workload.seq_len=64",
-    "workload.batch_size=8", "run.num_learners=4", "run.eval_points=1", "run.tokens=600000",
+    "workload.batch_size=8", "run.num_learners=4", "run.eval_points=1", "run.processed_tokens=600000",
 ]  # fmt: skip
 CHAOS = [
     "chaos.enabled=true", "chaos.downtime_fraction=0.1", "chaos.failures_per_learner=2",

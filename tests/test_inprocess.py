@@ -14,9 +14,8 @@ from helpers import merges, wait_for
 from ddiloco.config import load_config
 from ddiloco.service.clock import SkewedClock
 from ddiloco.service.learner import LearnerProcess
-from ddiloco.service.protocol import learner_identity
 from ddiloco.service.syncer import SyncerService
-from ddiloco.service.transport import FaultInjector, InProcessNetwork
+from ddiloco.service.transport import FaultInjector, InProcessNetwork, learner_identity
 
 ADDRESS = "inproc://syncer"
 SETTINGS = [

@@ -320,7 +320,7 @@ def test_workload_from_runs_a_users_model_in_the_simulator_deterministically():
     batches = [make_batch(g) for _ in range(64)]
     torch.manual_seed(0)
     wl = ddiloco.workload_from(DictNet(), loss_of, batches, eval_batches=batches[:4])
-    sim_cfg = load_config(None, ["run.num_learners=2", "run.tokens=4800", "run.eval_points=1", "algo.sync_every=4"])
+    sim_cfg = load_config(None, ["run.num_learners=2", "run.processed_tokens=4800", "run.eval_points=1", "algo.sync_every=4"])
     a, b = simulate(sim_cfg, wl), simulate(sim_cfg, wl)
     assert math.isfinite(a.final_loss) and a.final_loss == b.final_loss
     assert a.tokens_processed == 4800 and a.tokens_merged > 0

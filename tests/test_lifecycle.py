@@ -87,7 +87,7 @@ def test_ctrl_c_on_simulate_writes_a_partial_run_folder(tmp_path):
     p = subprocess.Popen(
         [
             *CLI, "simulate", "--run-dir", str(run_dir), "--set",
-            "workload.factory=ddiloco.workloads.synthetic:make_workload", "--set", "run.tokens=50000000",
+            "workload.factory=ddiloco.workloads.synthetic:make_workload", "--set", "run.processed_tokens=50000000",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -167,7 +167,7 @@ def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(
     sim = tmp_path / "sim"
     out = subprocess.run(
         [*CLI, "simulate", "--run-dir", str(sim), "--set", "workload.factory=ddiloco.workloads.synthetic:make_workload",
-         "--set", "run.tokens=20000"],
+         "--set", "run.processed_tokens=20000"],
         capture_output=True, text=True, env=ENV, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

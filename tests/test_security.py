@@ -19,13 +19,13 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.errors import DDiLoCoError
+from ddiloco.protocol.messages import FetchGlobal, GlobalState, JoinReply, Register
 from ddiloco.service.clock import SkewedClock
 from ddiloco.service.keys import ClientKeys, ServerKeys, is_local, make_keys
 from ddiloco.service.launcher import free_port
 from ddiloco.service.learner import LearnerProcess, client_keys
-from ddiloco.service.protocol import FetchGlobal, GlobalState, JoinReply, Register, learner_identity
 from ddiloco.service.syncer import SyncerService, bind_syncer
-from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket
+from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket, learner_identity
 from ddiloco.service.wire import decode, encode
 
 SETTINGS = [
@@ -82,7 +82,7 @@ def register(cfg, m: int) -> Register:
 
     wl = load_workload(cfg.workload)
     model = wl.build_model(cfg.run.seed)
-    from ddiloco.service.protocol import param_spec
+    from ddiloco.training.layout import param_spec
 
     return Register(m, 1, param_spec(model), layout_for(model, wl, cfg.algo).digest)
 

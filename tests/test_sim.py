@@ -24,7 +24,7 @@ def test_one_learner_h1_mean_lr1_equals_plain_training():
     cfg = cfg_for(
         "diloco",
         "run.num_learners=1",
-        "run.tokens=1600",
+        "run.processed_tokens=1600",
         "algo.sync_every=1",
         "algo.merge=mean",
         "algo.outer_lr=1.0",
@@ -43,7 +43,7 @@ def test_one_learner_h1_mean_lr1_equals_plain_training():
     tokens = 0
     for _ in range(merged_steps):
         b = stream.next_batch()
-        inner_step(model, opt, wl.loss(model, b), lr_at(tokens, cfg.run.tokens, cfg.inner), cfg.inner.grad_clip)
+        inner_step(model, opt, wl.loss(model, b), lr_at(tokens, cfg.run.processed_tokens, cfg.inner), cfg.inner.grad_clip)
         tokens += b.tokens
     for name, p in model.named_parameters():
         torch.testing.assert_close(result.state[name], p.detach(), rtol=1e-6, atol=1e-7)
@@ -51,7 +51,7 @@ def test_one_learner_h1_mean_lr1_equals_plain_training():
 
 def test_same_seed_same_result_bit_for_bit():
     extra = (
-        "run.tokens=6000",
+        "run.processed_tokens=6000",
         "chaos.enabled=true",
         "chaos.restart_s=0.1",
         'chaos.stragglers=["1:2.0"]',
@@ -69,7 +69,7 @@ def test_same_seed_same_result_bit_for_bit():
 
 @pytest.mark.parametrize("method", ["dp", "diloco", "streaming", "decoupled"])
 def test_every_method_trains(method):
-    cfg = cfg_for(method, "run.tokens=8000")
+    cfg = cfg_for(method, "run.processed_tokens=8000")
     result = simulate(cfg)
     wl = load_workload(cfg.workload)
     untrained = evaluate(wl, wl.build_model(cfg.run.seed), wl.eval_batches())
@@ -93,7 +93,7 @@ def test_chaos_schedule_fixes_downtime_and_failure_count():
 
 def test_decoupled_under_chaos_keeps_goodput_and_failed_learners_rejoin():
     result = simulate(
-        cfg_for("decoupled", "run.tokens=12000", "run.budget=time", "chaos.enabled=true", "chaos.restart_s=0.2")
+        cfg_for("decoupled", "run.processed_tokens=12000", "run.budget=time", "chaos.enabled=true", "chaos.restart_s=0.2")
     )
     rejoins = [e for e in result.log if e["event"] == "rejoin"]
     assert len(rejoins) == result.failures == 8
@@ -111,7 +111,7 @@ def test_lock_step_waits_and_drops_a_dead_learner_after_the_liveness_timeout():
     result = simulate(
         cfg_for(
             "diloco",
-            "run.tokens=12000",
+            "run.processed_tokens=12000",
             "run.budget=time",
             "chaos.enabled=true",
             "chaos.restart_s=0.2",
@@ -125,7 +125,7 @@ def test_lock_step_waits_and_drops_a_dead_learner_after_the_liveness_timeout():
 
 
 def test_final_sync_merges_the_remaining_progress():
-    result = simulate(cfg_for("decoupled", "run.tokens=16000"))
+    result = simulate(cfg_for("decoupled", "run.processed_tokens=16000"))
     final = [r for r in result.tape if r.get("event") == "round" and r["close_reason"] == "final"]
     assert len(final) == result.num_fragments  # one final round of every fragment
     assert all(len(r["merged"]) == 4 for r in final)  # with every learner's remaining progress
@@ -139,7 +139,7 @@ def test_the_decoupled_lr_position_keeps_up_with_the_fleet():
     processed: the merged count plus what is not merged yet plus what overwriting dropped."""
     from ddiloco.sim.simulation import Simulation
 
-    cfg = cfg_for("decoupled", "run.tokens=16000")
+    cfg = cfg_for("decoupled", "run.processed_tokens=16000")
     sim = Simulation(cfg, load_workload(cfg.workload))
     sim._final_sync = lambda: None  # stop where the budget is spent, mid-run for the protocol
     result = sim.run()

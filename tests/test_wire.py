@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
-from ddiloco.service.protocol import (
+from ddiloco.protocol.messages import (
     FetchGlobal,
     GlobalState,
     JoinReply,

@@ -18,6 +18,7 @@ from typing import Any
 from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.errors import ConfigError, require
+from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.workloads.config import WorkloadConfig
 
 if sys.version_info >= (3, 11):
@@ -36,9 +37,16 @@ class RunSection:
     """dp (data-parallel reference), diloco (synchronous), streaming, or decoupled."""
     num_learners: int = 4
     """M, the number of learners."""
-    tokens: int = 600_000
-    """Token budget N (all learners together); it also fixes the virtual-time budget T = the
+    processed_tokens: int = 600_000
+    """The token budget N: tokens processed by the whole fleet (every learner and incarnation,
+    work lost in failures included). A run ends once the fleet has processed them (a real run:
+    as the syncer counts them from the learners' heartbeats; ``runtime.duration_s`` may end it
+    sooner), so every method is compared at equal tokens processed. The inner LR schedule runs
+    over the same count (``Learner.fleet_tokens``), and it fixes the virtual-time budget T: the
     time a healthy fleet at speed 1 needs for N tokens."""
+    merged_tokens: int = 0
+    """A second, optional budget: end the run once this many tokens are merged into the global
+    model (the mean over fragments of the tokens their merges took in); 0: none."""
     budget: str = "tokens"
     """When a simulated run ends: "tokens" once the fleet has processed N tokens, however long
     that takes (lock-step waits and slow learners take longer; every method is compared at
@@ -98,64 +106,6 @@ class VirtualTimeConfig:
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """The real distributed runtime's timeouts and intervals (see docs/runtime.md)."""
-
-    heartbeat_interval_s: float = 0.5
-    """How often learners and the syncer send heartbeats to each other."""
-    syncer_liveness_s: float = 5.0
-    """A learner that has not heard the syncer for this long says so once and retries."""
-    backoff_initial_s: float = 0.1
-    """First reconnect / re-join delay after the syncer went silent (doubles each try)."""
-    backoff_max_s: float = 5.0
-    """Upper bound of that delay."""
-    join_timeout_s: float = 10.0
-    """How long a starting learner waits for the global state before training from its own
-    initialisation (the fleet keeps going; its first answers will be rebased)."""
-    snapshot_interval_s: float = 30.0
-    """Seconds between whole-state snapshots of the syncer (versions are durable at once in
-    the per-fragment logs regardless)."""
-    restart_limit: int = 20
-    """Restarts of one learner the local launcher makes before it gives up on it."""
-    restart_delay_s: float = 0.0
-    """Delay before the launcher restarts a learner that exited abnormally."""
-    eval_interval_s: float = 20.0
-    """Seconds between evaluations of the global model by the evaluator process."""
-    duration_s: float = 120.0
-    """A real run's time budget: the syncer ends the run when its merged global tokens reach
-    run.tokens or when this many wall-clock seconds have passed since the run started
-    (run.json's started_at), whichever comes first."""
-    final_eval: bool = True
-    """The syncer evaluates the final global model once when the run ends (for summary.json);
-    turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
-    then the final figure)."""
-    end_linger_s: float = 3.0
-    """How long a syncer whose run has ended keeps answering, so that learners and the
-    evaluator hear the end, before it exits."""
-    progress_interval_s: float = 30.0
-    """Long-running processes log a one-line progress report this often when their output is
-    not a terminal (under nohup or Slurm); 0: never."""
-    status_interval_s: float = 1.0
-    """How often processes write their status for the progress view."""
-    metrics_interval_s: float = 5.0
-    """How often the syncer (shard 0) appends one record per learner to metrics/learners.jsonl
-    (state, steps, tokens, busy_s, loss, bytes_sent; see docs/operations.md)."""
-    step_sleep_s: float = 0.0
-    """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
-    step_log: bool = False
-    """Learners write every inner step's end time and duration to metrics/steps-ID-PID.csv."""
-    max_joins_per_s: float = 2.0
-    """Registrations the syncer takes from one transport identity per second (bursts of 10);
-    more are dropped unanswered (a join flood cannot stall the syncer's chores)."""
-    max_messages_per_s: float = 2000.0
-    """Messages the syncer takes from one transport identity per second (bursts of 2x that);
-    more are dropped before they are decoded."""
-    max_rejections_logged_per_s: float = 5.0
-    """Refusals per learner and reason written to the tape per second (bursts of 20); more are
-    only counted (`rejections_unlogged` in the status)."""
-
-
-@dataclass(frozen=True)
 class Config:
     """Everything a run needs."""
 
@@ -180,7 +130,8 @@ class Config:
             raise ConfigError(f"run.method = {r.method!r} is not known; allowed: {', '.join(METHODS)}")
         for name, ok, allowed in (
             ("num_learners", r.num_learners >= 1, ">= 1"),
-            ("tokens", r.tokens >= 1, ">= 1"),
+            ("processed_tokens", r.processed_tokens >= 1, ">= 1"),
+            ("merged_tokens", r.merged_tokens >= 0, ">= 0 (0: no merged-token budget)"),
             ("eval_points", r.eval_points >= 0, ">= 0"),
             ("threads", r.threads >= 1, ">= 1"),
             ("budget", r.budget in ("tokens", "time"), '"tokens" or "time"'),
@@ -299,11 +250,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+RENAMED = {
+    "run.tokens": "run.tokens is now run.processed_tokens (tokens the whole fleet processes: the budget every "
+    "method is compared at and the LR schedule's horizon); a budget of tokens merged into the global model is "
+    "run.merged_tokens. Rename the key",
+}
+"""Keys of earlier versions: a config that still uses one is told what it became."""
+
+
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if f"{section}.{key}" in RENAMED:
+            raise ConfigError(RENAMED[f"{section}.{key}"])
         if key not in names:
             raise ConfigError(f"unknown config key {section}.{key}; known keys: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")

@@ -1,10 +1,11 @@
-"""Messages that exist only in the real runtime (registration, syncer liveness, recovery,
-observation).
+"""The protocol's own messages around the algorithm's: registration, syncer liveness, the
+optimizer hand-off, the run's end and observation.
 
-The algorithm's own messages (Join, Leave, Heartbeat, Contribution, Ack, FragmentRequest,
-FragmentUpdate) live in ``ddiloco.core.messages``; ``wire.py`` encodes both kinds. A learner
-registers with ``Register``, which the service checks against its model and turns into the
-core's ``Join``.
+The algorithm's messages (Join, Leave, Heartbeat, Contribution, Ack, FragmentRequest,
+FragmentUpdate) live in ``ddiloco.core.messages``; the sessions (``learner_session``,
+``syncer_session``) speak both kinds, and ``service/wire.py`` encodes both. A learner registers
+with ``Register``, which the syncer session checks against its layout and turns into the core's
+``Join``.
 """
 
 from __future__ import annotations
@@ -44,16 +45,6 @@ def check_param_entry(entry: Any) -> str | None:
     if not all(type(d) is int and 0 <= d <= MAX_PARAM_DIM for d in shape):
         return f"every dimension must be an integer in [0, {MAX_PARAM_DIM}]"
     return None
-
-
-def learner_identity(learner: int) -> bytes:
-    """The transport identity of a learner (a restarted process takes over the same one)."""
-    return b"learner-%d" % learner
-
-
-def param_spec(model: torch.nn.Module) -> list[list[Any]]:
-    """[name, shape] of every parameter, as sent in Register and checked by the syncer."""
-    return [[n, list(p.shape)] for n, p in model.named_parameters()]
 
 
 def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None:
@@ -176,7 +167,7 @@ class RunEnd:
     stage: Literal["stop", "done"]
     """How far the end has come."""
     reason: str = field(metadata={"max_len": 512})
-    """Why the run ended, for the log (e.g. "600,000 global tokens reached (run.tokens)")."""
+    """Why the run ended, for the log (e.g. "600,000 global tokens reached (run.processed_tokens)")."""
 
 
 MAX_STATUS_KEYS = 64

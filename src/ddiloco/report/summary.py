@@ -207,7 +207,7 @@ def warnings_for(summary: dict[str, Any]) -> list[str]:
     if rounds < MIN_ROUNDS_PER_FRAGMENT:
         out.append(
             f"only {rounds:.1f} merges per fragment: too short a run for these figures to mean much "
-            "(raise run.tokens or runtime.duration_s)"
+            "(raise run.processed_tokens or runtime.duration_s)"
         )
     if summary.get("partial"):
         out.append("the run was interrupted: these are partial figures")

@@ -31,13 +31,13 @@ from ddiloco.core.fragments import write_fragment
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import ID, Ack, Contribution, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
+from ddiloco.protocol.messages import PeerState, PeerStateRequest
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys, is_local
 from ddiloco.service.learner_comm import LearnerComm, Progress
 from ddiloco.service.peer_state import load_state, state_message
-from ddiloco.service.protocol import PeerState, PeerStateRequest, learner_identity, param_spec
-from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket
-from ddiloco.training.layout import embedding_parameters, layout_of
+from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
+from ddiloco.training.layout import embedding_parameters, layout_of, param_spec
 
 log = logging.getLogger(__name__)
 

@@ -109,7 +109,7 @@ class SyncerServer:
         return self.service.run_dir / "final" / name
 
     def serve(self, max_seconds: float | None = None, handle_signals: bool = True) -> Path:
-        """Serve in the foreground until the run's end (its token or time budget: run.tokens,
+        """Serve in the foreground until the run's end (its token or time budget: run.processed_tokens,
         runtime.duration_s; the final sync included), ``stop()``, SIGTERM/SIGINT or
         ``max_seconds``; then write the final model and return its path."""
         if handle_signals and threading.current_thread() is threading.main_thread():

@@ -15,11 +15,11 @@ import zmq
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.lifecycle import ProgressLines, StopSignals
+from ddiloco.protocol.messages import FetchGlobal, GlobalState
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
 from ddiloco.service.keys import ClientKeys
-from ddiloco.service.protocol import FetchGlobal, GlobalState
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.layout import layout_for

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.core.syncer import LearnerInfo, Syncer
-from ddiloco.service.protocol import StatusReply
+from ddiloco.protocol.messages import StatusReply
 from ddiloco.service.wire import encode
 
 log = logging.getLogger(__name__)

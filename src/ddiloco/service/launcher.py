@@ -443,7 +443,7 @@ class Launcher:
         return {
             "t": time.time() - self._t0,
             "T": self.cfg.runtime.duration_s,
-            "tokens_budget": self.cfg.run.tokens,
+            "tokens_budget": self.cfg.run.processed_tokens,
             "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
             "learners": learners,
             "alive": [p.alive() for p in self.learners],

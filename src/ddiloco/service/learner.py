@@ -101,7 +101,7 @@ class LearnerProcess:
     def _join(self) -> Learner:
         """Register and take the global state: ``Learner`` waits up to runtime.join_timeout_s."""
         # A global token count 1000x the budget is not a schedule position but a broken or hostile syncer.
-        most_tokens = 1000.0 * self.cfg.run.tokens
+        most_tokens = 1000.0 * self.cfg.run.processed_tokens
         learner = Learner(
             self.trained,
             self.syncers or None,
@@ -155,7 +155,7 @@ class LearnerProcess:
             inputs, targets = move_to(batch.inputs, self.device), move_to(batch.targets, self.device)
             self.trained.train()
             loss = self.wl.loss(self.trained, type(batch)(inputs, targets, batch.tokens * self.world))
-            lr = lr_at(learner.global_tokens, self.cfg.run.tokens, self.cfg.inner)
+            lr = lr_at(learner.global_tokens, self.cfg.run.processed_tokens, self.cfg.inner)
             inner_step(self.model, self.opt, loss, lr, self.cfg.inner.grad_clip)
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)

@@ -31,8 +31,8 @@ from ddiloco.core.messages import (
     Heartbeat,
     Leave,
 )
+from ddiloco.protocol.messages import JoinReply, PeerState, PeerStateRequest, Register, RunEnd, SyncerHeartbeat
 from ddiloco.service.clock import Clock
-from ddiloco.service.protocol import JoinReply, PeerState, PeerStateRequest, Register, RunEnd, SyncerHeartbeat
 from ddiloco.service.transport import LearnerSocket
 from ddiloco.service.wire import WireError, decode, encode
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ddiloco.service.protocol import PeerState
+from ddiloco.protocol.messages import PeerState
 
 
 def state_message(opt: torch.optim.Optimizer, to: int, source: int) -> PeerState:

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
+from ddiloco.protocol.messages import StatusReply, StatusRequest
 from ddiloco.service.keys import ClientKeys
-from ddiloco.service.protocol import StatusReply, StatusRequest
 from ddiloco.service.status import read_status
 from ddiloco.service.wire import WireError, decode, encode
 

@@ -27,13 +27,7 @@ from ddiloco.core.syncer import Output, Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
-from ddiloco.report.rundir import prepare_run_dir
-from ddiloco.report.summary import run_started_at, write_summary
-from ddiloco.report.tape import append_run_event, read_jsonl
-from ddiloco.service.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
-from ddiloco.service.keys import ServerKeys, is_local
-from ddiloco.service.protocol import (
+from ddiloco.protocol.messages import (
     FetchGlobal,
     GlobalState,
     JoinReply,
@@ -44,14 +38,19 @@ from ddiloco.service.protocol import (
     StatusRequest,
     SyncerHeartbeat,
     first_mismatch,
-    param_spec,
 )
+from ddiloco.report.rundir import prepare_run_dir
+from ddiloco.report.summary import run_started_at, write_summary
+from ddiloco.report.tape import append_run_event, read_jsonl
+from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
+from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.ratelimit import RateLimits
 from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
-from ddiloco.training.layout import embedding_parameters, layout_of
+from ddiloco.training.layout import embedding_parameters, layout_of, param_spec
 from ddiloco.workloads.config import load_workload
 
 log = logging.getLogger(__name__)
@@ -358,9 +357,9 @@ class SyncerService:
 
     def budget_spent(self) -> str | None:
         """Why the run is over (its token or time budget is spent), or None."""
-        tokens, limit = self.core.global_tokens, self.cfg.run.tokens
+        tokens, limit = self.core.global_tokens, self.cfg.run.processed_tokens
         if tokens >= limit:
-            return f"{tokens:,.0f} global tokens merged, the budget is {limit:,} (run.tokens)"
+            return f"{tokens:,.0f} global tokens merged, the budget is {limit:,} (run.processed_tokens)"
         elapsed, duration = self.run_age(), self.cfg.runtime.duration_s
         if elapsed >= duration:
             return f"{elapsed:,.0f} s since the run started, the budget is {duration:,.0f} s (runtime.duration_s)"
@@ -427,7 +426,7 @@ class SyncerService:
         versions = [self.core.fragments[p].version for p in self.core.owned]
         elapsed = self.run_age()
         return (
-            f"syncer shard {self.shard}: {self.core.global_tokens:,.0f} / {self.cfg.run.tokens:,} global tokens, "
+            f"syncer shard {self.shard}: {self.core.global_tokens:,.0f} / {self.cfg.run.processed_tokens:,} global tokens, "
             f"{elapsed:,.0f} / {self.cfg.runtime.duration_s:,.0f} s, {len(self.core.live(self.clock.monotonic()))} "
             f"live learners, versions {min(versions)}..{max(versions)}"
             + (f", ending ({self.end_stage})" if self.end_stage else "")

@@ -26,6 +26,11 @@ Frames = list[Any]
 """A multipart message: bytes-like frames (``zmq.Frame`` objects from ZeroMQ)."""
 
 
+def learner_identity(learner: int) -> bytes:
+    """The transport identity of a learner (a restarted process takes over the same one)."""
+    return b"learner-%d" % learner
+
+
 class Received(NamedTuple):
     """One message at the syncer."""
 

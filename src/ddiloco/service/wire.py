@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
-from ddiloco.service.protocol import (
+from ddiloco.protocol.messages import (
     FetchGlobal,
     GlobalState,
     JoinReply,

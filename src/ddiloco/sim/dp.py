@@ -40,7 +40,7 @@ def run_data_parallel(
     eval_batches = workload.eval_batches()
     probe = streams[0].next_batch()
     streams[0].seek(0)
-    steps = math.ceil(r.tokens / (r.num_learners * probe.tokens))
+    steps = math.ceil(r.processed_tokens / (r.num_learners * probe.tokens))
     horizon = steps * cfg.sim.step_time_s
     eval_at = {round(steps * k / (r.eval_points + 1)) for k in range(1, r.eval_points + 1)}
     evals, tokens, partial = [], 0, False
@@ -54,7 +54,7 @@ def run_data_parallel(
         model.train()
         batches = [s.next_batch() for s in streams]
         loss = sum(workload.loss(model, b) for b in batches) / len(batches)
-        inner_step(model, opt, loss, lr_at(tokens, r.tokens, cfg.inner), cfg.inner.grad_clip)
+        inner_step(model, opt, loss, lr_at(tokens, r.processed_tokens, cfg.inner), cfg.inner.grad_clip)
         tokens += sum(b.tokens for b in batches)
         if step in eval_at or step == steps:
             t = step * cfg.sim.step_time_s

@@ -118,7 +118,7 @@ class Simulation:
         first = self.learners[0].stream.next_batch()
         self.learners[0].stream.seek(0)
         self.tokens_per_step = first.tokens
-        steps = math.ceil(r.tokens / (m_count * self.tokens_per_step))
+        steps = math.ceil(r.processed_tokens / (m_count * self.tokens_per_step))
         self.horizon = steps * s.step_time_s  # T: a healthy fleet's time for the budget
         # A token budget ends the run when the fleet has processed N tokens; this bound only
         # stops a run that cannot get there (every learner down, or waiting for ever).
@@ -126,7 +126,7 @@ class Simulation:
         self.end_time = self.horizon
         self.processed = 0  # tokens of every applied inner step, all learners
         self.ending = False  # the run is over: no more steps, messages are applied at once
-        self.eval_tokens = [r.tokens * k / (r.eval_points + 1) for k in range(1, r.eval_points + 1)]
+        self.eval_tokens = [r.processed_tokens * k / (r.eval_points + 1) for k in range(1, r.eval_points + 1)]
         self.chaos: ChaosSchedule = make_schedule(cfg.chaos, m_count, self.horizon, r.seed)
         self.fragment_bytes = [4 * n for n in self.layout.sizes()]
         self.net = np.random.default_rng([r.seed, 0x7E7])  # network jitter stream
@@ -188,7 +188,7 @@ class Simulation:
         if gen != ln.gen or self.ending:
             return  # a step of a dead incarnation, or one that would end after the run
         batch = ln.stream.next_batch()
-        lr = lr_at(ln.core.lr_tokens(), self.cfg.run.tokens, self.cfg.inner)
+        lr = lr_at(ln.core.lr_tokens(), self.cfg.run.processed_tokens, self.cfg.inner)
         ln.model.train()
         loss = self.wl.loss(ln.model, batch)
         inner_step(ln.model, ln.opt, loss, lr, self.cfg.inner.grad_clip)
@@ -202,8 +202,8 @@ class Simulation:
                 self.eval_tokens.pop(0)
                 self._record_eval()
                 if self.on_progress:
-                    self.on_progress(self.horizon * self.processed / self.cfg.run.tokens, self.horizon)
-            if self.processed >= self.cfg.run.tokens:
+                    self.on_progress(self.horizon * self.processed / self.cfg.run.processed_tokens, self.horizon)
+            if self.processed >= self.cfg.run.processed_tokens:
                 self.ending = True  # the budget is spent: this was the run's last step
         self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, duration))
         for p in sends:

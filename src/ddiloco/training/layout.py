@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -57,3 +58,8 @@ def embedding_parameters(model: nn.Module) -> Callable[[str], bool]:
         for name, _ in module.named_parameters(recurse=False)
     }
     return names.__contains__
+
+
+def param_spec(model: nn.Module) -> list[list[Any]]:
+    """[name, shape] of every parameter, as a learner registers it and the syncer checks it."""
+    return [[n, list(p.shape)] for n, p in model.named_parameters()]

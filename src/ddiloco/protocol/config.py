@@ -1,0 +1,68 @@
+"""The protocol's settings: the real runtime's timeouts and intervals (``[runtime]``), which the
+sessions also follow in virtual time, and the run's budget.
+
+They live here, beside the sessions that read them, so that ``protocol`` imports only ``core``;
+``ddiloco.config`` loads them from the ``[runtime]`` section of a config file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The real distributed runtime's timeouts and intervals (see docs/runtime.md)."""
+
+    heartbeat_interval_s: float = 0.5
+    """How often learners and the syncer send heartbeats to each other."""
+    syncer_liveness_s: float = 5.0
+    """A learner that has not heard the syncer for this long says so once and retries."""
+    backoff_initial_s: float = 0.1
+    """First reconnect / re-join delay after the syncer went silent (doubles each try)."""
+    backoff_max_s: float = 5.0
+    """Upper bound of that delay."""
+    join_timeout_s: float = 10.0
+    """How long a starting learner waits for the global state before training from its own
+    initialisation (the fleet keeps going; its first answers will be rebased)."""
+    snapshot_interval_s: float = 30.0
+    """Seconds between whole-state snapshots of the syncer (versions are durable at once in
+    the per-fragment logs regardless)."""
+    restart_limit: int = 20
+    """Restarts of one learner the local launcher makes before it gives up on it."""
+    restart_delay_s: float = 0.0
+    """Delay before the launcher restarts a learner that exited abnormally."""
+    eval_interval_s: float = 20.0
+    """Seconds between evaluations of the global model by the evaluator process."""
+    duration_s: float = 120.0
+    """A real run's time budget: the syncer ends the run when its merged global tokens reach
+    run.processed_tokens or when this many wall-clock seconds have passed since the run started
+    (run.json's started_at), whichever comes first."""
+    final_eval: bool = True
+    """The syncer evaluates the final global model once when the run ends (for summary.json);
+    turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
+    then the final figure)."""
+    end_linger_s: float = 3.0
+    """How long a syncer whose run has ended keeps answering, so that learners and the
+    evaluator hear the end, before it exits."""
+    progress_interval_s: float = 30.0
+    """Long-running processes log a one-line progress report this often when their output is
+    not a terminal (under nohup or Slurm); 0: never."""
+    status_interval_s: float = 1.0
+    """How often processes write their status for the progress view."""
+    metrics_interval_s: float = 5.0
+    """How often the syncer (shard 0) appends one record per learner to metrics/learners.jsonl
+    (state, steps, tokens, busy_s, loss, bytes_sent; see docs/operations.md)."""
+    step_sleep_s: float = 0.0
+    """Extra sleep per inner step (a stand-in for a slower accelerator; 0 = none)."""
+    step_log: bool = False
+    """Learners write every inner step's end time and duration to metrics/steps-ID-PID.csv."""
+    max_joins_per_s: float = 2.0
+    """Registrations the syncer takes from one transport identity per second (bursts of 10);
+    more are dropped unanswered (a join flood cannot stall the syncer's chores)."""
+    max_messages_per_s: float = 2000.0
+    """Messages the syncer takes from one transport identity per second (bursts of 2x that);
+    more are dropped before they are decoded."""
+    max_rejections_logged_per_s: float = 5.0
+    """Refusals per learner and reason written to the tape per second (bursts of 20); more are
+    only counted (`rejections_unlogged` in the status)."""
