@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     done_tokens = 0
 
     def position() -> float:
-        return learner.global_tokens if learner is not None else LEARNERS * done_tokens
+        return learner.fleet_tokens if learner is not None else LEARNERS * done_tokens
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: ex_lr(position() / total))
     steps, first_step_at, last_report = 0, None, 0.0

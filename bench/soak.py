@@ -354,7 +354,6 @@ def finish(
 
     from ddiloco.core.syncer import Syncer
     from ddiloco.service.store import SyncerStore
-    from ddiloco.service.syncer import restore_into
     from ddiloco.training.evaluate import evaluate
     from ddiloco.training.layout import layout_for
     from ddiloco.workloads.config import load_workload
@@ -382,7 +381,9 @@ def finish(
     core = Syncer(cfg.algo, layout.fragments, dict(fresh.named_parameters()), layout.embedding_like, owned)
     store = SyncerStore(run_dir, 0, 1, fsync=False)
     try:
-        restore_into(store, core)
+        found = store.restore(core.layout, core.owned)
+        if found is not None:
+            core.restore(found.fragments, found.syncer_meta)
     finally:
         store.close()
     restored = {str(p): core.fragments[p].version for p in owned}

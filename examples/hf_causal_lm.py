@@ -91,7 +91,7 @@ def run_learner(args: argparse.Namespace) -> None:
     total = learner.cfg.run.processed_tokens
 
     def lr_factor(_: int) -> float:  # warm-up, then cosine, over the whole fleet's tokens
-        done = min(1.0, learner.global_tokens / total)
+        done = min(1.0, learner.fleet_tokens / total)
         return min(1.0, done / 0.05) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)

@@ -56,7 +56,7 @@ def main() -> None:
         stats = {
             "applied": learner.stats.applied,
             "versions": learner.versions,
-            "global_tokens": learner.global_tokens,
+            "fleet_tokens": learner.fleet_tokens,
             "joined": joined,
             "params": full(model),
         }

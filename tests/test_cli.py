@@ -157,7 +157,7 @@ def test_set_run_method_wins_over_method(command, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     fake = {
         "simulate": ("ddiloco.sim.run", "simulate"),
-        "syncer": ("ddiloco.service.syncer", "bind_syncer"),
+        "syncer": ("ddiloco.service.syncer", "open_syncer"),
         "learner": ("ddiloco.service.learner", "run_learner"),
         "evaluator": ("ddiloco.service.evaluator", "run_evaluator"),
         "train": ("ddiloco.service.launcher", "Launcher"),
@@ -391,7 +391,7 @@ def test_a_format_1_folder_is_refused_before_anything_is_written(tmp_path, monke
     with pytest.raises(DDiLoCoError, match="is of format 1; this ddiloco writes format 2"):
         prepare_run_dir(d, "test", Config())
     monkeypatch.chdir(tmp_path)
-    seen = _capture(monkeypatch, "ddiloco.service.syncer", "bind_syncer")
+    seen = _capture(monkeypatch, "ddiloco.service.syncer", "open_syncer")
     assert main(["syncer", "--bind", "tcp://127.0.0.1:5555", "--run-dir", "old"]) == 2
     assert "format 1" in capsys.readouterr().err and not seen
     assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl", "run.json"]
@@ -399,7 +399,7 @@ def test_a_format_1_folder_is_refused_before_anything_is_written(tmp_path, monke
 
 def test_the_syncer_resumes_its_run_folder_without_a_flag_if_the_config_matches(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    seen = _capture(monkeypatch, "ddiloco.service.syncer", "bind_syncer")
+    seen = _capture(monkeypatch, "ddiloco.service.syncer", "open_syncer")
     argv = ["syncer", "--bind", "tcp://127.0.0.1:5555", "--run-dir", "r", "--set", "algo.sync_every=6"]
     assert main(argv) == 2 and seen["cfg"].algo.sync_every == 6
     assert (tmp_path / "r" / "config.toml").is_file()  # the first command on a folder saves its config

@@ -98,7 +98,7 @@ class Fleet:
 def test_an_inflated_weight_is_clipped_and_cannot_inflate_the_global_token_count():
     f = Fleet()
     f.warm()
-    tokens_before = f.s.global_tokens
+    tokens_before = f.s.merged_tokens
     # tokens = 1e15 with steps = 1e8: tokens/steps passes max_tokens_per_step, weight 1e22
     f.round([f.honest(m) for m in range(3)] + [f.honest(3, tokens=10**15, steps=10**8)])
     merged = [e for e in f.tape if e["event"] == "round"][-1]["merged"]
@@ -108,7 +108,7 @@ def test_an_inflated_weight_is_clipped_and_cannot_inflate_the_global_token_count
     f.round([f.honest(m) for m in range(3)] + [f.honest(3, tokens=10**7, steps=20)])
     attacker = [e for e in f.tape if e["event"] == "round"][-1]["merged"][3]
     assert attacker["clipped"] and attacker["weight"] <= CFG.weight_cap * honest_w * 1.0001
-    assert f.s.global_tokens - tokens_before < 10 * 400 * 4  # not 1e7
+    assert f.s.merged_tokens - tokens_before < 10 * 400 * 4  # not 1e7
 
 
 def test_a_large_shift_is_refused_relative_to_the_fragment_norm():

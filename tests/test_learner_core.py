@@ -38,7 +38,7 @@ def test_lr_position_extrapolates_from_the_global_token_count():
     core = LearnerCore(CFG, 0, 2)
     core.on_update(update(0, 1, tokens=5000.0, live=4))
     core.on_step(100)
-    assert core.lr_tokens() == 5000.0 + 4 * 100
+    assert core.fleet_tokens() == 5000.0 + 4 * 100
 
 
 def test_lr_position_counts_the_unmerged_tokens_of_every_fragment():
@@ -51,7 +51,7 @@ def test_lr_position_counts_the_unmerged_tokens_of_every_fragment():
     core.on_update(update(0, 1, tokens=800.0, live=4))
     # The fleet has processed 4 x 400 = 1600; fragment 1's 400 unmerged tokens x 4 learners / 2
     # fragments make up the rest. (The old estimate, reset at every update, said 800.)
-    assert core.lr_tokens() == 800.0 + 4 * (0 + 400) / 2 == 1600.0
+    assert core.fleet_tokens() == 800.0 + 4 * (0 + 400) / 2 == 1600.0
 
 
 def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
@@ -61,7 +61,7 @@ def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
     for _ in range(4):
         due = core.on_step(1)
         for p in due:
-            core.contribution(p, [torch.zeros(1)], 0)  # the runtime sends it at once
+            core.sent(core.contribution(p, [torch.zeros(1)], 0))  # the runtime sends it at once
         sent.append(due)
     assert sent == [[], [1], [], [0]]  # offsets floor(p*H/P) = 0, 2; step 4 = 0 mod 4
     # fragment 1 sent at step 2, tau = 1: at step 4 the learner must wait for it
@@ -76,17 +76,31 @@ def test_lock_step_sends_on_schedule_blocks_at_send_plus_tau_and_times_out():
 def test_continue_never_blocks():
     core = LearnerCore(CFG, 0, 2)
     core.on_step(1)
-    core.contribution(0, [torch.zeros(1)], 0)
+    core.sent(core.contribution(0, [torch.zeros(1)], 0))
     for _ in range(10):
         core.on_step(1)
     assert core.blocking_fragments(now=1e9) == []
 
 
-def test_rejoin_clears_counters_and_aligns_lock_step_learners():
+def test_a_restarted_lock_step_learner_steps_in_phase_with_the_fleet():
+    """A new process's core starts at step 0; the global state it joins with says where the
+    fleet's steps are, and a lock-step learner takes that phase (its sends follow it)."""
     core = LearnerCore(dataclasses.replace(CFG, late_fragment="wait"), 0, 2)
-    core.on_step(5)
-    core.on_rejoin(global_step=40)
+    core.on_update(dataclasses.replace(update(0, 3, reason="join"), global_step=40))
     assert core.steps == [0, 0] and core.step == 40 and not core.in_flight
+    core.on_update(dataclasses.replace(update(1, 3, reason="join"), global_step=44))
+    assert core.step == 40  # only a fresh core takes the fleet's phase
+
+
+def test_a_snapshot_built_but_never_sent_is_not_counted_as_sent():
+    """Contributions are built ahead (snapshots for requests to come); only one that is sent
+    makes a lock-step learner wait, or counts the tokens a merge of it will overwrite."""
+    core = LearnerCore(dataclasses.replace(CFG, late_fragment="wait"), 0, 2)
+    core.on_step(10)
+    c = core.contribution(0, [torch.zeros(1)], 0)
+    assert not core.in_flight and not core.sent_tokens
+    core.sent(c)
+    assert core.in_flight == {0: 1} and core.sent_tokens == {0: 10}
 
 
 def test_contributions_carry_the_identity_and_increasing_sequence_numbers():

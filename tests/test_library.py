@@ -123,7 +123,7 @@ def test_two_learners_with_sgd_momentum_and_dict_batches_merge_in_one_process(fl
     for ln in learners.values():
         assert ln.closed and ln.stats.steps == 120 and ln.stats.applied > 0
         assert ln.data_position == 120
-        assert ln.global_tokens >= ln.stats.tokens  # the fleet's position, not only its own
+        assert ln.fleet_tokens >= ln.stats.tokens  # the fleet's position, not only its own
         assert 0 < ln.stats.sync_s < ln.stats.step_s
 
 
@@ -166,7 +166,7 @@ def test_standalone_learner_needs_no_syncer():
     with ddiloco.Learner(model, config=ddiloco.DiLoCoConfig(sync_every=4)) as learner:
         train(learner, model, opt, 5, seed=0)
         assert learner.data_position == 5 and learner.stats.steps == 5
-        assert learner.global_tokens == 5 * 48  # alone, the fleet is this learner
+        assert learner.fleet_tokens == 5 * 48  # alone, the fleet is this learner
         learner.step(tokens=0, data_position=42)
         assert learner.data_position == 42
 
@@ -310,7 +310,7 @@ def test_a_two_rank_torchrun_learner_with_ddp_or_fsdp2(tmp_path, mode):
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
     assert merges(tmp_path / "syncer"), "the group's contributions were never merged (shapes refused?)"
-    assert ranks[0]["global_tokens"] == ranks[1]["global_tokens"] > 0
+    assert ranks[0]["fleet_tokens"] == ranks[1]["fleet_tokens"] > 0
 
 
 def test_workload_from_runs_a_users_model_in_the_simulator_deterministically():
@@ -320,10 +320,13 @@ def test_workload_from_runs_a_users_model_in_the_simulator_deterministically():
     batches = [make_batch(g) for _ in range(64)]
     torch.manual_seed(0)
     wl = ddiloco.workload_from(DictNet(), loss_of, batches, eval_batches=batches[:4])
-    sim_cfg = load_config(None, ["run.num_learners=2", "run.processed_tokens=4800", "run.eval_points=1", "algo.sync_every=4"])
+    sim_cfg = load_config(
+        None, ["run.num_learners=2", "run.processed_tokens=4800", "run.eval_points=1", "algo.sync_every=4"]
+    )
     a, b = simulate(sim_cfg, wl), simulate(sim_cfg, wl)
     assert math.isfinite(a.final_loss) and a.final_loss == b.final_loss
-    assert a.tokens_processed == 4800 and a.tokens_merged > 0
+    # the syncer ends the run when the learners' reports reach the budget: their steps under way finish
+    assert a.tokens_processed == b.tokens_processed >= 4800 and a.tokens_merged > 0
     assert wl.is_embedding_like("embed.weight") and not wl.is_embedding_like("head.weight")
     with pytest.raises(ddiloco.UsageError, match="one-shot iterator"):
         ddiloco.workload_from(DictNet(), loss_of, iter(batches)).train_stream(0, 2, 0)

@@ -12,7 +12,6 @@ from ddiloco.core.messages import Contribution, Join
 from ddiloco.core.syncer import Output, Syncer
 from ddiloco.service import store as persist
 from ddiloco.service.store import FORMAT, StateError, SyncerStore
-from ddiloco.service.syncer import restore_into, snapshot
 
 torch.set_num_threads(1)
 
@@ -28,6 +27,19 @@ CFG = DiLoCoConfig(
     outer_momentum=0.9,
 )
 SPECS = [TensorSpec("w", (6, 4)), TensorSpec("b", (5,))]
+
+
+def restore_into(store: SyncerStore, core: Syncer) -> bool:
+    """What a syncer does at start: take back what its store made durable (True: found some)."""
+    found = store.restore(core.layout, core.owned)
+    if found is None:
+        return False
+    core.restore(found.fragments, found.syncer_meta)
+    return True
+
+
+def snapshot(store: SyncerStore, core: Syncer) -> None:
+    store.snapshot([core.fragment_record(p) for p in core.owned], core.meta_state())
 
 
 def make(specs=SPECS, owned=None, seed=0):

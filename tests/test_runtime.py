@@ -218,7 +218,6 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     from ddiloco.core.syncer import Syncer
     from ddiloco.service.evaluator import fetch_global
     from ddiloco.service.store import SyncerStore
-    from ddiloco.service.syncer import restore_into
     from ddiloco.training.layout import layout_for
     from ddiloco.workloads.config import load_workload
 
@@ -237,7 +236,9 @@ def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     layout = layout_for(model, wl, cfg.algo)
     persisted = Syncer(cfg.algo, layout.fragments, dict(model.named_parameters()), layout.embedding_like)
     with SyncerStore(cluster.run_dir, fsync=False) as store:  # holds the folder's lock until the block ends
-        assert restore_into(store, persisted)
+        found = store.restore(persisted.layout, persisted.owned)
+        assert found is not None
+        persisted.restore(found.fragments, found.syncer_meta)
     durable = persisted.versions()
     cluster.start_syncer()
     state = wait_for(lambda: fetch_global([cluster.addr], timeout_s=2.0), 60, "the restarted syncer to answer")[0]

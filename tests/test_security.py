@@ -24,7 +24,7 @@ from ddiloco.service.clock import SkewedClock
 from ddiloco.service.keys import ClientKeys, ServerKeys, is_local, make_keys
 from ddiloco.service.launcher import free_port
 from ddiloco.service.learner import LearnerProcess, client_keys
-from ddiloco.service.syncer import SyncerService, bind_syncer
+from ddiloco.service.syncer import SyncerService, open_syncer
 from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket, learner_identity
 from ddiloco.service.wire import decode, encode
 
@@ -132,8 +132,8 @@ def test_learners_with_keys_train_and_merge_over_curve(keyed, tmp_path):
 
 def test_off_loopback_keys_are_required_unless_insecure_is_said(tmp_path, caplog):
     cfg = load_config(None, SETTINGS)
-    with pytest.raises(DDiLoCoError, match="--keys DIR, or pass --insecure"):
-        bind_syncer(cfg, "tcp://0.0.0.0:5999", tmp_path)  # refused before anything binds
+    with pytest.raises(DDiLoCoError, match=r"--keys DIR, or keys=DIR in Python\), or --insecure"):
+        open_syncer(cfg, "tcp://0.0.0.0:5999", tmp_path)  # refused before anything binds
     with pytest.raises(DDiLoCoError, match="--keys DIR"):
         client_keys(["tcp://10.1.2.3:5555"], None, "learner-0", insecure=False)
     assert client_keys(["tcp://10.1.2.3:5555"], None, "learner-0", insecure=True) is None
@@ -163,7 +163,7 @@ def update(values, version=1, tokens=100.0, live=2, reason="merged"):
 def test_a_learner_refuses_to_apply_a_bad_fragment(bad, why):
     from ddiloco.core.fragments import TensorSpec, balanced_layout
 
-    core = LearnerCore(DiLoCoConfig(num_fragments=1), 0, 1, max_global_tokens=1e6)
+    core = LearnerCore(DiLoCoConfig(num_fragments=1), 0, 1, max_merged_tokens=1e6)
     pieces = balanced_layout([TensorSpec("w", (2,))], 1).fragments[0]
     receipt = core.on_update(update(bad), pieces)
     assert receipt.mode == "ignore" and why in receipt.problem and core.base_version == [0]
@@ -173,10 +173,10 @@ def test_a_learner_refuses_to_apply_a_bad_fragment(bad, why):
 def test_a_learner_ignores_implausible_versions_and_token_counts():
     from ddiloco.core.fragments import TensorSpec, balanced_layout
 
-    core = LearnerCore(DiLoCoConfig(num_fragments=1), 0, 1, max_global_tokens=1e6)
+    core = LearnerCore(DiLoCoConfig(num_fragments=1), 0, 1, max_merged_tokens=1e6)
     pieces = balanced_layout([TensorSpec("w", (2,))], 1).fragments[0]
     r = core.on_update(update([torch.zeros(2)], tokens=1e30), pieces)
-    assert r.mode == "ignore" and "global_tokens" in r.problem
+    assert r.mode == "ignore" and "merged_tokens" in r.problem
     r = core.on_update(update([torch.zeros(2)], version=2**52), pieces)
     assert r.mode == "ignore" and "version" in r.problem
     assert core.on_update(update([torch.zeros(2)], version=5), pieces).mode == "overwrite"

@@ -43,7 +43,9 @@ def test_one_learner_h1_mean_lr1_equals_plain_training():
     tokens = 0
     for _ in range(merged_steps):
         b = stream.next_batch()
-        inner_step(model, opt, wl.loss(model, b), lr_at(tokens, cfg.run.processed_tokens, cfg.inner), cfg.inner.grad_clip)
+        inner_step(
+            model, opt, wl.loss(model, b), lr_at(tokens, cfg.run.processed_tokens, cfg.inner), cfg.inner.grad_clip
+        )
         tokens += b.tokens
     for name, p in model.named_parameters():
         torch.testing.assert_close(result.state[name], p.detach(), rtol=1e-6, atol=1e-7)
@@ -93,14 +95,17 @@ def test_chaos_schedule_fixes_downtime_and_failure_count():
 
 def test_decoupled_under_chaos_keeps_goodput_and_failed_learners_rejoin():
     result = simulate(
-        cfg_for("decoupled", "run.processed_tokens=12000", "run.budget=time", "chaos.enabled=true", "chaos.restart_s=0.2")
+        cfg_for(
+            "decoupled", "run.processed_tokens=12000", "run.budget=time", "chaos.enabled=true", "chaos.restart_s=0.2"
+        )
     )
     rejoins = [e for e in result.log if e["event"] == "rejoin"]
     assert len(rejoins) == result.failures == 8
     g = result.goodput
     assert g.blocked == 0.0  # decoupled learners never wait
     assert g.down + g.restarting == pytest.approx(0.1, abs=0.01)
-    assert g.goodput == pytest.approx(1 - g.down - g.restarting, abs=1e-9)
+    assert g.starting > 0  # the first join takes its transfer time
+    assert g.goodput == pytest.approx(1 - g.down - g.restarting - g.starting, abs=1e-9)
     # a rejoined learner contributes again after its outage
     for e in rejoins:
         later = [r for r in result.tape if r.get("event") == "round" and r["opened_at"] > e["time"]]
@@ -141,9 +146,10 @@ def test_the_decoupled_lr_position_keeps_up_with_the_fleet():
 
     cfg = cfg_for("decoupled", "run.processed_tokens=16000")
     sim = Simulation(cfg, load_workload(cfg.workload))
-    sim._final_sync = lambda: None  # stop where the budget is spent, mid-run for the protocol
+    sim.should_stop = lambda: sim.processed >= 16000  # stop where the budget is spent, mid-run for the protocol
     result = sim.run()
     fleet_step = 4 * sim.tokens_per_step
     for ln in sim.learners:
-        assert ln.core._global_tokens < result.tokens_processed - 10 * fleet_step  # merged: far behind
-        assert abs(ln.core.lr_tokens() - result.tokens_processed) <= fleet_step  # the position: not
+        core = ln.session.core
+        assert core._merged_tokens < result.tokens_processed - 10 * fleet_step  # merged: far behind
+        assert abs(core.fleet_tokens() - result.tokens_processed) <= fleet_step  # the position: not

@@ -19,9 +19,13 @@ from ddiloco.cli import main
 from ddiloco.config import load_config
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
-from ddiloco.core.messages import Ack, Heartbeat, Join, Leave
+from ddiloco.core.messages import Ack, Heartbeat, Leave
 from ddiloco.core.syncer import Syncer
-from ddiloco.service.fleet_status import fleet_status, learner_records, run_t0, status_reply
+from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.messages import Register
+from ddiloco.protocol.syncer_session import Budget, SyncerSession
+from ddiloco.service.fleet_status import fleet_status, learner_records, status_reply
 from ddiloco.service.launcher import free_port
 from ddiloco.service.status_cmd import fetch_status, merge_views
 from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode
@@ -76,31 +80,40 @@ def test_heartbeat_progress_round_trips_and_bad_values_are_refused():
             encode(Heartbeat(3, 7, 120, 0.05, **bad))
 
 
-def test_the_core_keeps_each_learners_progress_and_the_fleet_view_shows_it():
+def test_the_session_keeps_each_learners_progress_and_the_fleet_view_shows_it():
     layout = balanced_layout([TensorSpec("w", (4,)), TensorSpec("b", (4,))], 2)
     core = Syncer(DiLoCoConfig(), layout, {"w": torch.zeros(4), "b": torch.zeros(4)}, [False, False])
-    core.handle(Join(0, 1, []), 0.0)
-    core.handle(Join(1, 1, []), 0.0)
-    core.handle(Heartbeat(0, 1, 40, 0.5, tokens=320, busy_s=20.0, loss=1.5, bytes_sent=4096), 1.0)
-    core.handle(Heartbeat(1, 1, 10, 0.0, loss=-1.0), 1.0)
-    core.handle(Ack(0, 1, 0, 0), 1.0)
-    core.handle(Leave(1, 1), 2.0)
-    view = fleet_status(core, 2.0, shard=0, epoch=9, run_time_s=12.0)
+    params = [["w", [4]], ["b", [4]]]
+    session = SyncerSession(core, RuntimeConfig(), Budget(), Registration(params, layout.digest()), 0.0)
+
+    def join(m: int, incarnation: int, t: float) -> None:
+        session.receive(m, Register(m, incarnation, params, layout.digest()), t)
+
+    join(0, 1, 0.0)
+    join(1, 1, 0.0)
+    session.receive(0, Heartbeat(0, 1, 40, 0.5, tokens=320, busy_s=20.0, loss=1.5, bytes_sent=4096), 1.0)
+    session.receive(1, Heartbeat(1, 1, 10, 0.0, loss=-1.0), 1.0)
+    session.receive(0, Ack(0, 1, 0, 0), 1.0)
+    session.receive(1, Leave(1, 1), 2.0)
+    view = fleet_status(session, 2.0, shard=0, run_time_s=12.0)
     one, two = view["learners"]
     assert one["state"] == "up" and one["step"] == 40 and one["tokens"] == 320 and one["loss"] == 1.5
     assert one["steps_per_s"] == 2.0 and one["busy_s"] == 20.0 and one["bytes_sent"] == 4096
     assert one["behind"] == 0 and one["contribution_age_s"] is None and one["heard_age_s"] == 1.0
     assert two["state"] == "left" and two["loss"] is None and two["steps_per_s"] is None and two["behind"] is None
     assert [f["version"] for f in view["fragments"]] == [0, 0] and view["learners_total"] == 2
+    assert view["processed_tokens"] == 320
     assert decode(encode(status_reply(view))).status == json.loads(json.dumps(view))
-    records = learner_records(core, 2.0, 12.0)
+    records = learner_records(session, 2.0, 12.0)
     assert all(set(r) == RECORD_KEYS and r["event"] == "learner" and r["time"] == 12.0 for r in records)
     assert [r["learner"] for r in records] == [0, 1]
-    core.handle(Join(2, 1, []), 3.0)  # not heard since it joined: no record of zeros (they would read as a restart)
-    assert [r["learner"] for r in learner_records(core, 3.0, 13.0)] == [0, 1]
-    # A new incarnation starts its counters again.
-    core.handle(Join(0, 2, []), 10.0)
-    assert core.learners[0].tokens == 0 and core.learners[0].loss is None
+    join(2, 1, 3.0)  # not heard since it joined: no record of zeros (they would read as a restart)
+    assert [r["learner"] for r in learner_records(session, 3.0, 13.0)] == [0, 1]
+    # A new incarnation starts its counters again; the fleet's processed tokens keep its predecessor's.
+    join(0, 2, 10.0)
+    progress = session.fleet.progress[0]
+    assert progress.tokens == 0 and progress.loss is None and session.fleet.processed_tokens() == 320
+    assert [r["learner"] for r in learner_records(session, 10.0, 20.0)] == [1]
 
 
 def test_a_reply_too_large_for_the_wire_is_trimmed_and_merged_views_add_up():
@@ -116,15 +129,6 @@ def test_a_reply_too_large_for_the_wire_is_trimmed_and_merged_views_add_up():
     both = merge_views([shard1, shard0])
     assert both["learners"] == [{**entry, "step": 5, "behind": 3}]
     assert [f["fragment"] for f in both["fragments"]] == [0, 1]
-
-
-def test_run_t0_reads_run_json_started_at(tmp_path):
-    assert run_t0(tmp_path, 5.0) == 5.0
-    (tmp_path / "run.json").write_text(json.dumps({"format": 2, "started_at": 1234.5}))
-    assert run_t0(tmp_path, 5.0) == 1234.5
-
-
-# -- against a live syncer on loopback --------------------------------------------------------------
 
 
 def test_status_of_a_live_fleet_then_of_its_run_folder(tmp_path, capsys):

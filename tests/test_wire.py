@@ -229,15 +229,15 @@ FINDINGS = [
     ),
     (
         "global state: 10**30 tokens",
-        [header(type="GlobalState", fields={"versions": {}, "global_tokens": 1e30})],
-        "global_tokens",
+        [header(type="GlobalState", fields={"versions": {}, "merged_tokens": 1e30})],
+        "merged_tokens",
     ),
     (
         "fragment update: zero live learners",
         [
             header(
                 type="FragmentUpdate",
-                fields={"learner": 1, "fragment": 0, "version": 1, "global_tokens": 0.0, "live_learners": 0},
+                fields={"learner": 1, "fragment": 0, "version": 1, "merged_tokens": 0.0, "live_learners": 0},
             )
         ],
         "live_learners",
@@ -323,7 +323,7 @@ def test_encode_refuses_unsupported_things():
 
 
 def test_a_real_optimizer_state_round_trips():
-    from ddiloco.service.peer_state import state_message
+    from ddiloco.training.peer_state import state_message
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -137,11 +137,14 @@ def _check_run_dir(run_dir: str, cfg, by: str, create: bool = True) -> None:
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    from ddiloco.service.syncer import bind_syncer
+    from ddiloco.service.syncer import open_syncer
 
     cfg = _load(args)
     _check_run_dir(args.run_dir, cfg, f"ddiloco syncer (shard {args.shard})")
-    service = bind_syncer(cfg, args.bind, args.run_dir, args.shard, args.num_shards, args.keys, args.insecure)
+    service, _ = open_syncer(
+        cfg, args.bind, args.run_dir, shard=args.shard, num_shards=args.num_shards, keys_dir=args.keys,
+        insecure=args.insecure,
+    )  # fmt: skip
     # A signal stops it durably (the run is marked interrupted); started again on the folder, it resumes.
     with StopSignals(f"ddiloco syncer (shard {args.shard})", on_stop=service.stop):
         service.serve()
@@ -229,7 +232,7 @@ def progress_line(st: dict) -> str:
     sy = st["syncer"]
     up = sum(st["alive"])
     return (
-        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('global_tokens', 0):,.0f} / {st['tokens_budget']:,} "
+        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('merged_tokens', 0):,.0f} / {st['tokens_budget']:,} "
         f"global tokens, {up}/{len(st['alive'])} learners up, faults injected {st['faults']}"
         + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
     )
@@ -298,13 +301,13 @@ def progress_table(st: dict):
     sy = st["syncer"]
     end = f", ending: {sy['run_end']}" if sy.get("run_end") else ""
     t = Table(
-        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('global_tokens', 0):,.0f} / "
+        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('merged_tokens', 0):,.0f} / "
         f"{st['tokens_budget']:,} global tokens, faults injected: {st['faults']}{end}"
     )
     for col in ("learner", "state", "steps", "steps/s", "train loss", "versions applied"):
         t.add_column(col, justify="right")
     for m, (ls, alive) in enumerate(zip(st["learners"], st["alive"])):
-        rate = 1.0 / ls["step_time_ema"] if ls.get("step_time_ema") else 0.0
+        rate = 1.0 / ls["step_time_s"] if ls.get("step_time_s") else 0.0
         loss = f"{ls['loss']:.3f}" if ls.get("loss") is not None else "-"
         t.add_row(
             str(m), "up" if alive else "down", str(ls.get("steps", 0)), f"{rate:.1f}", loss, str(ls.get("applied", 0))

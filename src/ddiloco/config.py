@@ -103,6 +103,8 @@ class VirtualTimeConfig:
     transfers do not arrive in learner-id order."""
     merge_gbps: float = 8.0
     """Syncer merge throughput, gigabytes of contributions per second."""
+    syncer_shards: int = 1
+    """Syncer shards (fragment p is owned by shard p mod shards), each with its own store."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Config:
             ("latency_s", s.latency_s >= 0, ">= 0"),
             ("jitter_s", s.jitter_s >= 0, ">= 0"),
             ("merge_gbps", s.merge_gbps > 0, "> 0"),
+            ("syncer_shards", s.syncer_shards >= 1, ">= 1"),
         ):
             require(ok, f"sim.{name}", getattr(s, name), allowed)
         if s.speeds and (len(s.speeds) != r.num_learners or min(s.speeds) <= 0):
@@ -179,7 +182,9 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
-        for name in ("restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s"):
+        for name in (
+            "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
+        ):  # fmt: skip
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
             raise ConfigError(

@@ -43,10 +43,10 @@ class LearnerCore:
         learner: int,
         num_fragments: int,
         incarnation: int = 0,
-        max_global_tokens: float = math.inf,
+        max_merged_tokens: float = math.inf,
     ) -> None:
         self.cfg = cfg
-        self.max_global_tokens = max_global_tokens
+        self.max_merged_tokens = max_merged_tokens
         self.learner = learner
         self.incarnation = incarnation
         self.num_fragments = num_fragments
@@ -62,7 +62,7 @@ class LearnerCore:
         self.in_flight: dict[int, int] = {}
         self.blocked_since: dict[int, float] = {}
         # Inner LR schedule position, extrapolated from the syncer's global token count.
-        self._global_tokens = 0.0
+        self._merged_tokens = 0.0
         self._fleet = 1
         # Fragment -> its token count when last contributed (the ranks of a DDP learner copy
         # rank 0's before applying fragments, since only rank 0 contributes).
@@ -89,10 +89,8 @@ class LearnerCore:
     def contribution(
         self, p: int, values: list[torch.Tensor], data_position: int, kind: PayloadKind = "values"
     ) -> Contribution:
-        """Fragment p's contribution now, from ``values`` taken at this step boundary."""
-        if self.cfg.late_fragment == "wait":
-            self.in_flight[p] = self.step
-        self.sent_tokens[p] = self.tokens[p]
+        """Fragment p's contribution now, from ``values`` taken at this step boundary (numbered:
+        every contribution built has a new ``seq``). Call ``sent`` when it is sent."""
         self.seq += 1
         return Contribution(
             learner=self.learner,
@@ -108,15 +106,23 @@ class LearnerCore:
             kind=kind,
         )
 
+    def sent(self, c: Contribution) -> None:
+        """``c`` was sent: a lock-step learner waits for its fragment, and the tokens it carried
+        are what a merge of it will overwrite (a snapshot built but never sent is neither)."""
+        if self.cfg.late_fragment == "wait":
+            self.in_flight[c.fragment] = c.step
+        self.sent_tokens[c.fragment] = c.tokens
+
     def on_request(self, p: int) -> None:
         """The syncer asked for p: the schedule says which fragments it will ask for next."""
         per_tick = math.ceil(self.num_fragments / self.cfg.sync_every)
         self.expected = next_due(p, self.num_fragments, self.cfg.sync_every, per_tick + 1)
 
-    def lr_tokens(self) -> float:
-        """Position of the inner LR schedule in global tokens: the syncer's merged count plus
-        the fleet's progress not merged yet, estimated from this learner's own unmerged tokens
-        (its mean over fragments, times the fleet size it was told).
+    def fleet_tokens(self) -> float:
+        """The tokens the whole fleet has processed, as this learner estimates them (the inner LR
+        schedule's position): the syncer's merged count plus the fleet's progress not merged
+        yet, estimated from this learner's own unmerged tokens (its mean over fragments, times
+        the fleet size it was told).
 
         The merged count is a mean over fragments, and fragments merge in turn, so it trails
         the fleet by about H/2 steps; each fragment's unmerged tokens make up exactly that. The
@@ -126,7 +132,7 @@ class LearnerCore:
         process knows only its own: its position trails by that share of the time before it.)
         """
         unmerged = (sum(self.tokens) + self._overwritten) / max(1, self.num_fragments)
-        return self._global_tokens + self._fleet * unmerged
+        return self._merged_tokens + self._fleet * unmerged
 
     # -- receiving ---------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class LearnerCore:
         fetch on join, or a rebase after a stale answer, always overwrites. What is not
         plausible is ignored with the reason: values that do not fit ``pieces`` or are not
         finite, a merge more versions ahead than a merge can be, a global token count beyond
-        ``max_global_tokens``.
+        ``max_merged_tokens``.
         """
         p = u.fragment
         if not 0 <= p < self.num_fragments:
@@ -149,8 +155,8 @@ class LearnerCore:
             return Receipt(
                 "ignore", problem=f"merged version {u.version} is implausibly far past {self.base_version[p]}"
             )
-        if not u.global_tokens <= self.max_global_tokens:
-            return Receipt("ignore", problem=f"global_tokens {u.global_tokens:.3g} > {self.max_global_tokens:.3g}")
+        if not u.merged_tokens <= self.max_merged_tokens:
+            return Receipt("ignore", problem=f"merged_tokens {u.merged_tokens:.3g} > {self.max_merged_tokens:.3g}")
         problem = check_update(u.values, pieces) if pieces is not None else None
         if problem is not None:
             return Receipt("ignore", problem=problem)
@@ -162,20 +168,13 @@ class LearnerCore:
         self.tokens[p] = 0
         self.in_flight.pop(p, None)
         self.blocked_since.pop(p, None)
-        self._global_tokens = max(self._global_tokens, u.global_tokens)
+        self._merged_tokens = max(self._merged_tokens, u.merged_tokens)
         self._fleet = u.live_learners
+        if u.reason == "join" and self.cfg.late_fragment == "wait" and self.step == 0:
+            self.step = u.global_step  # a (re)started lock-step learner steps in phase with the fleet
         if u.reason != "merged" or self.cfg.alpha == 0.0:
             return Receipt("overwrite")
         return Receipt("blend", self.cfg.alpha)
-
-    def on_rejoin(self, global_step: int) -> None:
-        """After a restart: counters are empty and a lock-step learner aligns to the fleet."""
-        self.steps = [0] * self.num_fragments
-        self.tokens = [0] * self.num_fragments
-        self.in_flight.clear()
-        self.blocked_since.clear()
-        if self.cfg.late_fragment == "wait":
-            self.step = global_step
 
     # -- blocking (lock-step baselines only) -------------------------------------------------
 
@@ -192,7 +191,7 @@ class LearnerCore:
             if self.step < sent + self.cfg.overlap:
                 continue
             since = self.blocked_since.setdefault(p, now)
-            if now - since >= self.cfg.syncer_timeout_s:
+            if now >= since + self.cfg.syncer_timeout_s:  # the same sum as block_deadline: no rounding gap
                 del self.in_flight[p]
                 del self.blocked_since[p]
                 continue

@@ -42,7 +42,7 @@ ID: dict[str, Any] = {"min": 0, "max": MAX_ID}
 SERIAL: dict[str, Any] = {"min": 0, "max": MAX_SERIAL}
 COUNT: dict[str, Any] = {"min": 0, "max": MAX_COUNT}
 STEP_TIME: dict[str, Any] = {"min": 0.0, "max": MAX_STEP_TIME_S}
-GLOBAL_TOKENS: dict[str, Any] = {"min": 0.0, "max": MAX_TOKENS_F}
+MERGED_TOKENS: dict[str, Any] = {"min": 0.0, "max": MAX_TOKENS_F}
 LIVE: dict[str, Any] = {"min": 1, "max": MAX_ID + 1}
 BUSY: dict[str, Any] = {"min": 0.0, "max": MAX_BUSY_S}
 LOSS: dict[str, Any] = {"min": LOSS_UNKNOWN, "max": MAX_LOSS}
@@ -181,7 +181,7 @@ class FragmentUpdate:
     """Global version of these values."""
     values: list[torch.Tensor]
     """One tensor per piece (shared, read-only: receivers copy into their own parameters)."""
-    global_tokens: float = field(metadata=GLOBAL_TOKENS)
+    merged_tokens: float = field(metadata=MERGED_TOKENS)
     """Tokens merged into the global model so far (drives the inner LR schedule)."""
     live_learners: int = field(metadata=LIVE)
     """Live learners when sent (lets a learner extrapolate the global token count)."""

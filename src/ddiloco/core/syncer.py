@@ -124,24 +124,64 @@ class LearnerInfo:
     """Contributions refused in a row for what they carried (not for arriving late or twice)."""
     quarantine: dict[int, int] | None = None
     """While quarantined: per fragment, the version its answers must start from again."""
-    step: int = 0
-    """Its inner steps, as last reported (heartbeats and contributions)."""
-    tokens: int = 0
-    """Tokens its current incarnation processed, as last reported (fleet view only)."""
-    busy_s: float = 0.0
-    """Seconds its current incarnation spent in inner steps, as last reported (fleet view only)."""
-    loss: float | None = None
-    """Its last training loss, as last reported (None: none yet)."""
-    bytes_sent: int = 0
-    """Contribution bytes its current incarnation sent, as last reported (fleet view only)."""
     last_contribution_at: float = -math.inf
     """When its last contribution was accepted into a round (-inf: none yet)."""
     held: dict[int, int] = field(default_factory=dict)
     """Per owned fragment, the newest version it is known to hold (its join, acks, answers)."""
 
-    def restart_counters(self) -> None:
-        """A new incarnation: its reported counters start again from 0."""
-        self.step, self.tokens, self.busy_s, self.loss, self.bytes_sent = 0, 0, 0.0, None, 0
+
+@dataclass(frozen=True)
+class LearnerView:
+    """One learner id as the syncer's core sees it (read-only)."""
+
+    learner: int
+    """Learner id."""
+    incarnation: int
+    """Its registered incarnation."""
+    state: str
+    """"up" (heard within the liveness timeout), "left" (said goodbye) or "down"."""
+    last_heard: float
+    """When it was last heard (core time)."""
+    step_time_s: float | None
+    """Its step-time EMA (None: none reported yet)."""
+    last_contribution_at: float
+    """When its last contribution was accepted into a round (-inf: none yet)."""
+    held: tuple[tuple[int, int], ...]
+    """(fragment, version) of each owned fragment it is known to hold."""
+
+
+@dataclass(frozen=True)
+class FragmentView:
+    """One owned fragment as the syncer's core sees it (read-only)."""
+
+    fragment: int
+    """Fragment index."""
+    version: int
+    """Its current version."""
+    made_at: float
+    """When that version was made (-inf: the initial or a restored one)."""
+    merged: int
+    """Learners merged with a positive weight in its last merge."""
+    grace_s: float
+    """The grace window of its last merged round."""
+    tokens_merged: int
+    """Tokens merged into it so far."""
+    open: bool
+    """Whether a round of it is open."""
+
+
+@dataclass(frozen=True)
+class SyncerView:
+    """What a driver may read of the syncer's core: the fleet and the owned fragments."""
+
+    live: tuple[int, ...]
+    """Live learners, sorted."""
+    learners: tuple[LearnerView, ...]
+    """Every registered learner id, sorted."""
+    fragments: tuple[FragmentView, ...]
+    """Every owned fragment, in order."""
+    merged_tokens: float
+    """Tokens merged into the global model (the mean over the owned fragments)."""
 
 
 @dataclass
@@ -159,9 +199,9 @@ class FragmentState:
     norm: float = 0.0
     """|Theta_p| of the current version (bounds the outer gradients against it)."""
     recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    """|delta| per step of its recent merged contributions (the robust screening's history)."""
     screen_rounds: int = 0
     """Merged rounds with steps so far (the history becomes a reference after admission.SCREEN_ROUNDS)."""
-    """|delta| per step of its recent merged contributions (the robust screening's history)."""
     last_merged: int = 0
     """Learners merged with a positive weight in its last merge (fleet view only)."""
     last_grace_s: float = 0.0
@@ -342,7 +382,6 @@ class Syncer:
                 return
             info.incarnation, info.last_seq = j.incarnation, {}
             info.step_time = Ema(self.cfg.ema_decay)
-            info.restart_counters()
         info.last_heard, info.left = now, False
         have = j.base_versions if len(j.base_versions) == len(self.fragments) else None
         info.held = {p: have[p] for p in self.owned} if have is not None else {}
@@ -361,8 +400,6 @@ class Syncer:
         if self.cfg.min_step_time_s <= hb.step_time_s <= self.cfg.max_step_time_s:
             info.step_time.update(hb.step_time_s)
         self.max_step_seen = max(self.max_step_seen, hb.step)
-        info.step, info.tokens, info.busy_s, info.bytes_sent = hb.step, hb.tokens, hb.busy_s, hb.bytes_sent
-        info.loss = hb.loss if hb.loss >= 0 else None
 
     def _on_ack(self, ack: Ack, now: float) -> None:
         """The first ack of a version times the sync path (pull + merge + apply + send)."""
@@ -407,7 +444,6 @@ class Syncer:
             return
         info = self.learners[c.learner]
         info.last_heard = info.last_contribution_at = now
-        info.step = max(info.step, c.step)
         info.held[c.fragment] = max(info.held.get(c.fragment, 0), c.base_version)
         self.max_step_seen = max(self.max_step_seen, c.step)
         rnd = self.rounds.get(c.fragment)
@@ -488,6 +524,11 @@ class Syncer:
 
     # -- membership and liveness -------------------------------------------------------------
 
+    def registered(self, learner: int) -> int | None:
+        """The incarnation registered for ``learner`` (None: unknown, or it left)."""
+        info = self.learners.get(learner)
+        return None if info is None or info.left else info.incarnation
+
     def live(self, now: float) -> list[int]:
         """Learners heard from within the liveness timeout (and not left), sorted."""
         timeout = self.cfg.liveness_timeout_s
@@ -505,7 +546,7 @@ class Syncer:
         return 0 if info is None else info.data_position
 
     @property
-    def global_tokens(self) -> float:
+    def merged_tokens(self) -> float:
         """Tokens merged into the global model (mean over this syncer's fragments)."""
         return sum(self.fragments[p].tokens_merged for p in self.owned) / max(1, len(self.owned))
 
@@ -562,7 +603,7 @@ class Syncer:
         total = self.cfg.outer_lr_decay_tokens
         if total <= 0:
             return self.cfg.outer_lr
-        frac = min(1.0, self.global_tokens / total)
+        frac = min(1.0, self.merged_tokens / total)
         return self.cfg.outer_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def effective_quorum(self, rnd: Round, now: float) -> int:
@@ -663,7 +704,9 @@ class Syncer:
             info = self.learners[c.learner]
             if c.steps > 0:  # the screening's and the weight cap's references: merged answers only
                 frag.recent_norms.append(screened(pd.norms, c.steps))
-            if w > 0:
+            if w > 0 and not rnd.final:
+                # The final sync's answers carry whatever is left, often a few steps: as the weight
+                # cap's reference they would clip the later final rounds' honest answers.
                 info.recent_weights.append(w)
             info.data_position = max(info.data_position, c.data_position)
             staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
@@ -742,7 +785,7 @@ class Syncer:
         frag = self.fragments[p]
         live = max(1, len(self.live(now)))
         return FragmentUpdate(
-            learner, p, frag.version, frag.values, self.global_tokens, live, self.max_step_seen, reason
+            learner, p, frag.version, frag.values, self.merged_tokens, live, self.max_step_seen, reason
         )
 
     def global_state(self) -> dict[str, torch.Tensor]:
@@ -756,6 +799,31 @@ class Syncer:
             chunks.sort(key=lambda x: x[0])
             out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
         return out
+
+    def view(self, now: float, max_listed: int | None = None) -> SyncerView:
+        """The fleet and the owned fragments at ``now``, read-only (``max_listed``: at most that
+        many learners and fragments, lowest first)."""
+        live = self.live(now)
+        learners = []
+        for m in sorted(self.learners)[:max_listed]:
+            info = self.learners[m]
+            state = "up" if m in live else "left" if info.left else "down"
+            held = tuple(sorted((p, v) for p, v in info.held.items() if p in self.owned))
+            learners.append(
+                LearnerView(m, info.incarnation, state, info.last_heard, info.step_time.value,
+                            info.last_contribution_at, held)
+            )  # fmt: skip
+        fragments = [
+            FragmentView(p, f.version, f.made_at(f.version), f.last_merged, f.last_grace_s, f.tokens_merged,
+                         p in self.rounds)
+            for p in self.owned[:max_listed]
+            for f in (self.fragments[p],)
+        ]  # fmt: skip
+        return SyncerView(tuple(live), tuple(learners), tuple(fragments), self.merged_tokens)
+
+    def embedding_like(self) -> list[bool]:
+        """Per piece, in fragment order: merged by weighted mean (as the constructor was given)."""
+        return [flag for flags in self._emb for flag in flags]
 
     def versions(self) -> list[int]:
         return [f.version for f in self.fragments]
@@ -777,6 +845,16 @@ class Syncer:
         frag.history.append((rec.version, [v.float().clone() for v in rec.values], -math.inf))
         frag.norm = _norm(frag.values)
         frag.outer.load_state_dict({"buffers": rec.momentum})
+
+    def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None) -> None:
+        """Take back what a store made durable (``fragment_record`` and ``meta_state`` output).
+        A fragment's version never goes backwards: an older record than the current one is not
+        loaded."""
+        for p, rec in records.items():
+            if rec.version >= self.fragments[p].version:
+                self.load_fragment_record(rec)
+        if meta is not None:
+            self.load_meta_state(meta)
 
     def meta_state(self) -> dict[str, Any]:
         """Everything else worth keeping across a restart (JSON-able)."""

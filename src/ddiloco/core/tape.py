@@ -8,7 +8,7 @@ written to ``tape.jsonl``; ``ddiloco.report.tape`` reads such lines back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 CloseReason = Literal["all_answered", "grace_over", "quorum", "flush", "final", "no_live_learners"]
 RejectReason = Literal[
@@ -97,6 +97,25 @@ class MergedEntry:
     norm: float = 0.0
     """L2 norm of its outer gradient."""
 
+    @property
+    def was_merged(self) -> bool:
+        """It took part in the merge (an answer of weight 0, e.g. no steps, did not)."""
+        return self.weight > 0
+
+    @classmethod
+    def from_json(cls, d: Any) -> MergedEntry | None:
+        """Back from ``to_json`` output (None when ``d`` is not one: records come from files)."""
+        if not isinstance(d, dict):
+            return None
+        try:
+            return cls(
+                _int(d["learner"]), _int(d["incarnation"]), _int(d["seq"]), _int(d["base_version"]),
+                _int(d["staleness"]), _num(d["weight"]), _int(d["tokens"]), _int(d["steps"]), bool(d["in_grace"]),
+                bool(d.get("clipped", False)), _num(d.get("norm", 0.0)),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "learner": self.learner,
@@ -140,6 +159,26 @@ class RoundRecord:
     rejected_total: int = 0
     """All contributions refused while this round was open."""
 
+    @classmethod
+    def from_json(cls, d: Any) -> RoundRecord | None:
+        """Back from ``to_json`` output (None when ``d`` is not a round record; malformed merged
+        entries are dropped: records come from files)."""
+        if not isinstance(d, dict) or d.get("event") != "round":
+            return None
+        try:
+            reason = str(d["close_reason"])
+            if reason not in get_args(CloseReason):
+                return None
+            entries = d.get("merged", [])
+            merged = [e for e in (MergedEntry.from_json(x) for x in entries if isinstance(entries, list)) if e]
+            return cls(
+                _int(d["fragment"]), _int(d["round"]), _num(d["opened_at"]), _num(d["closed_at"]), _int(d["version"]),
+                _int(d["quorum"]), _num(d["grace_s"]), cast(CloseReason, reason), merged,
+                rejected_total=_int(d.get("rejected_total", 0)),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            return None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "event": "round",
@@ -158,3 +197,15 @@ class RoundRecord:
 
 
 TapeRecord = RoundRecord | Rejection | Late
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return int(v)
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"expected a number, got {v!r}")
+    return float(v)

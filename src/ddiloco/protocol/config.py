@@ -63,6 +63,11 @@ class RuntimeConfig:
     max_messages_per_s: float = 2000.0
     """Messages the syncer takes from one transport identity per second (bursts of 2x that);
     more are dropped before they are decoded."""
+    record_mb: float = 0.0
+    """Flight recorder: each syncer shard records what its session is handed (messages, with
+    the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to
+    this many MiB per start, so an incident can be replayed through the same session
+    (``ddiloco.service.recorder.replay``); 0: off."""
     max_rejections_logged_per_s: float = 5.0
     """Refusals per learner and reason written to the tape per second (bursts of 20); more are
     only counted (`rejections_unlogged` in the status)."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddiloco.core.messages import COUNT, GLOBAL_TOKENS, ID, MAX_ID, SERIAL, VERSIONS
+from ddiloco.core.messages import COUNT, ID, MAX_ID, MERGED_TOKENS, SERIAL, VERSIONS
 
 MAX_PARAMS = 100_000
 """Most parameter tensors a Register may list (the 1 MiB header is usually the tighter bound)."""
@@ -148,7 +148,7 @@ class GlobalState:
 
     versions: dict[str, int] = field(metadata=VERSIONS)
     """Version of each owned fragment (keys are fragment indices as strings)."""
-    global_tokens: float = field(metadata=GLOBAL_TOKENS)
+    merged_tokens: float = field(metadata=MERGED_TOKENS)
     """Tokens merged so far."""
     tensors: dict[str, torch.Tensor]
     """Pieces named 'FRAGMENT.PIECE'."""

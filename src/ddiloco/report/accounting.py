@@ -1,11 +1,11 @@
-"""Where each learner's allocated time went: computing, blocked, down or restarting."""
+"""Where each learner's allocated time went: computing, blocked, down, restarting or starting."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-State = Literal["compute", "blocked", "down", "restarting"]
+State = Literal["compute", "blocked", "down", "restarting", "starting"]
 STATES: tuple[State, ...] = get_args(State)
 
 
@@ -37,6 +37,8 @@ class Goodput:
     """Share spent down (failed, not yet restarting)."""
     restarting: float
     """Share spent restarting (process start, state fetch)."""
+    starting: float = 0.0
+    """Share its first process spent starting (the job's start-up: start to first inner step)."""
 
 
 def fleet_goodput(accounts: list[TimeAccount], horizon_s: float) -> Goodput:
@@ -44,7 +46,7 @@ def fleet_goodput(accounts: list[TimeAccount], horizon_s: float) -> Goodput:
     if alloc <= 0:  # stopped before any time passed: nothing was allocated, nothing lost
         return Goodput(0.0, 0.0, 0.0, 0.0)
     tot = {s: sum(a.totals[s] for a in accounts) / alloc for s in STATES}
-    return Goodput(tot["compute"], tot["blocked"], tot["down"], tot["restarting"])
+    return Goodput(tot["compute"], tot["blocked"], tot["down"], tot["restarting"], tot["starting"])
 
 
 def uptime(outages: list[tuple[int, float, float]], num_learners: int, need: int, horizon_s: float) -> float:

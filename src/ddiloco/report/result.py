@@ -83,6 +83,7 @@ class RunResult:
             "blocked": self.goodput.blocked,
             "down": self.goodput.down,
             "restarting": self.goodput.restarting,
+            "starting": self.goodput.starting,
             "uptime": self.uptime,
             "lost_steps": self.lost_steps,
             "failures": self.failures,

@@ -13,9 +13,10 @@ received at each step boundary, so every rank applies the same fragments at the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import queue
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,16 +29,15 @@ from torch import nn
 from ddiloco.config import Config, load_config
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import write_fragment
-from ddiloco.core.learner import LearnerCore
-from ddiloco.core.messages import ID, Ack, Contribution, FragmentUpdate
+from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
-from ddiloco.protocol.messages import PeerState, PeerStateRequest
+from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys, is_local
-from ddiloco.service.learner_comm import LearnerComm, Progress
-from ddiloco.service.peer_state import load_state, state_message
+from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.training.layout import embedding_parameters, layout_of, param_spec
+from ddiloco.training.peer_state import load_state, state_message
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +139,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _drain(q: queue.Queue[Any]) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(q.get_nowait())
-        except queue.Empty:
-            return out
-
-
 class Learner:
     """One Decoupled DiLoCo learner around the user's own model and training loop.
 
@@ -172,7 +163,7 @@ class Learner:
         clock: Clock = SYSTEM_CLOCK,
         incarnation: int | None = None,
         max_data_position: int | None = None,
-        max_global_tokens: float = math.inf,
+        max_merged_tokens: float = math.inf,
     ) -> None:
         """
         Args:
@@ -190,7 +181,7 @@ class Learner:
             insecure: allow an unencrypted connection off this machine (trusted networks only).
             transport, clock, incarnation: injected by tests and ``ddiloco learner``.
             max_data_position: a data position beyond this from the syncer is not believed.
-            max_global_tokens: a global token count beyond this from the syncer is not believed
+            max_merged_tokens: a global token count beyond this from the syncer is not believed
                 (``ddiloco learner`` passes 1000x the run's budget).
         """
         if not isinstance(model, nn.Module):
@@ -227,33 +218,41 @@ class Learner:
             )
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
-        self.max_global_tokens = max_global_tokens
+        self.max_merged_tokens = max_merged_tokens
         self.max_data_position = max_data_position
-        self.core = LearnerCore(cfg.algo, learner_id, self.layout.num_fragments, self.incarnation, max_global_tokens)
         self.stats = LearnerStats()
         self._joined: list[FragmentUpdate] = []
         self._position = 0
         self._closed = False
-        self._step_ema = 0.0
         self._last_end: float | None = None
+        self._last_start: float | None = None
+        self._shared = False  # a torchrun group has shared rank 0's join
+        # Rank 0 runs the protocol; the other ranks of a torchrun group follow its boundaries
+        # and keep what it tells them of the fleet (LR position, versions).
+        self._facts: tuple[float, tuple[int, ...]] = (0.0, (0,) * self.layout.num_fragments)
+        self.session: LearnerSession | None = None
         self.comm: LearnerComm | None = None
-        if addrs and self.rank == 0:
+        if self.rank == 0:
+            registration = Registration(param_spec(self.model), self.layout.digest, os.getpid(), str(self.device))
+            self.session = LearnerSession(
+                cfg.algo,
+                cfg.runtime,
+                learner_id,
+                self.incarnation,
+                self.layout.fragments,
+                registration,
+                clock.monotonic(),
+                num_shards=max(1, len(addrs)),
+                max_merged_tokens=max_merged_tokens,
+                wants_peer_state=optimizer is not None and not self.sharded,
+            )
+        if addrs and self.session is not None:
             keys = client_keys(addrs, key, f"learner-{learner_id}", insecure)
             rt = cfg.runtime
             factory = transport or (
                 lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
             )
-            self.comm = LearnerComm(
-                rt,
-                learner_id,
-                self.incarnation,
-                param_spec(self.model),
-                self.layout.digest,
-                addrs,
-                factory(addrs, learner_identity(learner_id)),
-                clock,
-                str(self.device),
-            )
+            self.comm = LearnerComm(self.session, addrs, factory(addrs, learner_identity(learner_id)), clock)
         try:
             self._join(join_timeout_s if join_timeout_s is not None else cfg.runtime.join_timeout_s)
         except BaseException:
@@ -263,10 +262,11 @@ class Learner:
     # -- the public surface ------------------------------------------------------------------
 
     @property
-    def global_tokens(self) -> float:
-        """Where the run is, in tokens of the whole fleet: the syncer's merged count plus an
-        estimate of what the fleet trained since. Drive an LR schedule with it."""
-        return self.core.lr_tokens()
+    def fleet_tokens(self) -> float:
+        """Where the run is: the tokens the whole fleet has processed, as this learner estimates
+        them (the syncer's merged count plus what the fleet trained since). Drive an LR schedule
+        with it, over ``cfg.run.processed_tokens``."""
+        return self.session.core.fleet_tokens() if self.session is not None else self._facts[0]
 
     @property
     def data_position(self) -> int:
@@ -278,7 +278,7 @@ class Learner:
     @property
     def versions(self) -> tuple[int, ...]:
         """The global version of each fragment this learner last took."""
-        return tuple(self.core.base_version)
+        return tuple(self.session.core.base_version) if self.session is not None else self._facts[1]
 
     @property
     def closed(self) -> bool:
@@ -287,12 +287,12 @@ class Learner:
     @property
     def run_ended(self) -> bool:
         """The syncer ended the run (its budget is spent): stop training and call ``finish()``."""
-        return self.comm is not None and self.comm.run_end is not None
+        return self.comm is not None and self.session is not None and self.session.run_end is not None
 
     @property
     def end_reason(self) -> str:
         """Why the syncer ended the run ("" while it goes on)."""
-        return self.comm.end_reason if self.comm is not None else ""
+        return self.session.end_reason if self.comm is not None and self.session is not None else ""
 
     def finish(self, timeout_s: float | None = None) -> bool:
         """After ``run_ended``: take part in the final sync without training (apply the last
@@ -300,21 +300,21 @@ class Learner:
         model is written, then ``close()``. Bounded by ``timeout_s`` (default: the liveness
         timeout plus 30 s). True when the syncer confirmed the end; while the run goes on it
         only closes (False)."""
-        comm = self.comm
-        if comm is None or comm.run_end is None:  # the run goes on (or no syncer): just leave
+        comm, session = self.comm, self.session
+        if comm is None or session is None or session.run_end is None:  # the run goes on (or no syncer): just leave
             self.close()
             return False
         if timeout_s is None:
             timeout_s = self.cfg.algo.liveness_timeout_s + 30.0
         deadline = self.clock.monotonic() + timeout_s
-        while comm.run_end != "done" and self.clock.monotonic() < deadline:
+        while session.run_end != "done" and self.clock.monotonic() < deadline:
             if comm.stop.is_set():
                 break  # the comm thread died: nothing more will come
-            self._boundary([])
-            time.sleep(0.01)
-        done = comm.run_end == "done"
+            self._idle_boundary()
+            comm.arrived.wait(0.05)
+        done = session.run_end == "done"
         if done:
-            self._boundary([])  # the last versions that arrived with the end
+            self._idle_boundary()  # the last versions that arrived with the end
         self.close()
         return done
 
@@ -336,22 +336,26 @@ class Learner:
         if loss is not None:
             self.stats.loss = self._loss_value(loss)
         if self._last_end is not None:
-            dt = t0 - self._last_end
-            self.stats.step_s += dt
-            self._step_ema = dt if self._step_ema == 0 else 0.9 * self._step_ema + 0.1 * dt
+            self.stats.step_s += t0 - self._last_end
+        # The step's time for the syncer's step clock: from the last call's start to this one's,
+        # its own boundary included (the learner's real pace); the session reports the mean.
+        duration = t0 - self._last_start if self._last_start is not None else 0.0
+        self._last_start = t0
         n = tokens * self.world
         self._position = self._position + 1 if data_position is None else data_position
-        sends = self.core.on_step(n)
-        self._boundary(sends)
+        plan = None
+        if self.session is not None:
+            with self._lock():
+                plan = self.session.step(n, duration, self.clock.monotonic(), self._position, self.stats.loss)
+        self._boundary(plan)
         blocked = self._block_if_lock_step()
-        self._serve_peer_requests()
         self.stats.steps += 1
         self.stats.tokens += n
         end = time.perf_counter()
         self.stats.sync_s += end - t0 - blocked
         self._last_end = end
-        if self.comm is not None:
-            self.stats.bytes_sent = self.comm.bytes_sent
+        if self.session is not None:
+            self.stats.bytes_sent = self.session.bytes_sent
         self._raise_if_comm_stopped()
 
     def close(self) -> None:
@@ -430,10 +434,12 @@ class Learner:
     def _raise_if_comm_stopped(self) -> None:
         """Raised at the end of a step, after its boundary: in a torchrun group every rank took
         part in the boundary's broadcast, so the ranks' collectives stay paired."""
-        comm = self.comm
-        if comm is not None and comm.stop.is_set() and comm.run_end is None:
-            if comm.refused:
-                raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
+        comm, session = self.comm, self.session
+        if comm is None or session is None or session.run_end is not None:
+            return
+        if session.refused:
+            raise RefusedError(f"learner {self.id} was refused by the syncer: {session.refused}")
+        if comm.stop.is_set():
             raise CommError(f"learner {self.id}: its comm thread died ({comm.died}); restart the learner")
 
     def _check_shapes(self) -> None:
@@ -469,52 +475,41 @@ class Learner:
 
     def _join(self, timeout_s: float) -> None:
         """Take the global state before training (bounded: a dead syncer must not stall us)."""
-        comm = self.comm
-        if comm is not None:
+        comm, session = self.comm, self.session
+        if comm is not None and session is not None:
             comm.start()
-            self._wait_for_fragments(comm, timeout_s)
-            if comm.refused:
-                raise RefusedError(f"learner {self.id} was refused by the syncer: {comm.refused}")
-            if self.optimizer is not None and not self.sharded:
-                comm.post(PeerStateRequest(self.id, self.incarnation))
+            self._wait_for_fragments(comm, session, timeout_s)
+            if session.refused:
+                raise RefusedError(f"learner {self.id} was refused by the syncer: {session.refused}")
         if self.world > 1:
             self._share_initial()
-        self._boundary([])
+        self._idle_boundary()
 
-    def _wait_for_fragments(self, comm: LearnerComm, timeout_s: float) -> None:
+    def _wait_for_fragments(self, comm: LearnerComm, session: LearnerSession, timeout_s: float) -> None:
+        """Apply the global fragments as they arrive until the session says training may start
+        (all of them, or ``join_timeout_s`` after a shard accepted us)."""
         deadline = self.clock.monotonic() + timeout_s
-        total = self.layout.num_fragments
-        got: set[int] = set()
-        later: list[Any] = []  # peer state is applied once training starts
-        while self.clock.monotonic() < deadline and not comm.stop.is_set() and len(got) < total:
-            try:
-                msgs = [comm.inbox.get(timeout=0.05), *_drain(comm.inbox)]
-            except queue.Empty:
-                continue
-            updates = [m for m in msgs if isinstance(m, FragmentUpdate)]
-            later += [m for m in msgs if not isinstance(m, FragmentUpdate)]
-            got.update(m.fragment for m in updates)
-            self._joined += updates  # the other ranks of an FSDP2 group write their rows of them too
-            comm.post(*self._apply(updates))
-        for m in later:
-            comm.inbox.put(m)
-        if not comm.first_join.is_set() and not comm.stop.is_set():
+        while self.clock.monotonic() < deadline and not comm.stop.is_set() and not session.done:
+            self._idle_boundary(keep=self.sharded)  # an FSDP2 group's other ranks write their rows of them too
+            if session.ready(self.clock.monotonic()):
+                break
+            comm.arrived.wait(0.05)
+            comm.arrived.clear()
+        if not session.joined_once and not comm.stop.is_set() and not session.done:
             # Never reached: a wrong address or port, a syncer not up, a firewall. Fail loudly
             # (once joined, a lost syncer is different: the learner trains on and rejoins).
             raise CommError(
-                f"learner {self.id}: no answer from the syncer at {', '.join(link.address for link in comm.links)} "
-                f"within {timeout_s:.0f} s (runtime.join_timeout_s): is it running, and are the host and port right?"
+                f"learner {self.id}: no answer from the syncer at {', '.join(comm.addresses)} within "
+                f"{timeout_s:.0f} s (runtime.join_timeout_s): is it running, and are the host and port right?"
             )
-        if comm.data_position:
-            self._position = self._plausible_position(comm.data_position)
-        if len(got) < total and not comm.stop.is_set():
+        if session.data_position:
+            self._position = self._plausible_position(session.data_position)
+        got, total = len(session.received), self.layout.num_fragments
+        if got < total and not session.done:
             log.warning(
                 "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
-                self.id,
-                len(got),
-                total,
-                timeout_s,
-            )
+                self.id, got, total, timeout_s,
+            )  # fmt: skip
 
     def _plausible_position(self, position: int) -> int:
         most = self.max_data_position
@@ -535,11 +530,6 @@ class Learner:
                 t = t.full_tensor()  # type: ignore[attr-defined]
             out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", copy=True))
         return out
-
-    def _contribution(self, p: int) -> Contribution:
-        # Only rank 0 sends; the other ranks keep the same counters (and join a gather, FSDP2).
-        values = self._host_values(p) if self.rank == 0 or self.sharded else []
-        return self.core.contribution(p, values if self.rank == 0 else [], self._position)
 
     def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
         pieces = self.pieces[p]
@@ -563,74 +553,79 @@ class Learner:
                 else:
                     dst.mul_(alpha).add_(src.to(dst.dtype), alpha=1.0 - alpha)
 
-    def _apply(self, msgs: list[Any]) -> list[Ack]:
-        """Write the fragments (and load the peer state) that arrived; returns the acks to send."""
-        acks = []
-        for msg in msgs:
-            if isinstance(msg, PeerState):
-                if msg.source >= 0 and msg.tensors and self.optimizer is not None:
-                    problem = load_state(self.optimizer, msg, self.device)
-                    if problem is not None:
-                        log.warning(
-                            "learner %d: ignored optimizer state from learner %d: %s", self.id, msg.source, problem
-                        )
-                continue
-            receipt = self.core.on_update(
-                msg, self.pieces[msg.fragment] if 0 <= msg.fragment < len(self.pieces) else None
-            )
-            if receipt.mode == "ignore":
-                if receipt.problem:
-                    log.warning("learner %d: ignored fragment %d version %d: %s", self.id, msg.fragment, msg.version,
-                                receipt.problem)  # fmt: skip
-                continue
-            self._write(msg.fragment, msg.values, receipt.alpha)
-            self.stats.applied += 1
-            acks.append(Ack(self.id, self.incarnation, msg.fragment, msg.version))
-        return acks
+    def _idle_boundary(self, keep: bool = False) -> None:
+        """A boundary without a step: while joining, waiting (lock-step) or finishing, what
+        arrived is applied and answered at once. ``keep``: remember the applied fragments (an
+        FSDP2 group's other ranks write their rows of the join's fragments)."""
+        plan = None
+        if self.session is not None:
+            with self._lock():
+                plan = self.session.boundary(self.clock.monotonic())
+            if keep:
+                self._joined += [u for u, _ in plan.apply]
+        if self.world > 1 and not self._shared:
+            self._boundary(plan, collective=False)  # before the group shares the join, rank 0 alone applies
+        else:
+            self._boundary(plan)
 
-    def _boundary(self, sends: list[int]) -> None:
-        """Everything the training thread does for the protocol between two inner steps.
+    def _lock(self) -> Any:
+        """The session's lock (the comm thread shares the session), or a no-op when there is none."""
+        return self.comm.lock if self.comm is not None else contextlib.nullcontext()
 
-        In a torchrun group rank 0 takes what arrived (fragments, peer state, requests) and
-        broadcasts it; then every rank does the same: applies the same fragments and makes the
-        same core calls, so every rank's ``LearnerCore`` (base versions, LR position) stays
-        equal, and FSDP2 gathers happen on every rank in the same order. Only rank 0 sends.
-        Inside a learner a collective is fine: it is one failure domain."""
-        comm = self.comm
-        msgs: list[Any] = _drain(comm.inbox) if comm is not None else []
-        requests: list[tuple[int, bool]] = _drain(comm.requests) if comm is not None else []
-        if self.world > 1:
+    def _boundary(self, plan: BoundaryPlan | None, collective: bool = True) -> None:
+        """Everything the training thread does at a step boundary, as the session planned it:
+        write the fragments that arrived, load a requested optimizer state, read the fragments
+        to send or snapshot, then hand the values back to the session.
+
+        In a torchrun group rank 0 plans and broadcasts the plan with what it knows of the
+        fleet; then every rank writes the same fragments and joins the same FSDP2 gathers in the
+        same order. Only rank 0 sends. Inside a learner a collective is fine: it is one failure
+        domain."""
+        if self.world > 1 and collective:
             import torch.distributed as dist
 
-            box: list[Any] = [msgs, requests]
+            facts = None if self.session is None else (self.session.core.fleet_tokens(), self.versions)
+            box: list[Any] = [plan, facts]
             dist.broadcast_object_list(box, src=0)
-            msgs, requests = box
-        out: list[Any] = list(self._apply(msgs))  # one post per boundary: each wakes the comm thread
-        for p, answered in requests:
-            self.core.on_request(p)
-            if not answered:  # the comm thread had nothing ready for p: answer now
-                out.append(self._contribution(p))
-        out += [self._contribution(p) for p in sends]  # lock-step baselines push on their own schedule
-        prepared = {p: self._contribution(p) for p in self.core.expected}  # empty until the first request
-        if comm is None:
+            plan, facts = box
+            if self.session is None and facts is not None:
+                self._facts = facts
+        if plan is None:
             return
-        comm.post(*out)
-        comm.prepare(prepared)
-        # A step faster than the syncer believes (algo.min_step_time_s) is reported at that bound,
-        # so a tiny model still drives the syncer's step clock (at its fastest allowed pace).
-        reported = max(self._step_ema, self.cfg.algo.min_step_time_s) if self._step_ema > 0 else 0.0
-        st = self.stats
-        comm.progress = Progress(self.core.step, reported, tuple(self.core.base_version), st.tokens, st.busy_s, st.loss)
+        for u, receipt in plan.apply:
+            self._write(u.fragment, u.values, receipt.alpha)
+            self.stats.applied += 1
+        ps = plan.peer_state
+        if ps is not None and ps.source >= 0 and ps.tensors and self.optimizer is not None:
+            problem = load_state(self.optimizer, ps, self.device)
+            if problem is not None:
+                log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, ps.source, problem)
+            else:
+                log.info("learner %d: took learner %d's optimizer state", self.id, ps.source)
+        # Only rank 0 sends; the other ranks join the gathers of an FSDP2 model.
+        gather = collective and self.sharded
+        values = {p: self._host_values(p) for p in plan.read} if self.rank == 0 or gather else {}
+        if self.session is None:
+            return
+        # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
+        # does not wait for an answer.
+        opt = self.optimizer if not self.sharded else None
+        states = [state_message(opt, who, self.id) for who in plan.serve] if opt is not None else []
+        with self._lock():
+            out = self.session.complete(plan, values, states)
+        if self.comm is not None:
+            self.comm.post(out)
 
     def _share_initial(self) -> None:
-        """After the join, every rank starts from rank 0's model, counters and data position."""
+        """After the join, every rank starts from rank 0's model and data position."""
         import torch.distributed as dist
 
-        box: list[Any] = [(self._position, dict(vars(self.core)), self._joined if self.sharded else [])]
+        box: list[Any] = [(self._position, self._joined if self.sharded else [])]
         dist.broadcast_object_list(box, src=0)
-        position, core_state, joined = box[0]
+        position, joined = box[0]
         if self.rank != 0:
-            self._apply(joined)  # FSDP2: each rank writes its own rows of the global state
+            for u in joined:  # FSDP2: each rank writes its own rows of the global state
+                self._write(u.fragment, u.values, 0.0)
         # rank 0 applied the global state it fetched on join: every rank starts from it
         with torch.no_grad():
             for name, prm in self.model.named_parameters():
@@ -638,33 +633,24 @@ class Learner:
                     dist.broadcast(prm.data, src=0)
         if self.rank != 0:
             self._position = position
-            vars(self.core).update(core_state)  # counters, base versions, LR position
         self._joined = []
-
-    def _serve_peer_requests(self) -> None:
-        """A restarting peer asked (through the syncer) for our optimizer state."""
-        if self.comm is None:
-            return
-        for who in _drain(self.comm.peer_requests):
-            # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
-            # does not wait for an answer.
-            if self.optimizer is not None and not self.sharded:
-                self.comm.post(state_message(self.optimizer, who, self.id))
+        self._shared = True
 
     def _block_if_lock_step(self) -> float:
         """Lock-step baselines wait at step send+tau for the fragment (bounded by syncer_timeout_s);
         returns how long."""
-        if self.cfg.algo.late_fragment != "wait" or self.comm is None:
+        comm, session = self.comm, self.session
+        if self.cfg.algo.late_fragment != "wait" or comm is None or session is None:
             return 0.0
         t0 = time.perf_counter()
-        comm = self.comm
-        while not comm.stop.is_set() and self.core.blocking_fragments(self.clock.monotonic()):
-            try:
-                msg = comm.inbox.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            comm.inbox.put(msg)
-            self._boundary([])
+        while not comm.stop.is_set():
+            with self._lock():
+                waiting = session.core.blocking_fragments(self.clock.monotonic())
+            if not waiting:
+                break
+            comm.arrived.wait(0.01)
+            comm.arrived.clear()
+            self._idle_boundary()
         waited = time.perf_counter() - t0
         self.stats.blocked_s += waited
         return waited

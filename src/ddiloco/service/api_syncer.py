@@ -14,17 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import zmq
 from torch import nn
 
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
 from ddiloco.service.api_learner import ConfigLike, as_config
-from ddiloco.service.keys import ServerKeys, is_local
-from ddiloco.service.syncer import SyncerService
-from ddiloco.service.transport import SyncerSocket, ZmqSyncerSocket
-from ddiloco.service.wire import max_frame_bytes
+from ddiloco.service.syncer import open_syncer
+from ddiloco.service.transport import SyncerSocket
 
 log = logging.getLogger(__name__)
 
@@ -71,33 +67,10 @@ class SyncerServer:
             raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
         if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
-        torch.set_num_threads(1)  # the syncer merges on one core; the learners need the rest
-        cfg = as_config(config)
-        server_keys = ServerKeys.load(keys) if keys is not None else None
-        if server_keys is None and not is_local(bind) and transport is None:
-            if not insecure:
-                raise DDiLoCoError(
-                    f"binding {bind} without keys lets anyone who can reach it join, read and steer the model: make "
-                    "keys with `ddiloco keys DIR --learners M` and pass keys=DIR, or insecure=True on a trusted network"
-                )
-            log.warning("INSECURE: %s accepts any peer without authentication or encryption", bind)
-        self.address = bind
-        if transport is None:
-            largest = max(p.numel() for p in model.parameters())
-            try:
-                zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), server_keys)
-            except zmq.ZMQError as e:
-                raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? try another)") from None
-            self.address = bytes(zsock.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
-            transport = zsock
-        try:
-            self.service = SyncerService(
-                cfg, transport, run_dir, shard, num_shards, fsync=fsync, keys=server_keys, model=model,
-                embedding_like=embedding_like,
-            )  # fmt: skip
-        except BaseException:
-            transport.close()
-            raise
+        self.service, self.address = open_syncer(
+            as_config(config), bind, run_dir, model=model, embedding_like=embedding_like, shard=shard,
+            num_shards=num_shards, keys_dir=keys, insecure=insecure, transport=transport, fsync=fsync,
+        )  # fmt: skip
         self.model = model
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

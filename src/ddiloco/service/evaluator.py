@@ -112,7 +112,7 @@ def _evaluate_until_the_end(
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)
-                merged = sum(s.global_tokens for s in states) / len(states)
+                merged = sum(s.merged_tokens for s in states) / len(states)
                 rec = {
                     "event": "eval",
                     "time": time.time() - t0,

@@ -3,7 +3,7 @@
 ``fleet_status`` is what ``ddiloco status ADDR`` receives (``StatusReply``) and what the syncer's
 status file RUN_DIR/status/syncer-K.json holds, so both show the same figures; ``learner_records``
 are the lines of RUN_DIR/metrics/learners.jsonl (format: docs/operations.md). Everything here
-reads the core and is handed the time: no clock is read except by ``run_t0``'s fallback.
+reads the session's read-only view (``Syncer.view``, the fleet book) and is handed the time.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
-from ddiloco.core.syncer import LearnerInfo, Syncer
+from ddiloco.core.syncer import SyncerView
+from ddiloco.protocol.fleet import Progress
 from ddiloco.protocol.messages import StatusReply
+from ddiloco.protocol.syncer_session import SyncerSession
 from ddiloco.service.wire import encode
 
 log = logging.getLogger(__name__)
@@ -25,116 +26,99 @@ MAX_LISTED = 4096
 """Most learners (and fragments) a status lists; ``learners_total``/``fragments_total`` count all."""
 
 
-def run_t0(run_dir: str | Path, default: float | None = None) -> float:
-    """When the run started (a Unix time): run.json's ``started_at`` if it has one, else
-    ``default`` (the caller's own start), else now. Every ``time`` in metrics/ counts from it."""
-    try:
-        started = json.loads((Path(run_dir) / "run.json").read_text()).get("started_at")
-    except (OSError, ValueError, AttributeError):
-        started = None
-    if isinstance(started, (int, float)) and not isinstance(started, bool) and math.isfinite(started):
-        return float(started)
-    return default if default is not None else time.time()
-
-
 def _age(now: float, then: float) -> float | None:
     """Seconds since ``then`` (None when never: -inf)."""
     return max(0.0, now - then) if math.isfinite(then) else None
 
 
-def learner_state(info: LearnerInfo, live: bool) -> str:
-    """``up`` (heard within the liveness timeout), ``left`` (said goodbye) or ``down``."""
-    return "up" if live else "left" if info.left else "down"
-
-
-def _behind(core: Syncer, info: LearnerInfo) -> int | None:
+def _behind(view: SyncerView, held: tuple[tuple[int, int], ...]) -> int | None:
     """Versions it lacks, summed over this shard's fragments it is known to hold (None: unknown)."""
-    known = [(p, v) for p, v in info.held.items() if p in core.owned]
-    if not known:
+    if not held:
         return None
-    return sum(max(0, core.fragments[p].version - v) for p, v in known)
+    current = {f.fragment: f.version for f in view.fragments}
+    return sum(max(0, current[p] - v) for p, v in held if p in current)
 
 
-def fleet_status(
-    core: Syncer, now: float, *, shard: int, epoch: int, run_time_s: float, max_listed: int = MAX_LISTED
-) -> dict[str, Any]:
-    """The shard's fleet view at core time ``now`` (JSON values only, bounded by ``max_listed``).
+def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: float,
+                 max_listed: int = MAX_LISTED) -> dict[str, Any]:  # fmt: skip
+    """The shard's fleet view at session time ``now`` (JSON values only, bounded by ``max_listed``).
 
     ``learners``: per learner id (lowest ids first) its state, the progress its heartbeats
     report, its pace (steps/s, from the step-time EMA), the age of its last accepted
     contribution and how many versions of this shard's fragments it lacks. ``fragments``: per
     owned fragment its version, the age of that version, how many learners its last merge
     took (with a positive weight) and that round's grace window."""
-    live = set(core.live(now))
+    view = session.view(now, max_listed)
     learners = []
-    for m in sorted(core.learners)[:max_listed]:
-        info = core.learners[m]
-        step_time = info.step_time.value
+    for lv in view.learners:
+        pr = session.fleet.progress.get(lv.learner) or Progress(lv.incarnation)
         learners.append(
             {
-                "learner": m,
-                "state": learner_state(info, m in live),
-                "incarnation": info.incarnation,
-                "step": info.step,
-                "tokens": info.tokens,
-                "steps_per_s": 1.0 / step_time if step_time else None,
-                "loss": info.loss,
-                "busy_s": info.busy_s,
-                "bytes_sent": info.bytes_sent,
-                "heard_age_s": _age(now, info.last_heard),
-                "contribution_age_s": _age(now, info.last_contribution_at),
-                "behind": _behind(core, info),
+                "learner": lv.learner,
+                "state": lv.state,
+                "incarnation": lv.incarnation,
+                "step": pr.step,
+                "tokens": pr.tokens,
+                "steps_per_s": 1.0 / lv.step_time_s if lv.step_time_s else None,
+                "loss": pr.loss,
+                "busy_s": pr.busy_s,
+                "bytes_sent": pr.bytes_sent,
+                "heard_age_s": _age(now, lv.last_heard),
+                "contribution_age_s": _age(now, lv.last_contribution_at),
+                "behind": _behind(view, lv.held),
             }
         )
-    fragments = []
-    for p in core.owned[:max_listed]:
-        frag = core.fragments[p]
-        fragments.append(
-            {
-                "fragment": p,
-                "version": frag.version,
-                "merge_age_s": _age(now, frag.made_at(frag.version)) if frag.version > 0 else None,
-                "merged": frag.last_merged,
-                "grace_s": frag.last_grace_s,
-                "tokens_merged": frag.tokens_merged,
-                "open": p in core.rounds,
-            }
-        )
+    fragments = [
+        {
+            "fragment": f.fragment,
+            "version": f.version,
+            "merge_age_s": _age(now, f.made_at) if f.version > 0 else None,
+            "merged": f.merged,
+            "grace_s": f.grace_s,
+            "tokens_merged": f.tokens_merged,
+            "open": f.open,
+        }
+        for f in view.fragments
+    ]
     return {
         "shard": shard,
-        "epoch": epoch,
+        "epoch": session.epoch,
         "run_time_s": run_time_s,
-        "global_tokens": core.global_tokens,
-        "versions": {str(p): core.fragments[p].version for p in core.owned},
-        "live": sorted(live),
-        "learners_total": len(core.learners),
-        "fragments_total": len(core.owned),
+        "merged_tokens": view.merged_tokens,
+        "processed_tokens": session.fleet.processed_tokens(),
+        "versions": {str(f.fragment): f.version for f in view.fragments},
+        "live": list(view.live),
+        "learners_total": len(session.core.learners),
+        "fragments_total": len(session.core.owned),
         "learners": learners,
         "fragments": fragments,
     }
 
 
-def learner_records(core: Syncer, now: float, time_s: float) -> list[dict[str, Any]]:
+def learner_records(session: SyncerSession, now: float, time_s: float) -> list[dict[str, Any]]:
     """One metrics/learners.jsonl record per known learner (``time_s``: seconds since the run
     started; the other figures are cumulative over the learner's current incarnation)."""
-    live = set(core.live(now))
-    return [
-        {
-            "event": "learner",
-            "time": time_s,
-            "learner": m,
-            "incarnation": info.incarnation,
-            "state": learner_state(info, m in live),
-            "steps": info.step,
-            "tokens": info.tokens,
-            "busy_s": info.busy_s,
-            "loss": info.loss,
-            "bytes_sent": info.bytes_sent,
-        }
-        for m, info in sorted(core.learners.items())
+    out = []
+    for lv in session.view(now).learners:
+        pr = session.fleet.progress.get(lv.learner)
         # Not heard since it (re)joined this syncer: zeros would read as a restart of its counters.
-        if info.step or info.tokens or info.busy_s
-    ]
+        if pr is None or pr.incarnation != lv.incarnation or not (pr.step or pr.tokens or pr.busy_s):
+            continue
+        out.append(
+            {
+                "event": "learner",
+                "time": time_s,
+                "learner": lv.learner,
+                "incarnation": lv.incarnation,
+                "state": lv.state,
+                "steps": pr.step,
+                "tokens": pr.tokens,
+                "busy_s": pr.busy_s,
+                "loss": pr.loss,
+                "bytes_sent": pr.bytes_sent,
+            }
+        )
+    return out
 
 
 class LearnerMetrics:

@@ -113,7 +113,7 @@ class LearnerProcess:
             incarnation=self.incarnation,
             # a position past what the whole budget could have read (>= 1 token per example) is not believed
             max_data_position=int(most_tokens / max(1, self.cfg.workload.batch_size)),
-            max_global_tokens=most_tokens,
+            max_merged_tokens=most_tokens,
             key=self.keys,
         )
         if learner.data_position:
@@ -155,7 +155,7 @@ class LearnerProcess:
             inputs, targets = move_to(batch.inputs, self.device), move_to(batch.targets, self.device)
             self.trained.train()
             loss = self.wl.loss(self.trained, type(batch)(inputs, targets, batch.tokens * self.world))
-            lr = lr_at(learner.global_tokens, self.cfg.run.processed_tokens, self.cfg.inner)
+            lr = lr_at(learner.fleet_tokens, self.cfg.run.processed_tokens, self.cfg.inner)
             inner_step(self.model, self.opt, loss, lr, self.cfg.inner.grad_clip)
             if rt.step_sleep_s:
                 time.sleep(rt.step_sleep_s)
@@ -175,7 +175,8 @@ class LearnerProcess:
             progress.maybe(
                 lambda: f"learner {self.id}: step {self.stats['steps']:,}, {self.stats['tokens']:,} tokens, "
                 f"loss {self.stats['loss']:.4f}, "
-                f"{1.0 / max(learner._step_ema, 1e-9):.1f} steps/s, fleet at {learner.global_tokens:,.0f} tokens"
+                f"{self.stats['steps'] / max(self.stats['compute_s'], 1e-9):.1f} steps/s, "
+                f"fleet at {learner.fleet_tokens:,.0f} tokens"
             )
             if step_log is not None:
                 step_log.write(f"{self.clock.wall():.6f},{dt:.6f}\n")
@@ -189,6 +190,7 @@ class LearnerProcess:
     def _finish(self, step_log: TextIO | None) -> int:
         learner = self.learner
         comm = learner.comm if learner is not None else None
+        session = learner.session if learner is not None else None
         if learner is not None and learner.run_ended and self.world == 1:  # (a torchrun group just leaves)
             confirmed = learner.finish()
             log.info("learner %d: the run ended (%s)%s", self.id, learner.end_reason,
@@ -202,10 +204,10 @@ class LearnerProcess:
             dist.destroy_process_group()
         if step_log is not None:
             step_log.close()
-        if comm is not None and comm.refused:
-            log.error("learner %d refused by the syncer: %s", self.id, comm.refused)
+        if session is not None and session.refused:
+            log.error("learner %d refused by the syncer: %s", self.id, session.refused)
             return EXIT_REFUSED
-        if comm is not None and comm.run_end is not None:
+        if session is not None and session.run_end is not None:
             return 0
         if comm is not None and comm.died:
             log.error("learner %d stops: its comm thread died (%s)", self.id, comm.died)
@@ -235,14 +237,22 @@ class LearnerProcess:
                 "incarnation": self.incarnation,
                 "pid": os.getpid(),
                 "time": self.clock.wall(),
-                "step_time_ema": learner._step_ema if learner is not None else 0.0,
+                "step_time_s": learner.session.step_time_s if learner is not None and learner.session else 0.0,
                 "base_versions": list(learner.versions) if learner is not None else [],
-                "pending_steps": sum(learner.core.steps) / len(learner.core.steps) if learner is not None else 0,
-                "answered": 0 if comm is None else comm.answered,
+                "pending_steps": _pending_steps(learner),
+                "answered": learner.session.answered if learner is not None and learner.session else 0,
                 "comm_cpu_s": 0.0 if comm is None else comm.cpu_s,
                 **self.stats,
             },
         )
+
+
+def _pending_steps(learner: Learner | None) -> float:
+    """Steps it trained that are not merged yet, averaged over its fragments (lost if it dies now)."""
+    if learner is None or learner.session is None:
+        return 0.0
+    steps = learner.session.core.steps
+    return sum(steps) / len(steps)
 
 
 def client_keys(syncers: list[str], keys_dir: str | None, name: str, insecure: bool) -> ClientKeys | None:

@@ -1,9 +1,12 @@
-"""``ddiloco syncer``: the core syncer driven by network messages and the monotonic clock.
+"""``ddiloco syncer``: a syncer shard's session pumped by network messages and the monotonic clock.
 
-One CPU-only process (or thread, in tests) per shard. Every merged version is appended to its
-fragment's log and fsynced *before* it is sent to anyone; periodic snapshots make restarts
-fast. Malformed or unknown messages are counted and dropped; nothing a peer sends can crash
-the service. The transport and the clock are injected (``service.transport``, ``service.clock``).
+The session (``ddiloco.protocol.syncer_session``) holds every rule. This driver adds what a
+real process needs: the transport (decoding is total: malformed messages are counted and
+dropped, rate limits apply per sender before any decoding), CURVE keys (each message's key
+becomes the session's ``Principal``), the durable store (every merged version is appended to
+its fragment's log and fsynced *before* it is sent to anyone; periodic snapshots make restarts
+fast), the run folder (status file, metrics, run log, final model, summary), an optional flight
+recorder, and the clock. One CPU-only process (or thread, in tests) per shard.
 """
 
 from __future__ import annotations
@@ -22,23 +25,12 @@ import torch
 from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
-from ddiloco.core.messages import Ack, Contribution, Heartbeat, Join, Leave
-from ddiloco.core.syncer import Output, Syncer
+from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
-from ddiloco.protocol.messages import (
-    FetchGlobal,
-    GlobalState,
-    JoinReply,
-    PeerState,
-    PeerStateRequest,
-    Register,
-    RunEnd,
-    StatusRequest,
-    SyncerHeartbeat,
-    first_mismatch,
-)
+from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_jsonl
@@ -46,6 +38,7 @@ from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.ratelimit import RateLimits
+from ddiloco.service.recorder import FlightRecorder
 from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
@@ -55,42 +48,14 @@ from ddiloco.workloads.config import load_workload
 
 log = logging.getLogger(__name__)
 
-CORE_MESSAGES = (Heartbeat, Contribution, Ack, Leave)
-RELAYED = (PeerStateRequest, PeerState)
 
-
-def restore_into(store: SyncerStore, core: Syncer) -> bool:
-    """Load what ``store`` holds into a freshly built ``core``; True when anything was found.
-    A fragment's version never goes backwards: an older record than the core's is not loaded."""
-    found = store.restore(core.layout, core.owned)
-    if found is None:
-        return False
-    for p, rec in found.fragments.items():
-        if rec.version >= core.fragments[p].version:
-            core.load_fragment_record(rec)
-    if found.syncer_meta is not None:
-        core.load_meta_state(found.syncer_meta)
-    return True
-
-
-def snapshot(store: SyncerStore, core: Syncer) -> Path:
-    """Write every owned fragment and the meta state as one snapshot."""
-    return store.snapshot([core.fragment_record(p) for p in core.owned], core.meta_state())
-
-
-def persist(store: SyncerStore, core: Syncer, out: Output, clock: Clock = SYSTEM_CLOCK) -> None:
-    """Make what ``out`` produced durable: new versions first, then the tape records. Times in
-    the core are monotonic; each tape line also gets ``wall_offset`` (wall minus monotonic
-    time when written), so readers can turn any of its times into a wall-clock time."""
-    for p in out.durable:
-        store.append(core.fragment_record(p), core.meta_state())
-    if out.tape:
-        offset = clock.wall() - clock.monotonic()
-        store.append_tape([{**r.to_json(), "wall_offset": offset} for r in out.tape])
+def budget_of(cfg: Config) -> Budget:
+    """The run's budget as the syncer counts it: processed tokens, merged tokens, its age."""
+    return Budget(float(cfg.run.processed_tokens), float(cfg.run.merged_tokens), cfg.runtime.duration_s)
 
 
 class SyncerService:
-    """Owns the transport, the core syncer, the durable store and the periodic chores."""
+    """Owns the transport, the session (and its core), the durable store and the periodic chores."""
 
     def __init__(
         self,
@@ -120,7 +85,6 @@ class SyncerService:
             wl = load_workload(cfg.workload)
             model = wl.build_model(cfg.run.seed)
             embedding_like = embedding_like or wl.is_embedding_like
-        self.spec = param_spec(model)
         self.layout = layout_of(model, cfg.algo, embedding_like or embedding_parameters(model))
         owned = [p for p in range(self.layout.num_fragments) if p % num_shards == shard]
         if not owned:
@@ -129,49 +93,68 @@ class SyncerService:
                 "use fewer shards"
             )
         params = dict(model.named_parameters())
-        self.core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
+        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
         self.model = model
         self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync)
-        self.restored = restore_into(self.store, self.core)
-        self.epoch = secrets.randbits(62)  # a new value per start: learners see the syncer restarted
-        self.identities: dict[int, bytes] = {}
+        found = self.store.restore(core.layout, core.owned)
+        self.restored = found is not None
+        start = clock.monotonic()
+        started_at = run_started_at(self.run_dir) or clock.wall()
+        runlog = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
+        ended = str(runlog[-1].get("reason", "the run ended")) if runlog and runlog[-1].get("what") == "end" else None
+        rt = cfg.runtime
+        self.session = SyncerSession(
+            core,
+            rt,
+            budget_of(cfg),
+            Registration(param_spec(model), self.layout.digest),
+            start,
+            shard=shard,
+            # A new value per start: learners see the syncer restarted and register again.
+            epoch=secrets.randbits(62),
+            # The run's age: the wall clock is read once here (a restart resumes the count), then
+            # only the monotonic clock advances it, so a wall-clock jump moves no decision.
+            age_s=max(0.0, clock.wall() - started_at),
+            ended=ended,
+            keyed=keys is not None,
+        )
+        if found is not None:
+            self.session.restore(found.fragments, found.syncer_meta)
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "rejections_unlogged": 0,
             "merges": 0, "messages": 0, "bytes_in": 0,
         }  # fmt: skip
-        rt = cfg.runtime
         self._join_rate: RateLimits[bytes] = RateLimits(rt.max_joins_per_s, 10.0)
         self._message_rate: RateLimits[bytes] = RateLimits(rt.max_messages_per_s, 2 * rt.max_messages_per_s)
         self._rejection_rate: RateLimits[tuple[int, str]] = RateLimits(rt.max_rejections_logged_per_s, 20.0)
         self.sock = sock
         self.keys = keys
         self.stopping = False
-        start = clock.monotonic()
         self._last_snapshot = start
         self._last_status = -float("inf")
-        self._last_heartbeat = -float("inf")
         self._started = start
         self._warned: set[str] = set()
-        # The run's end (see _advance_end): None while training, then "stop" (learners stop and
-        # the open rounds close), "final" (the final sync), "done" (final model written).
-        self.started_at = run_started_at(self.run_dir) or clock.wall()
-        # The run's age: the wall clock is read once here (a restart resumes the count), then only
-        # the monotonic clock advances it, so a wall-clock jump moves no decision.
-        self._age_at_start = max(0.0, clock.wall() - self.started_at)
-        self.end_stage: str | None = None
-        self.end_reason = ""
-        self._end_next = 0.0
         self._progress = ProgressLines(rt.progress_interval_s, enabled=not sys.stderr.isatty())
-        runlog = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
-        if runlog and runlog[-1].get("what") == "end":  # restarted on a finished run: say so, then leave
-            self.end_stage, self.end_reason = "done", str(runlog[-1].get("reason", "the run ended"))
-            self._end_next = start + rt.end_linger_s
-            log.warning("this run already ended (%s): nothing to do; start a new run folder to train more",
-                        self.end_reason)  # fmt: skip
+        self.recorder = FlightRecorder.open(self.run_dir, shard, rt.record_mb, self.session, start)
+        if ended is not None:  # restarted on a finished run: say so, then leave
+            log.warning("this run already ended (%s): nothing to do; start a new run folder to train more", ended)
         else:
             self._run_event("resume" if self.restored else "start", "")
         self._learner_metrics = LearnerMetrics(self.run_dir / "metrics" / "learners.jsonl")
         self._last_metrics = start
+
+    @property
+    def core(self) -> Syncer:
+        """The session's algorithm core (read it through ``session.view`` where a view serves)."""
+        return self.session.core
+
+    @property
+    def epoch(self) -> int:
+        return self.session.epoch
+
+    @property
+    def end_stage(self) -> str | None:
+        return self.session.end_stage
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -183,9 +166,10 @@ class SyncerService:
             return
         self.sock.send(identity, frames)
 
-    def _emit(self, out: Output) -> None:
-        """Make new versions durable, then send (the order matters: never send what could be lost).
-        A full disk raises StoreFull here, before anything is sent."""
+    def _emit(self, out: SyncerOutput) -> None:
+        """Do what the session asked, in its order: durable first, then the tape, the final
+        model and the run log, then the messages (never send what could be lost). A full disk
+        raises StoreFull here, before anything is sent."""
         now = self.clock.monotonic()
         kept = [
             r
@@ -193,13 +177,29 @@ class SyncerService:
             if not isinstance(r, Rejection) or self._rejection_rate.allow((r.learner, r.reason), now)
         ]
         self.counts["rejections_unlogged"] += len(out.tape) - len(kept)
-        out.tape = kept
-        persist(self.store, self.core, out, self.clock)
-        self.counts["merges"] += len(out.durable)
-        for msg in out.messages:
-            identity = self.identities.get(msg.learner)
-            if identity is not None:
-                self._send(identity, msg)
+        if out.persist:
+            meta = self.session.meta()
+            for rec in self.session.records(out.persist):
+                self.store.append(rec, meta)
+            self.counts["merges"] += len(out.persist)
+        if kept:
+            offset = self.clock.wall() - self.clock.monotonic()
+            self.store.append_tape([{**r.to_json(), "wall_offset": offset} for r in kept])
+        if out.final_model:
+            self.write_final_model()
+            log.info("final sync done; final model written to %s", self.run_dir / "final")
+        for what, reason in out.events:
+            if what == "end":
+                log.info("the run is over: %s", reason)
+            self._run_event(what, reason)
+        for peer, msg in out.send:
+            self._send(peer, msg)
+        for note in out.notes:
+            self._count_bad(note.kind, note.text)
+        for peer in out.status_requests:
+            self._send(peer, status_reply(self.status()))
+        if out.stop:
+            self.stopping = True
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -216,108 +216,26 @@ class SyncerService:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
         now = self.clock.monotonic()
-        problem = self._not_allowed(msg, key)
-        if problem is not None:
-            self._count_bad("impostor", f"{type(msg).__name__} from {identity!r}: {problem}")
-            if isinstance(msg, Register):
-                self._send(identity, JoinReply(False, problem, self.epoch, 0, self.core.owned))
+        if type(msg).__name__ == "Register" and not self._join_rate.allow(identity, now):
+            self.counts["rate_limited"] += 1
             return
-        if isinstance(msg, Register):
-            if not self._join_rate.allow(identity, now):
-                self.counts["rate_limited"] += 1
-                return
-            self._on_register(identity, msg, now)
-        elif isinstance(msg, FetchGlobal):
-            self._send(identity, self._global_state())
-        elif isinstance(msg, StatusRequest):
-            self._send(identity, status_reply(self.status()))
-        elif isinstance(msg, CORE_MESSAGES + RELAYED):
-            claimed = msg.source if isinstance(msg, PeerState) else msg.learner
-            if self.identities.get(claimed) != identity:
-                # Unknown here (e.g. this syncer restarted): a heartbeat with our epoch makes it re-join.
-                self._count_bad(
-                    "unknown_sender", f"message from unregistered sender {identity!r} claiming learner {claimed}"
-                )
-                self._send(identity, SyncerHeartbeat(self.epoch, self.shard))
-                return
-            if isinstance(msg, RELAYED):
-                self._relay(msg, now)
-            else:
-                self._emit(self.core.handle(msg, now))
-        else:
-            self._count_bad("malformed", f"unexpected {type(msg).__name__} from {identity!r}")
-
-    def _not_allowed(self, msg: Any, key: bytes | None) -> str | None:
-        """With keys, a learner id is bound to its key: a message for learner m must come from
-        learner-m's key, and an observer key may only fetch the global model and the status."""
-        if self.keys is None:
-            return None
-        peer = self.keys.allowed.get(key or b"")
-        if peer is None:
-            return "no allowed key"  # (the handshake already refuses unknown keys)
-        if isinstance(msg, (FetchGlobal, StatusRequest)):
-            return None
-        claimed = msg.source if isinstance(msg, PeerState) else getattr(msg, "learner", None)
-        if peer.role != "learner" or peer.learner != claimed:
-            who = f"learner {peer.learner}" if peer.role == "learner" else "an observer"
-            return f"the key is {who}'s, not learner {claimed}'s"
-        return None
+        principal = None
+        if self.keys is not None:
+            peer = self.keys.allowed.get(key or b"")
+            principal = None if peer is None else Principal(peer.role, peer.learner)
+        self.recorder.receive(now, identity, principal, frames)
+        self._emit(self.session.receive(identity, msg, now, principal))
 
     def _count_bad(self, kind: str, text: str) -> None:
-        self.counts[kind] += 1
+        self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind not in self._warned:  # say it once per kind; the status file keeps counting
             self._warned.add(kind)
             log.warning("%s (dropped; further ones are counted silently)", text)
 
-    def _on_register(self, identity: bytes, msg: Register, now: float) -> None:
-        if self.end_stage is not None:  # too late to take part: the learner hears the run is over
-            self._send(identity, RunEnd("done", self.end_reason))
-            return
-        mismatch = first_mismatch(self.spec, msg.params)
-        if mismatch is None and msg.layout != self.layout.digest:
-            mismatch = (
-                f"layout {msg.layout} != {self.layout.digest}: use the same algo.num_fragments, "
-                "algo.fragment_strategy and algo.sync_every on learners and syncer"
-            )
-        if mismatch is not None:
-            reason = f"model does not match the syncer's fragment layout: {mismatch}"
-            self._send(identity, JoinReply(False, reason, self.epoch, 0, self.core.owned))
-            return
-        out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
-        if out.refused:  # only a Join is refused, and only the joiner: the id stays with its holder
-            r = out.refused[0]
-            self._send(identity, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s))
-        else:
-            self.identities[msg.learner] = identity
-            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
-            self._send(identity, reply)  # before the fragments it announces
-        self._emit(out)
-
-    def _relay(self, msg: PeerStateRequest | PeerState, now: float) -> None:
-        """Optimizer state for a rejoining learner goes from a live peer through the syncer."""
-        if isinstance(msg, PeerStateRequest):
-            peers = [m for m in self.core.live(now) if m != msg.learner and m in self.identities]
-            if peers:
-                self._send(self.identities[peers[0]], msg)
-            else:
-                self._send(self.identities[msg.learner], PeerState(msg.learner, -1, [], {}))
-        else:
-            target = self.identities.get(msg.learner)
-            if target is not None:
-                self._send(target, msg)
-
-    def _global_state(self) -> GlobalState:
-        tensors = {}
-        for p in self.core.owned:
-            for i, v in enumerate(self.core.fragments[p].values):
-                tensors[f"{p}.{i}"] = v
-        versions = {str(p): self.core.fragments[p].version for p in self.core.owned}
-        return GlobalState(versions, self.core.global_tokens, tensors, run_ended=self.end_stage == "done")
-
     # -- the loop --------------------------------------------------------------------------
 
     def serve(self, max_seconds: float | None = None) -> None:
-        """Run until ``stop()`` (or ``max_seconds``), then flush, persist and close."""
+        """Run until ``stop()`` (or ``max_seconds``, or the run's end), then flush, persist and close."""
         rt = self.cfg.runtime
         end = None if max_seconds is None else self.clock.monotonic() + max_seconds
         log.info(
@@ -334,83 +252,32 @@ class SyncerService:
             log.error("%s", e)
             self.sock.close()
             self.store.close()
+            self.recorder.close()
             raise DDiLoCoError(str(e)) from None
         self.shutdown()
 
     def _loop(self, rt: RuntimeConfig, end: float | None) -> None:
         while not self.stopping and (end is None or self.clock.monotonic() < end):
             now = self.clock.monotonic()
-            # Sleep until a message, the core's next deadline or the next chore: no idle spinning.
-            wake_at = min(t for t in (self.core.next_deadline(now), self._next_chore(rt)) if t is not None)
+            # Sleep until a message, the session's next deadline or the next chore: no idle spinning.
+            wake_at = min(self.session.next_deadline(now), self._next_chore(rt))
             wait = min(max(0.0, wake_at - now), 0.25)  # 0.25 s: stop() is seen soon enough
             for identity, frames, key in self.sock.recv(wait, limit=1000):  # bounded so chores still run
                 self.handle(identity, frames, key)
-            self._emit(self.core.poll(self.clock.monotonic()))
-            self._advance_end(self.clock.monotonic())
+            now = self.clock.monotonic()
+            self.recorder.tick(now)
+            self._emit(self.session.tick(now))
             self._chores(rt)
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
         self.stopping = True
 
-    # -- the run's end -----------------------------------------------------------------------
-
-    def budget_spent(self) -> str | None:
-        """Why the run is over (its token or time budget is spent), or None."""
-        tokens, limit = self.core.global_tokens, self.cfg.run.processed_tokens
-        if tokens >= limit:
-            return f"{tokens:,.0f} global tokens merged, the budget is {limit:,} (run.processed_tokens)"
-        elapsed, duration = self.run_age(), self.cfg.runtime.duration_s
-        if elapsed >= duration:
-            return f"{elapsed:,.0f} s since the run started, the budget is {duration:,.0f} s (runtime.duration_s)"
-        return None
+    # -- chores ----------------------------------------------------------------------------
 
     def run_age(self) -> float:
         """Seconds since the run started (``run.json``'s started_at), on the monotonic clock."""
-        return self._age_at_start + self.clock.monotonic() - self._started
-
-    def end_run(self, reason: str) -> None:
-        """End the run now (as if its budget were spent): learners stop, the final sync merges
-        their remaining progress, the final model and summary are written, then serve returns."""
-        if self.end_stage is None:
-            self._begin_end(reason, self.clock.monotonic())
-
-    def _begin_end(self, reason: str, now: float) -> None:
-        log.info("the run is over: %s; stopping the learners for the final sync", reason)
-        self.end_stage, self.end_reason = "stop", reason
-        self._broadcast(RunEnd("stop", reason))
-        self._emit(self.core.flush(now, final=True))
-        # The learners apply the versions this flush made before the final sync asks them
-        # (an answer anchored at an older base would count that progress twice).
-        self._end_next = now + max(0.5, 2 * self.cfg.runtime.heartbeat_interval_s)
-
-    def _advance_end(self, now: float) -> None:
-        """Move the run's end along: stop -> final sync -> done -> (linger) -> leave serve."""
-        rt = self.cfg.runtime
-        if self.end_stage is None:
-            reason = self.budget_spent()
-            if reason is not None:
-                self._begin_end(reason, now)
-        elif self.end_stage == "stop" and now >= self._end_next:
-            self.end_stage = "final"
-            self._emit(self.core.final_sync(now))
-            # every live learner answers at once; a silent one stops being waited for at its liveness timeout
-            self._end_next = now + self.cfg.algo.liveness_timeout_s + 2 * rt.heartbeat_interval_s
-        elif self.end_stage == "final" and (not self.core.rounds or now >= self._end_next):
-            if self.core.rounds:
-                self._emit(self.core.flush(now, final=True))
-            self.end_stage = "done"
-            self._broadcast(RunEnd("done", self.end_reason))
-            self.write_final_model()
-            self._run_event("end", self.end_reason)
-            log.info("final sync done; final model written to %s", self.run_dir / "final")
-            self._end_next = now + rt.end_linger_s
-        elif self.end_stage == "done" and now >= self._end_next:
-            self.stopping = True
-
-    def _broadcast(self, msg: Any) -> None:
-        for identity in self.identities.values():
-            self._send(identity, msg)
+        return self.session.run_age(self.clock.monotonic())
 
     def _run_event(self, what: str, reason: str) -> None:
         """Append to metrics/run.jsonl (shard 0 speaks for the run). A failed write is said
@@ -423,19 +290,18 @@ class SyncerService:
             log.warning("cannot record %r in %s: %s", what, self.run_dir / "metrics" / "run.jsonl", e)
 
     def _progress_line(self) -> str:
-        versions = [self.core.fragments[p].version for p in self.core.owned]
-        elapsed = self.run_age()
+        view = self.session.view(self.clock.monotonic())
+        versions = [f.version for f in view.fragments]
+        stage = self.session.end_stage
         return (
-            f"syncer shard {self.shard}: {self.core.global_tokens:,.0f} / {self.cfg.run.processed_tokens:,} global tokens, "
-            f"{elapsed:,.0f} / {self.cfg.runtime.duration_s:,.0f} s, {len(self.core.live(self.clock.monotonic()))} "
-            f"live learners, versions {min(versions)}..{max(versions)}"
-            + (f", ending ({self.end_stage})" if self.end_stage else "")
+            f"syncer shard {self.shard}: {self.session.fleet.processed_tokens():,.0f} / "
+            f"{self.cfg.run.processed_tokens:,} tokens processed, {view.merged_tokens:,.0f} merged, "
+            f"{self.run_age():,.0f} / {self.cfg.runtime.duration_s:,.0f} s, {len(view.live)} live learners, "
+            f"versions {min(versions)}..{max(versions)}" + (f", ending ({stage})" if stage else "")
         )
 
     def _next_chore(self, rt: RuntimeConfig) -> float:
         return min(
-            self._end_next if self.end_stage is not None else float("inf"),
-            self._last_heartbeat + rt.heartbeat_interval_s,
             self._last_snapshot + rt.snapshot_interval_s,
             self._last_status + rt.status_interval_s,
             self._last_metrics + rt.metrics_interval_s,
@@ -443,13 +309,9 @@ class SyncerService:
 
     def _chores(self, rt: RuntimeConfig) -> None:
         mono = self.clock.monotonic()
-        if mono - self._last_heartbeat >= rt.heartbeat_interval_s:
-            self._last_heartbeat = mono
-            for identity in self.identities.values():
-                self._send(identity, SyncerHeartbeat(self.epoch, self.shard))
         if mono - self._last_snapshot >= rt.snapshot_interval_s:
             self._last_snapshot = mono
-            snapshot(self.store, self.core)
+            self.snapshot()
         if mono - self._last_status >= rt.status_interval_s:
             self._last_status = mono
             self.write_status()
@@ -457,6 +319,10 @@ class SyncerService:
             self._last_metrics = mono
             self.write_learner_metrics()
         self._progress.maybe(self._progress_line)
+
+    def snapshot(self) -> Path:
+        """Write every owned fragment and the meta state as one snapshot."""
+        return self.store.snapshot(self.session.records(self.core.owned), self.session.meta())
 
     def status(self) -> dict[str, Any]:
         """This shard's figures: the fleet view (``fleet_status``) and the process's counters.
@@ -468,9 +334,9 @@ class SyncerService:
             "cpu_s": time.process_time(),
             "wall_s": now - self._started,
             **self.counts,
-            "run_end": self.end_stage,
-            "end_reason": self.end_reason,
-            **fleet_status(self.core, now, shard=self.shard, epoch=self.epoch, run_time_s=self.run_age()),
+            "run_end": self.session.end_stage,
+            "end_reason": self.session.end_reason,
+            **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age()),
         }
 
     def write_status(self) -> None:
@@ -480,8 +346,7 @@ class SyncerService:
         """Append one record per learner to metrics/learners.jsonl (shard 0 only: every shard
         hears every learner's heartbeats, one copy is enough)."""
         if self.shard == 0:
-            records = learner_records(self.core, self.clock.monotonic(), self.run_age())
-            self._learner_metrics.append(records)
+            self._learner_metrics.append(learner_records(self.session, self.clock.monotonic(), self.run_age()))
 
     def shutdown(self) -> None:
         """Close open rounds, make everything durable, write the final model, close the socket
@@ -489,16 +354,17 @@ class SyncerService:
 
         Stopped before the run's end (a signal, a requeue), the run is marked interrupted and
         its summary partial; a later start on the folder resumes it."""
-        ended = self.end_stage == "done"
+        ended = self.session.end_stage == "done"
         try:
-            self._emit(self.core.flush(self.clock.monotonic()))
-            snapshot(self.store, self.core)
+            self._emit(self.session.shutdown(self.clock.monotonic()))
+            self.snapshot()
             self.write_status()
             self.write_learner_metrics()  # the learners' last figures, for the summary
             self.write_final_model()
         finally:
             self.sock.close()
             self.store.close()
+            self.recorder.close()
         if not ended:
             self._run_event("interrupted", "the syncer was stopped before the run's end")
         if self.shard == 0:
@@ -523,7 +389,7 @@ class SyncerService:
             "event": "eval",
             "time": self.run_age(),
             "tokens": 0,
-            "merged_tokens": self.core.global_tokens,
+            "merged_tokens": self.core.merged_tokens,
             "loss": loss,
             "final": True,
             "unit": loss_unit(wl),
@@ -545,46 +411,60 @@ class SyncerService:
         return save_state_dict({k: v for k, v in full.items() if self.num_shards == 1 or k in owned_names}, path)
 
 
-def bind_syncer(
+def open_syncer(
     cfg: Config,
     bind: str,
     run_dir: str | Path,
+    *,
+    model: nn.Module | None = None,
+    embedding_like: Callable[[str], bool] | None = None,
     shard: int = 0,
     num_shards: int = 1,
     keys_dir: str | Path | None = None,
     insecure: bool = False,
-    model: nn.Module | None = None,
-    embedding_like: Callable[[str], bool] | None = None,
-) -> SyncerService:
-    """A syncer service on a ZeroMQ socket bound to ``bind`` (what ``ddiloco syncer`` runs).
+    transport: SyncerSocket | None = None,
+    fsync: bool = True,
+) -> tuple[SyncerService, str]:
+    """A syncer shard serving at ``bind`` and the address it bound (``PORT`` may be ``*``): the
+    one construction path of ``ddiloco syncer`` and ``ddiloco.SyncerServer``.
 
-    Off this machine CURVE is on by default: without ``keys_dir`` the syncer refuses to bind
-    anything but loopback unless ``insecure`` is given, and then says so."""
-    torch.set_num_threads(1)
+    Off this machine CURVE is on by default: without keys the syncer refuses to bind anything
+    but loopback unless ``insecure`` is given, and then says so. ``model``: the initial global
+    model (default: the config's workload builds it, and the syncer evaluates the final model
+    on it); ``transport``: an in-process socket instead of ZeroMQ (tests)."""
+    import zmq
+
+    torch.set_num_threads(1)  # the syncer merges on one core; the learners need the rest
     keys = ServerKeys.load(keys_dir) if keys_dir is not None else None
-    if keys is None and not is_local(bind):
+    if keys is None and not is_local(bind) and transport is None:
         if not insecure:
             raise DDiLoCoError(
                 f"binding {bind} without keys lets anyone who can reach it join, read and steer the model: make "
-                "keys with `ddiloco keys DIR --learners M` and pass --keys DIR, or pass --insecure on a trusted network"
+                "keys with `ddiloco keys DIR --learners M` and pass them (--keys DIR, or keys=DIR in Python), or "
+                "--insecure (insecure=True) on a trusted network"
             )
-        log.warning("INSECURE: %s accepts any peer without authentication or encryption (--insecure)", bind)
+        log.warning("INSECURE: %s accepts any peer without authentication or encryption", bind)
     from_workload = model is None
     if model is None:
         wl = load_workload(cfg.workload)
         model = wl.build_model(cfg.run.seed)
         embedding_like = embedding_like or wl.is_embedding_like
-    largest = max(p.numel() for p in model.parameters())
-    try:
-        sock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
-    except Exception as e:  # zmq.ZMQError: one line, not a trace
-        raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another --bind)") from None
+    address = bind
+    if transport is None:
+        largest = max(p.numel() for p in model.parameters())
+        try:
+            zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
+        except zmq.ZMQError as e:
+            raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another)") from None
+        address = bytes(zsock.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+        transport = zsock
     try:
         service = SyncerService(
-            cfg, sock, run_dir, shard, num_shards, keys=keys, model=model, embedding_like=embedding_like
-        )
-        service.evaluates = from_workload
-        return service
+            cfg, transport, run_dir, shard, num_shards, fsync=fsync, keys=keys, model=model,
+            embedding_like=embedding_like,
+        )  # fmt: skip
     except BaseException:
-        sock.close()
+        transport.close()
         raise
+    service.evaluates = from_workload
+    return service, address

@@ -47,7 +47,7 @@ from ddiloco.protocol.messages import (
     SyncerHeartbeat,
 )
 
-SCHEMA = 3  # 2: incarnations and sequence numbers, Register replaces Join; 3: RunEnd, heartbeat progress, status query
+SCHEMA = 4  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 MESSAGES: dict[str, type] = {
     cls.__name__: cls

@@ -1,18 +1,24 @@
-"""Deterministic virtual-time runtime: M real torch learners and the syncer in one process.
+"""Deterministic virtual-time runtime: M real torch learners and the syncer shards in one process.
 
-Every duration comes from the cost model in ``VirtualTimeConfig`` (step time / speed x straggler
-factor x noise, transfer = latency + bytes / bandwidth), never from the wall clock. Events run
-in (time, actor, sequence) order on one thread, so the same config and seed give bit-identical
-results. Chaos, data and speed noise each draw from their own seeded stream.
+It pumps the same protocol sessions as the real runtime (``ddiloco.protocol``): each learner
+process is a ``LearnerSession`` around its own model, optimizer and data; each syncer shard a
+``SyncerSession`` with an in-memory store that has the real store's semantics. What this driver
+adds is virtual time: every duration comes from the cost model in ``VirtualTimeConfig`` (step
+time / speed x straggler factor x noise, transfer = latency + jitter + bytes / bandwidth, in
+order per link as on a TCP connection), never from the wall clock, and faults come from the
+chaos schedule or are placed exactly (``sim/faults.py``). Events run in (time, actor, sequence)
+order on one thread, so the same config, faults and seed give bit-identical results. Chaos,
+data, speed noise and network jitter each draw from their own seeded stream.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,42 +29,64 @@ from torch import nn
 from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
 from ddiloco.config import Config
 from ddiloco.core.fragments import read_fragment, write_fragment
-from ddiloco.core.learner import LearnerCore
-from ddiloco.core.messages import Ack, FragmentRequest, FragmentUpdate, Heartbeat, Join, LearnerMessage
-from ddiloco.core.syncer import Output, Syncer
-from ddiloco.core.tape import TapeRecord
-from ddiloco.report.accounting import TimeAccount, fleet_goodput, uptime
+from ddiloco.core.messages import FragmentUpdate
+from ddiloco.core.syncer import Syncer
+from ddiloco.core.tape import RoundRecord, TapeRecord
+from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession, Registration
+from ddiloco.protocol.messages import GlobalState, PeerState
+from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
+from ddiloco.report.accounting import State, TimeAccount, fleet_goodput, uptime
+from ddiloco.report.invariants import Incarnation, Restore, Violation, check_run
 from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.sim.faults import Fault, KillLearner, Partition, RestartSyncer, Slow, SlowLink
+from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
-from ddiloco.training.layout import ModelLayout, layout_for
+from ddiloco.training.layout import ModelLayout, layout_for, param_spec
+from ddiloco.training.peer_state import load_state, state_message
 from ddiloco.workloads.base import DataStream, Workload, loss_unit
 
-SYNCER = 1 << 30  # actor id of the syncer in the event order (after every learner)
+SYNCER = 1 << 30  # actor ids of the syncer shards in the event order (after every learner)
 MAX_TIME_FACTOR = 4.0
-"""A token-budget run that has not processed its tokens by this multiple of T ends there."""
+"""A token-budget run that has not processed its tokens by this multiple of T ends there (the
+syncer's time budget: a fleet that cannot get there, every learner down, still ends)."""
+HEADER_BYTES = 64
+"""What a message costs on the wire besides its tensors."""
 
 
 @dataclass
 class SimLearner:
-    """One learner's model, optimizer, data and protocol state inside the simulation."""
+    """One learner: its model, optimizer and data, and the process (session) running it now."""
 
     id: int
     model: nn.Module
     params: dict[str, torch.Tensor]
     opt: torch.optim.Optimizer
     stream: DataStream
-    core: LearnerCore
     speed: float
     noise: np.random.Generator
-    account: TimeAccount = field(default_factory=TimeAccount)
-    gen: int = 0  # incarnation: events of a failed incarnation are dropped
-    inbox: list[FragmentUpdate] = field(default_factory=list)
+    account: TimeAccount = field(default_factory=lambda: TimeAccount("starting"))
+    gen: int = 0
+    """Its process's incarnation: events of a dead process are dropped."""
+    session: LearnerSession | None = None
+    """The running process's protocol (None while it is down)."""
+    training: bool = False
+    """Its join is complete and it has started stepping (this incarnation)."""
+    stepping: bool = False
+    """A step is under way (its end is scheduled)."""
     lost_steps: float = 0.0
     failures: int = 0
-    loss: float | None = None  # the last inner step's training loss
-    bytes_sent: int = 0  # contribution bytes of this incarnation
-    incarnation_start: tuple[float, int, int] = (0.0, 0, 0)  # (busy_s, tokens, steps) at its start
+    loss: float | None = None
+    """The last inner step's training loss."""
+    tokens_processed: int = 0
+    """Tokens of every inner step it took, all incarnations."""
+    steps_taken: int = 0
+    """Inner steps it took, all incarnations."""
+    incarnation_start: tuple[float, int, int] = (0.0, 0, 0)
+    """(busy_s, tokens, steps) when its current incarnation started."""
+    down_since: float | None = None
+    record: int = 0
+    """Index of its current process in ``Simulation.incarnations``."""
 
     def busy_s(self, now: float) -> float:
         """Seconds in inner steps so far, all incarnations."""
@@ -67,7 +95,21 @@ class SimLearner:
 
     @property
     def up(self) -> bool:
-        return self.account.state in ("compute", "blocked")
+        return self.session is not None
+
+
+@dataclass
+class SimShard:
+    """One syncer shard: the fragments it owns, its store, and its session while it is up."""
+
+    index: int
+    owned: list[int]
+    store: MemoryStore = field(default_factory=MemoryStore)
+    session: SyncerSession | None = None
+    epoch: int = 0
+    rounds_closed: int = 0
+    done: bool = False
+    """Its final model is written (the run's end reached it)."""
 
 
 class Simulation:
@@ -82,8 +124,10 @@ class Simulation:
         workload: Workload,
         on_progress: Callable[[float, float], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        faults: Sequence[Fault] = (),
     ) -> None:
-        """``should_stop``: polled between events; True ends the run early (a partial result)."""
+        """``should_stop``: polled between events; True ends the run early (a partial result).
+        ``faults``: placed exactly, besides the config's chaos schedule (the fault harness)."""
         self.cfg, self.wl, self.on_progress = cfg, workload, on_progress
         self.should_stop = should_stop
         self.interrupted = False
@@ -93,7 +137,8 @@ class Simulation:
         base = workload.build_model(r.seed)
         self.model_layout: ModelLayout = layout_for(base, workload, a)
         self.layout = self.model_layout.fragments
-        self.syncer = Syncer(a, self.layout, dict(base.named_parameters()), self.model_layout.embedding_like)
+        self.initial = {k: v.detach().clone() for k, v in base.named_parameters()}
+        self.registration = Registration(param_spec(base), self.model_layout.digest)
         self.tape: list[TapeRecord] = []
         self.eval_model = copy.deepcopy(base)
         self.eval_batches = workload.eval_batches()
@@ -110,7 +155,6 @@ class Simulation:
                     dict(model.named_parameters()),
                     make_optimizer(model, cfg.inner),
                     stream,
-                    LearnerCore(a, m, self.layout.num_fragments),
                     speeds[m],
                     np.random.default_rng([r.seed, 0x5EED, m]),
                 )
@@ -120,23 +164,43 @@ class Simulation:
         self.tokens_per_step = first.tokens
         steps = math.ceil(r.processed_tokens / (m_count * self.tokens_per_step))
         self.horizon = steps * s.step_time_s  # T: a healthy fleet's time for the budget
-        # A token budget ends the run when the fleet has processed N tokens; this bound only
-        # stops a run that cannot get there (every learner down, or waiting for ever).
-        self.time_limit = self.horizon if r.budget == "time" else MAX_TIME_FACTOR * self.horizon
-        self.end_time = self.horizon
-        self.processed = 0  # tokens of every applied inner step, all learners
-        self.ending = False  # the run is over: no more steps, messages are applied at once
+        # The run's end is the syncer's decision, as in a real run: tokens processed (as the
+        # learners report them), or the time budget, whichever comes first.
+        if r.budget == "time":
+            self.budget = Budget(math.inf, r.merged_tokens, self.horizon, 'run.budget = "time"')
+        else:
+            limit = MAX_TIME_FACTOR * self.horizon
+            self.budget = Budget(
+                r.processed_tokens, r.merged_tokens, limit, f"{MAX_TIME_FACTOR:g} x T, the safety bound"
+            )
+        self.hard_limit = MAX_TIME_FACTOR * self.horizon + 10 * (a.liveness_timeout_s + cfg.runtime.end_linger_s)
+        self.processed = 0  # tokens of every applied inner step, all learners (what the evaluations follow)
         self.eval_tokens = [r.processed_tokens * k / (r.eval_points + 1) for k in range(1, r.eval_points + 1)]
         self.chaos: ChaosSchedule = make_schedule(cfg.chaos, m_count, self.horizon, r.seed)
-        self.fragment_bytes = [4 * n for n in self.layout.sizes()]
+        self.faults = list(faults)
+        self._fired: set[int] = set()  # faults placed once that have happened
         self.net = np.random.default_rng([r.seed, 0x7E7])  # network jitter stream
         self.events: list[tuple[float, int, int, str, Any]] = []
         self.seq = itertools.count()
         self.now = 0.0
+        self.end_time: float | None = None
+        """When the syncer ended the run (the learners' allocated time stops there)."""
         self.evals: list[dict[str, float]] = []
         self.log: list[dict[str, Any]] = []
-        self._wakes: set[float] = set()
+        self.outages: list[tuple[int, float, float]] = []
+        self.served: dict[int, int] = {}
+        """Per fragment, the newest version sent to anyone (no restart may lose it)."""
+        self.restores: list[Restore] = []
+        """Each shard restart: when, the versions it came back with, and what it had served."""
+        self.incarnations: list[Incarnation] = []
+        """Every learner process: when it started and died."""
+        self._wakes: set[tuple[int, float]] = set()
+        self._last_arrival: dict[tuple[int, int], float] = {}
         self._next_sample = 0.0
+        num_shards = s.syncer_shards
+        self.shards = [
+            SimShard(k, [p for p in range(self.layout.num_fragments) if p % num_shards == k]) for k in range(num_shards)
+        ]
 
     # -- event plumbing --------------------------------------------------------------------
 
@@ -149,148 +213,320 @@ class Simulation:
         jitter = float(self.net.exponential(s.jitter_s)) if s.jitter_s > 0 else 0.0
         return s.latency_s + jitter + nbytes * 8 / (s.bandwidth_gbps * 1e9)
 
-    def _to_syncer(self, msg: Any, nbytes: int = 64) -> None:
-        self._at(self.now + self._transfer_s(nbytes), SYNCER, "syncer_msg", msg)
+    def _partitioned(self, m: int) -> bool:
+        return any(
+            isinstance(f, Partition) and f.learner == m and f.start_s <= self.now < f.start_s + f.duration_s
+            for f in self.faults
+        )
 
-    def _dispatch(self, out: Output) -> None:
-        """Keep the tape; deliver requests after a latency, updates after merge + transfer."""
-        self.tape += out.tape
-        outs = out.messages
-        merged: dict[int, int] = {}
-        for o in outs:
-            if isinstance(o, FragmentUpdate) and o.reason == "merged":
-                merged[o.fragment] = merged.get(o.fragment, 0) + 1
-        for o in outs:
-            if isinstance(o, FragmentRequest):
-                self._at(self.now + self._transfer_s(64), o.learner, "learner_msg", o)
-            else:
-                nbytes = self.fragment_bytes[o.fragment]
-                merge_s = merged.get(o.fragment, 0) * nbytes / (self.cfg.sim.merge_gbps * 1e9)
-                self._at(self.now + merge_s + self._transfer_s(nbytes), o.learner, "learner_msg", o)
-        deadline = self.syncer.next_deadline(self.now)
-        if deadline is not None and deadline not in self._wakes:
-            self._wakes.add(deadline)
-            self._at(deadline, SYNCER, "syncer_wake")
+    def _deliver(self, src: int, dst: int, kind: str, data: Any, nbytes: int, extra_s: float = 0.0) -> None:
+        """Send one message over the link src -> dst: it arrives after its transfer time, never
+        before an earlier message of the same link (a TCP connection keeps order)."""
+        learner = src if src < SYNCER else dst
+        for f in self.faults:
+            if isinstance(f, SlowLink) and f.learner == learner and f.start_s <= self.now < f.end_s:
+                extra_s += f.extra_s
+        arrival = max(self.now + extra_s + self._transfer_s(nbytes), self._last_arrival.get((src, dst), 0.0))
+        self._last_arrival[(src, dst)] = arrival
+        self._at(arrival, dst, kind, data)
 
-    # -- learners --------------------------------------------------------------------------
+    # -- learners: the process side ----------------------------------------------------------
+
+    def _start_process(self, ln: SimLearner) -> None:
+        """A learner process starts: a new incarnation registers and takes the global state."""
+        cfg = self.cfg
+        ln.session = LearnerSession(
+            cfg.algo,
+            cfg.runtime,
+            ln.id,
+            ln.gen,
+            self.layout,
+            self.registration,
+            self.now,
+            num_shards=len(self.shards),
+            wants_peer_state=True,
+        )
+        ln.training = ln.stepping = False
+        ln.incarnation_start = (ln.busy_s(self.now), ln.tokens_processed, ln.steps_taken)
+        ln.record = len(self.incarnations)
+        self.incarnations.append(Incarnation(ln.id, ln.gen, self.now))
+        self._learner_tick(ln)
+
+    def _learner_out(self, ln: SimLearner, out: LearnerOutput) -> None:
+        """Send what the session asked to send (a partitioned learner's messages are lost)."""
+        self.log += [{"event": "note", "learner": ln.id, "time": self.now, "text": n} for n in out.notes]
+        if self._partitioned(ln.id):
+            return
+        for send in out.send:
+            self._deliver(ln.id, SYNCER + send.shard, "to_syncer", (ln.id, send.shard, send.msg), _nbytes(send.msg))
+
+    def _learner_tick(self, ln: SimLearner) -> None:
+        """Run the session's deadlines due now, and wake it at its next one."""
+        if ln.session is None:
+            return
+        self._learner_out(ln, ln.session.tick(self.now))
+        if not ln.training and not ln.stepping:
+            self._after_idle_boundary(ln)  # the join timeout may have passed
+        deadline = ln.session.next_deadline(self.now)
+        if deadline is not None and deadline > self.now and (ln.id, deadline) not in self._wakes:
+            self._wakes.add((ln.id, deadline))
+            self._at(deadline, ln.id, "learner_tick", (ln.gen, deadline))
+
+    def _on_learner_message(self, ln: SimLearner, shard: int, msg: Any) -> None:
+        if ln.session is None:
+            return  # a dead process receives nothing
+        self._learner_out(ln, ln.session.receive(shard, msg, self.now))
+        if not ln.stepping:  # joining, blocked or finishing: the boundary runs as messages arrive
+            self._boundary(ln, ln.session.boundary(self.now))
+            self._after_idle_boundary(ln)
+        self._learner_tick(ln)
+
+    def _after_idle_boundary(self, ln: SimLearner) -> None:
+        session = ln.session
+        if session is None or session.stopped:
+            return
+        if not ln.training:
+            if session.ready(self.now):  # the join is complete: train from the global state
+                ln.training = True
+                if session.data_position:
+                    ln.stream.seek(session.data_position)
+                self._switch(ln, "compute")
+                self._start_step(ln)
+        elif ln.account.state == "blocked":
+            self._continue_or_block(ln)
+
+    def _boundary(self, ln: SimLearner, plan: BoundaryPlan) -> None:
+        """What the learner's training thread does at a boundary: write, load, read, send."""
+        session = ln.session
+        assert session is not None
+        for u, receipt in plan.apply:
+            write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha)
+        ps = plan.peer_state
+        if ps is not None and ps.source >= 0 and ps.tensors:
+            problem = load_state(ln.opt, ps, torch.device("cpu"))
+            self.log.append(
+                {"event": "peer_state", "learner": ln.id, "time": self.now, "peer": ps.source, "problem": problem}
+            )
+        states = [state_message(ln.opt, who, ln.id) for who in plan.serve]
+        values = {p: read_fragment(ln.params, self.layout.fragments[p]) for p in plan.read}
+        self._learner_out(ln, session.complete(plan, values, states))
+
+    # -- learners: the training loop ----------------------------------------------------------
 
     def _step_duration(self, ln: SimLearner) -> float:
         d = self.cfg.sim.step_time_s / ln.speed * self.chaos.slowdown(ln.id, self.now)
+        for f in self.faults:
+            if isinstance(f, Slow) and f.learner == ln.id and f.start_s <= self.now < f.end_s:
+                d *= f.factor
         if self.cfg.sim.speed_noise > 0:
             d *= max(0.2, 1.0 + self.cfg.sim.speed_noise * float(ln.noise.standard_normal()))
         return d
 
     def _start_step(self, ln: SimLearner) -> None:
+        ln.stepping = True
         d = self._step_duration(ln)
         self._at(self.now + d, ln.id, "step_end", (ln.gen, d))
 
     def _on_step_end(self, ln: SimLearner, gen: int, duration: float) -> None:
-        if gen != ln.gen or self.ending:
-            return  # a step of a dead incarnation, or one that would end after the run
+        session = ln.session
+        if gen != ln.gen or session is None:
+            return  # a step of a dead incarnation
+        ln.stepping = False
         batch = ln.stream.next_batch()
-        lr = lr_at(ln.core.lr_tokens(), self.cfg.run.processed_tokens, self.cfg.inner)
+        lr = lr_at(session.core.fleet_tokens(), self.cfg.run.processed_tokens, self.cfg.inner)
         ln.model.train()
         loss = self.wl.loss(ln.model, batch)
         inner_step(ln.model, ln.opt, loss, lr, self.cfg.inner.grad_clip)
         ln.loss = float(loss.detach())
+        ln.tokens_processed += batch.tokens
+        ln.steps_taken += 1
+        self.processed += batch.tokens
         if self.now >= self._next_sample:
             self._sample()
-        sends = ln.core.on_step(batch.tokens)
-        self.processed += batch.tokens
-        if self.cfg.run.budget == "tokens":
-            while self.eval_tokens and self.processed >= self.eval_tokens[0]:
-                self.eval_tokens.pop(0)
-                self._record_eval()
-                if self.on_progress:
-                    self.on_progress(self.horizon * self.processed / self.cfg.run.processed_tokens, self.horizon)
-            if self.processed >= self.cfg.run.processed_tokens:
-                self.ending = True  # the budget is spent: this was the run's last step
-        self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, duration))
-        for p in sends:
-            self._send_fragment(ln, p)
-        for u in ln.inbox:
-            self._apply(ln, u)
-        ln.inbox.clear()
-        self._continue_or_block(ln)
+        plan = session.step(batch.tokens, duration, self.now, ln.stream.position, ln.loss)
+        self._boundary(ln, plan)
+        self._observe_tokens()
+        kill = next((f for i, f in enumerate(self.faults) if isinstance(f, KillLearner) and f.learner == ln.id
+                     and f.at_step == session.core.step and i not in self._fired), None)  # fmt: skip
+        if kill is not None:
+            self._fired.add(self.faults.index(kill))
+            back = None if kill.restart_after_s is None else self.now + kill.restart_after_s
+            self._fail(ln, back)
+            return
+        if not session.stopped:
+            self._continue_or_block(ln)
+        self._learner_tick(ln)
 
     def _continue_or_block(self, ln: SimLearner) -> None:
-        if ln.core.blocking_fragments(self.now):
-            if ln.account.state != "blocked":
-                ln.account.switch("blocked", self.now)
-            deadline = ln.core.block_deadline()
+        session = ln.session
+        assert session is not None
+        if session.core.blocking_fragments(self.now):
+            self._switch(ln, "blocked")
+            deadline = session.core.block_deadline()
             if deadline is not None:
                 self._at(deadline, ln.id, "unblock_check", ln.gen)
-            self._at(self.now + self.cfg.algo.liveness_timeout_s / 4, ln.id, "blocked_heartbeat", ln.gen)
         else:
-            if ln.account.state != "compute":
-                ln.account.switch("compute", self.now)
+            self._switch(ln, "compute")
             self._start_step(ln)
 
-    def _send_fragment(self, ln: SimLearner, p: int) -> None:
-        values = read_fragment(ln.params, self.layout.fragments[p])
-        ln.bytes_sent += self.fragment_bytes[p]
-        self._to_syncer(ln.core.contribution(p, values, ln.stream.position), self.fragment_bytes[p])
+    def _switch(self, ln: SimLearner, state: State) -> None:
+        if ln.account.state != state and self.end_time is None:
+            ln.account.switch(state, self.now)
 
-    def _apply(self, ln: SimLearner, u: FragmentUpdate) -> None:
-        receipt = ln.core.on_update(u)
-        if receipt.mode == "ignore":
+    # -- chaos and faults --------------------------------------------------------------------
+
+    def _fail(self, ln: SimLearner, back_at: float | None, restart_at: float | None = None) -> None:
+        """The learner's process dies: what it had not contributed is lost."""
+        session = ln.session
+        if session is None:
             return
-        write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha)
-        self._to_syncer(Ack(ln.id, ln.gen, u.fragment, u.version))
-
-    def _on_learner_msg(self, ln: SimLearner, msg: Any) -> None:
-        if not ln.up:
-            return  # a dead process receives nothing
-        if isinstance(msg, FragmentRequest):
-            ln.core.on_request(msg.fragment)
-            self._send_fragment(ln, msg.fragment)  # from the host copy: training never pauses
-        elif self.ending:
-            self._apply(ln, msg)  # training has stopped: nothing to wait for
-        elif ln.account.state == "blocked":
-            self._apply(ln, msg)
-            self._continue_or_block(ln)
-        else:
-            ln.inbox.append(msg)  # applied between inner steps
-
-    # -- chaos -----------------------------------------------------------------------------
-
-    def _on_fail(self, ln: SimLearner, restart_at: float, back_at: float) -> None:
         ln.gen += 1
         ln.failures += 1
-        ln.lost_steps += sum(ln.core.steps) / len(ln.core.steps)  # steps not yet contributed
-        ln.inbox.clear()
-        ln.account.switch("down", self.now)
-        ln.bytes_sent, ln.loss = 0, None
+        ln.lost_steps += sum(session.core.steps) / len(session.core.steps)  # steps not yet contributed
+        ln.session, ln.training, ln.stepping = None, False, False
+        self.incarnations[ln.record] = dataclasses.replace(self.incarnations[ln.record], end=self.now)
+        self._switch(ln, "down")
+        ln.loss, ln.down_since = None, self.now
         self.log.append({"event": "fail", "learner": ln.id, "time": self.now})
-        self._at(restart_at, ln.id, "restart_begin", None)
-        self._at(back_at, ln.id, "rejoin", None)
+        if back_at is not None:
+            restart_at = max(self.now, back_at - self.chaos.restart_s) if restart_at is None else restart_at
+            self._at(restart_at, ln.id, "restart_begin", ln.gen)
+            self._at(back_at, ln.id, "rejoin", ln.gen)
 
     def _on_rejoin(self, ln: SimLearner) -> None:
-        """Fetch every global fragment, warm the inner optimizer from a live peer, resume data."""
-        ln.core.incarnation = ln.gen  # a new process: the syncer drops its predecessor's messages
-        out = self.syncer.handle(Join(ln.id, ln.gen, []), self.now)
-        joins = [o for o in out.messages if isinstance(o, FragmentUpdate) and o.learner == ln.id and o.reason == "join"]
-        out.messages = [o for o in out.messages if not any(o is j for j in joins)]
-        ln.core.on_rejoin(self.syncer.max_step_seen)
-        for u in joins:
-            self._apply(ln, u)
-        peer = next((p for p in self.learners if p.up and p.id != ln.id), None)
+        """A new process: it registers, takes the global state, asks for a peer's optimizer
+        state and its data position, all through the protocol."""
         ln.opt = make_optimizer(ln.model, self.cfg.inner)
-        if peer is not None:
-            ln.opt.load_state_dict(copy.deepcopy(peer.opt.state_dict()))
-        ln.stream.seek(self.syncer.data_position(ln.id))
-        self.log.append(
-            {"event": "rejoin", "learner": ln.id, "time": self.now, "peer": None if peer is None else peer.id}
-        )
-        ln.account.switch("compute", self.now)
-        ln.incarnation_start = (ln.busy_s(self.now), ln.core.tokens_processed, ln.core.step)
-        self._dispatch(out)
-        self._start_step(ln)
+        if ln.down_since is not None:
+            self.outages.append((ln.id, ln.down_since, self.now))
+            ln.down_since = None
+        self.log.append({"event": "rejoin", "learner": ln.id, "time": self.now})
+        self._start_process(ln)
+
+    def _kill_shard(self, sh: SimShard, down_s: float) -> None:
+        if sh.session is None or sh.done:
+            return
+        sh.session = None
+        self.log.append({"event": "syncer_kill", "shard": sh.index, "time": self.now})
+        self._at(self.now + down_s, SYNCER + sh.index, "shard_up", sh.index)
+
+    def _start_shard(self, sh: SimShard) -> None:
+        """A shard (re)starts: a fresh core from the initial values, then what its store made
+        durable (never the object that was running before)."""
+        core = Syncer(self.cfg.algo, self.layout, self.initial, self.model_layout.embedding_like, sh.owned)
+        sh.epoch += 1
+        session = SyncerSession(
+            core, self.cfg.runtime, self.budget, self.registration, self.now,
+            shard=sh.index, epoch=sh.epoch, age_s=self.now,
+        )  # fmt: skip
+        records, meta = sh.store.restore()
+        session.restore(records, meta)
+        if sh.epoch > 1:  # a restart: it must come back with every version it had served
+            served = {p: v for p, v in self.served.items() if p in sh.owned}
+            self.restores.append(Restore(self.now, {p: r.version for p, r in records.items()}, served))
+        sh.session = session
+        self._syncer_tick(sh)
+
+    # -- the syncer shards ---------------------------------------------------------------------
+
+    def _syncer_out(self, sh: SimShard, out: SyncerOutput) -> None:
+        """Make durable, keep the tape, then send (merged versions after the modelled merge time)."""
+        session = sh.session
+        assert session is not None
+        if out.persist:
+            meta = session.meta()
+            for rec in session.records(out.persist):
+                sh.store.append(rec, meta)
+        self.tape += out.tape
+        if out.final_model:
+            sh.done = True
+        if session.end_stage is not None and self.end_time is None:
+            self._end(session.end_reason)
+        merged: dict[int, int] = {}
+        for _, msg in out.send:
+            if isinstance(msg, FragmentUpdate) and msg.reason == "merged":
+                merged[msg.fragment] = merged.get(msg.fragment, 0) + 1
+        for peer, msg in out.send:
+            extra = 0.0
+            if isinstance(msg, FragmentUpdate):
+                self.served[msg.fragment] = max(self.served.get(msg.fragment, 0), msg.version)
+                if msg.reason == "merged":
+                    nbytes = _nbytes(msg)
+                    extra = merged[msg.fragment] * nbytes / (self.cfg.sim.merge_gbps * 1e9)
+            if not self._partitioned(int(peer)):
+                self._deliver(SYNCER + sh.index, int(peer), "to_learner", (sh.index, msg), _nbytes(msg), extra)
+        closed = sum(1 for r in out.tape if isinstance(r, RoundRecord))
+        if closed:
+            sh.rounds_closed += closed
+            for f in self.faults:
+                due = isinstance(f, RestartSyncer) and f.shard == sh.index and f.after_rounds is not None
+                if due and sh.rounds_closed - closed < f.after_rounds <= sh.rounds_closed:
+                    self._kill_shard(sh, f.down_s)
+                    return
+
+    def _syncer_tick(self, sh: SimShard) -> None:
+        if sh.session is None:
+            return
+        self._syncer_out(sh, sh.session.tick(self.now))
+        self._wake_shard(sh)
+
+    def _wake_shard(self, sh: SimShard) -> None:
+        if sh.session is None:
+            return
+        deadline = sh.session.next_deadline(self.now)
+        key = (SYNCER + sh.index, deadline)
+        if deadline > self.now and key not in self._wakes:
+            self._wakes.add(key)
+            self._at(deadline, SYNCER + sh.index, "syncer_tick", (sh.epoch, deadline))
+
+    def _on_syncer_message(self, sh: SimShard, learner: int, msg: Any) -> None:
+        if sh.session is None:
+            return  # a dead shard receives nothing
+        self._syncer_out(sh, sh.session.receive(learner, msg, self.now))
+        self._wake_shard(sh)
+
+    def _end(self, reason: str) -> None:
+        """The syncer ended the run: the learners' allocated time stops here."""
+        self.end_time = self.now
+        for ln in self.learners:
+            ln.account.close(self.now)
+        self.log.append({"event": "end", "time": self.now, "reason": reason})
 
     # -- evaluation ------------------------------------------------------------------------
 
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The global model: each fragment's values from the shard that owns it."""
+        parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for sh in self.shards:
+            core = sh.session.core if sh.session is not None else None
+            for p in sh.owned:
+                values = core.fragments[p].values if core is not None else self._durable_values(sh, p)
+                for pc, v in zip(self.layout.fragments[p], values):
+                    parts.setdefault(pc.name, []).append((pc.row_start, v))
+        out = {}
+        for name, chunks in parts.items():
+            chunks.sort(key=lambda x: x[0])
+            out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
+        return out
+
+    def _durable_values(self, sh: SimShard, p: int) -> list[torch.Tensor]:
+        rec = sh.store.records.get(p)
+        if rec is not None:
+            return rec.values
+        return read_fragment(self.initial, self.layout.fragments[p])
+
+    def merged_tokens(self) -> float:
+        """Tokens merged into the global model: the mean over all fragments."""
+        total = 0.0
+        for sh in self.shards:
+            if sh.session is not None:
+                total += sh.session.core.merged_tokens * len(sh.owned)
+            else:
+                total += sum(r.tokens_merged for r in sh.store.records.values())
+        return total / max(1, self.layout.num_fragments)
+
     def _evaluate(self) -> float:
-        self.eval_model.load_state_dict(self.syncer.global_state(), strict=False)
+        self.eval_model.load_state_dict(self.global_state(), strict=False)
         return evaluate(self.wl, self.eval_model, self.eval_batches)
 
     def _record_eval(self, final: bool = False) -> None:
@@ -298,132 +534,159 @@ class Simulation:
         self.evals.append(
             {
                 "time": self.now,
-                "tokens": sum(ln.core.tokens_processed for ln in self.learners),
-                "merged_tokens": self.syncer.global_tokens,
+                "tokens": self.processed,
+                "merged_tokens": self.merged_tokens(),
                 "loss": loss,
                 "final": final,
             }
         )
 
+    def _observe_tokens(self) -> None:
+        """Evaluations at the configured fractions of the processed tokens (an observer's view:
+        the protocol does not see them)."""
+        if self.cfg.run.budget != "tokens":
+            return
+        while self.eval_tokens and self.processed >= self.eval_tokens[0]:
+            self.eval_tokens.pop(0)
+            self._record_eval()
+            if self.on_progress:
+                self.on_progress(self.horizon * self.processed / self.cfg.run.processed_tokens, self.horizon)
+
     # -- main loop -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        for ln in self.learners:  # every learner starts from the initial global values (version 0)
-            self._dispatch(self.syncer.handle(Join(ln.id, ln.gen, [0] * self.layout.num_fragments), 0.0))
-            self._start_step(ln)
+        for sh in self.shards:
+            self._start_shard(sh)
+        for ln in self.learners:  # every learner process starts and joins
+            self._start_process(ln)
         for o in self.chaos.outages:
-            restart_at = max(o.start_s, o.end_s - self.chaos.restart_s)
-            self._at(o.start_s, o.learner, "fail", (restart_at, o.end_s))
-        if self.cfg.run.budget == "time":  # else evaluations follow the tokens (_on_step_end)
+            self._at(o.start_s, o.learner, "fail", (max(o.start_s, o.end_s - self.chaos.restart_s), o.end_s))
+        for f in self.faults:
+            if isinstance(f, RestartSyncer) and f.at_s is not None:
+                self._at(f.at_s, SYNCER + f.shard, "shard_kill", f)
+        if self.cfg.run.budget == "time":  # else evaluations follow the tokens (_observe_tokens)
             for k in range(1, self.cfg.run.eval_points + 1):
-                self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + 1, "eval")
-        handlers = {
-            "step_end": lambda ln, d: self._on_step_end(ln, *d),
-            "learner_msg": self._on_learner_msg,
-            "fail": lambda ln, d: self._on_fail(ln, *d),
-            "restart_begin": lambda ln, d: ln.account.switch("restarting", self.now),
-            "rejoin": lambda ln, d: self._on_rejoin(ln),
-            "unblock_check": lambda ln, gen: gen == ln.gen
-            and ln.account.state == "blocked"
-            and self._continue_or_block(ln),
-            "blocked_heartbeat": lambda ln, gen: gen == ln.gen
-            and ln.account.state == "blocked"
-            and self._blocked_heartbeat(ln),
-        }
-        self.handlers = handlers
-        self._run_until(self.time_limit, stop_when_ending=True)
-        if not self.ending and not self.interrupted:
-            self.now = self.time_limit  # the time budget (or the safety bound) is what ended it
-        self.end_time = self.now
-        self.ending = True
-        for ln in self.learners:
-            ln.account.close(self.end_time)
-        if self.interrupted:  # keep what was done: close the open rounds, no final sync
-            self._dispatch(self.syncer.flush(self.now, final=True))
-        else:
-            self._final_sync()
+                self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + len(self.shards), "eval")
+        self._loop()
+        if self.end_time is None:  # interrupted (or a protocol that never ended: the hard limit)
+            self._end("interrupted" if self.interrupted else "hard time limit")
+            for sh in self.shards:
+                if sh.session is not None:
+                    self._syncer_out(sh, sh.session.shutdown(self.now))
         self._sample()
         self._record_eval(final=True)
         if self.on_progress:
-            self.on_progress(self.end_time, self.end_time)
+            self.on_progress(self.now, self.now)
         return self._result()
 
-    def _run_until(self, limit: float, stop_when_ending: bool = False, messages_only: bool = False) -> None:
-        """Process events in order up to ``limit`` (each kind by its handler)."""
-        while self.events and self.events[0][0] <= limit and not (stop_when_ending and self.ending):
-            if stop_when_ending and self.should_stop is not None and self.should_stop():
+    def _loop(self) -> None:
+        """Process events in order until every shard has ended the run (or a stop or limit)."""
+        handlers: dict[str, Callable[[int, Any], None]] = {
+            "step_end": lambda a, d: self._on_step_end(self.learners[a], *d),
+            "to_learner": lambda a, d: self._on_learner_message(self.learners[a], *d),
+            "to_syncer": lambda a, d: self._on_syncer_message(self.shards[a - SYNCER], d[0], d[2]),
+            "learner_tick": self._on_learner_tick,
+            "syncer_tick": self._on_syncer_tick,
+            "fail": lambda a, d: self._fail(self.learners[a], d[1], d[0]),
+            "restart_begin": lambda a, gen: gen == self.learners[a].gen
+            and self._switch(self.learners[a], "restarting"),
+            "rejoin": lambda a, gen: gen == self.learners[a].gen and self._on_rejoin(self.learners[a]),
+            "unblock_check": self._on_unblock_check,
+            "shard_kill": lambda a, f: self._kill_shard(self.shards[a - SYNCER], f.down_s),
+            "shard_up": lambda a, k: self._start_shard(self.shards[k]),
+            "eval": lambda a, d: self._timed_eval(),
+        }
+        while self.events and not all(sh.done for sh in self.shards):
+            if self.should_stop is not None and self.should_stop():
                 self.interrupted = True
                 return
             t, actor, _, kind, data = heapq.heappop(self.events)
-            if messages_only and kind not in ("syncer_msg", "syncer_wake", "learner_msg"):
-                continue  # after the run: no steps, faults or scheduled evaluations
+            if t > self.hard_limit:
+                return
             self.now = t
-            if kind == "syncer_msg":
-                self._dispatch(self._syncer_receive(data))
-            elif kind == "syncer_wake":
-                self._wakes.discard(t)
-                self._dispatch(self.syncer.poll(t))
-            elif kind == "eval":
-                self._record_eval()
-                if self.on_progress:
-                    self.on_progress(t, self.horizon)
-            else:
-                self.handlers[kind](self.learners[actor], data)
+            handlers[kind](actor, data)
 
-    def _final_sync(self) -> None:
-        """Merge every live learner's remaining progress, as the real syncer does at a run's
-        end: close the open rounds, let the learners apply those versions, then one final round
-        of every fragment asks each live learner for what it has not contributed yet."""
-        bound = self.cfg.algo.liveness_timeout_s + 1.0  # a silent learner stops being waited for
-        self._dispatch(self.syncer.flush(self.now, final=True))
-        self._run_until(self.now + bound, messages_only=True)
-        self._dispatch(self.syncer.final_sync(self.now))
-        self._run_until(self.now + bound, messages_only=True)
-        self._dispatch(self.syncer.flush(self.now, final=True))  # whatever a silent learner left open
+    def _on_learner_tick(self, actor: int, data: tuple[int, float]) -> None:
+        ln = self.learners[actor]
+        self._wakes.discard((actor, data[1]))
+        if data[0] == ln.gen:
+            self._learner_tick(ln)
+
+    def _on_syncer_tick(self, actor: int, data: tuple[int, float]) -> None:
+        sh = self.shards[actor - SYNCER]
+        self._wakes.discard((actor, data[1]))
+        if data[0] == sh.epoch:
+            self._syncer_tick(sh)
+
+    def _on_restart_begin(self, actor: int, gen: int) -> None:
+        if gen == self.learners[actor].gen:
+            self._switch(self.learners[actor], "restarting")
+
+    def _on_rejoin_event(self, actor: int, gen: int) -> None:
+        if gen == self.learners[actor].gen:
+            self._on_rejoin(self.learners[actor])
+
+    def _on_unblock_check(self, actor: int, gen: int) -> None:
+        ln = self.learners[actor]
+        if gen == ln.gen and ln.account.state == "blocked" and ln.session is not None and not ln.stepping:
+            self._continue_or_block(ln)
+
+    def _timed_eval(self) -> None:
+        if self.end_time is None:
+            self._record_eval()
+            if self.on_progress:
+                self.on_progress(self.now, self.horizon)
+
+    def invariants(self) -> list[Violation]:
+        """What must hold after the run (``report/invariants.py``), from its tape and what this
+        driver saw: served versions and restores, learner processes. A process is expected to
+        have merged once it ran three periods of H steps (at the nominal step time)."""
+        ended = self.end_time is not None and all(sh.done for sh in self.shards)
+        return check_run(
+            [r.to_json() for r in self.tape],
+            restores=self.restores,
+            incarnations=self.incarnations,
+            min_life_s=3 * self.cfg.algo.sync_every * self.cfg.sim.step_time_s,
+            run_end=self.end_time if ended else None,
+            fragments=range(self.layout.num_fragments),
+        )
 
     def _sample(self) -> None:
         """One metrics/learners.jsonl record per learner (counters of its current incarnation)."""
         self._next_sample = self.now + self.horizon / self.SAMPLES
         for ln in self.learners:
             busy0, tokens0, steps0 = ln.incarnation_start
-            state = "up" if ln.up else "down"
+            up = ln.session is not None
             self.samples.append(
                 {
                     "event": "learner",
                     "time": self.now,
                     "learner": ln.id,
                     "incarnation": ln.gen,
-                    "state": state,
-                    "steps": ln.core.step - steps0 if state == "up" else 0,
-                    "tokens": ln.core.tokens_processed - tokens0 if state == "up" else 0,
-                    "busy_s": ln.busy_s(self.now) - busy0 if state == "up" else 0.0,
+                    "state": "up" if up else "down",
+                    "steps": ln.steps_taken - steps0 if up else 0,
+                    "tokens": ln.tokens_processed - tokens0 if up else 0,
+                    "busy_s": ln.busy_s(self.now) - busy0 if up else 0.0,
                     "loss": ln.loss,
-                    "bytes_sent": ln.bytes_sent,
+                    "bytes_sent": ln.session.bytes_sent if ln.session is not None else 0,
                 }
             )
 
-    def _blocked_heartbeat(self, ln: SimLearner) -> None:
-        self._to_syncer(Heartbeat(ln.id, ln.gen, ln.core.step, 0.0))
-        self._at(self.now + self.cfg.algo.liveness_timeout_s / 4, ln.id, "blocked_heartbeat", ln.gen)
-
-    def _syncer_receive(self, msg: LearnerMessage) -> Output:
-        return self.syncer.handle(msg, self.now)
-
     def _result(self) -> RunResult:
-        gp = fleet_goodput([ln.account for ln in self.learners], self.end_time)
+        end = self.end_time if self.end_time is not None else self.now
+        gp = fleet_goodput([ln.account for ln in self.learners], end)
         need = self.cfg.algo.quorum_size or 1
-        outages = [(o.learner, o.start_s, o.end_s) for o in self.chaos.outages]
-        processed = sum(ln.core.tokens_processed for ln in self.learners)
+        outages = [*self.outages, *((ln.id, ln.down_since, end) for ln in self.learners if ln.down_since is not None)]
         tape = [r.to_json() for r in self.tape]
         return RunResult(
             method=self.cfg.run.method,
             final_loss=self.evals[-1]["loss"],
             evals=self.evals,
-            horizon_s=self.end_time,
-            tokens_processed=processed,
-            tokens_merged=self.syncer.global_tokens,
+            horizon_s=end,
+            tokens_processed=sum(ln.tokens_processed for ln in self.learners),
+            tokens_merged=self.merged_tokens(),
             goodput=gp,
-            uptime=uptime(outages, len(self.learners), min(need, len(self.learners)), self.end_time),
+            uptime=uptime(outages, len(self.learners), min(need, len(self.learners)), end),
             lost_steps=sum(ln.lost_steps for ln in self.learners),
             failures=sum(ln.failures for ln in self.learners),
             num_fragments=self.layout.num_fragments,
@@ -436,3 +699,12 @@ class Simulation:
             partial=self.interrupted,
             **summarise_tape(tape, self.layout.num_fragments),
         )
+
+
+def _nbytes(msg: Any) -> int:
+    """What a message costs on the wire: its tensors' bytes plus a header."""
+    values = getattr(msg, "values", None)
+    tensors = [v for v in values if isinstance(v, torch.Tensor)] if isinstance(values, list) else []
+    if isinstance(msg, (PeerState, GlobalState)):
+        tensors = list(msg.tensors.values())
+    return HEADER_BYTES + sum(t.numel() * t.element_size() for t in tensors)

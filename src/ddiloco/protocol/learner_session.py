@@ -1,0 +1,466 @@
+"""A learner's side of the protocol as one pure state machine: ``LearnerSession``.
+
+It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
+
+- the link to each syncer shard: registration (again, with backoff, when a shard goes silent or
+  restarts), the shard's epoch, its liveness, heartbeats; all timing is deadlines on the time it
+  is handed (``tick`` and ``next_deadline``);
+- the step boundary, in one order: apply what arrived (in arrival order), load a requested
+  optimizer state, answer the requests that could not be answered at once, push what a
+  lock-step learner sends on its own schedule, and snapshot the fragments the syncer will ask
+  for next, so that their requests are answered at once, from that snapshot;
+- the optimizer hand-off: a learner that joins a run under way (some fragment past version 0)
+  asks once, when its join is complete, for a live peer's optimizer state, and takes only the
+  answer to its own request; it serves its own state when asked;
+- the run's end as the syncer announces it.
+
+A boundary is two calls, because only the driver can touch the model: ``step`` (or ``boundary``
+when no step was taken) returns a ``BoundaryPlan`` (what to write into the model, which
+fragments to read to host memory); the driver acts on it and hands the values it read to
+``complete``, which returns the messages to send. ``receive`` and ``tick`` return messages too.
+Nothing here reads a clock, sleeps, logs, or touches a socket or a file: the simulator pumps a
+session in virtual time, ``ddiloco.Learner`` with a comm thread and a lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import FragmentLayout
+from ddiloco.core.learner import LearnerCore, Receipt
+from ddiloco.core.messages import (
+    LOSS_UNKNOWN,
+    MAX_BUSY_S,
+    MAX_COUNT,
+    MAX_LOSS,
+    MAX_STEP_TIME_S,
+    Ack,
+    Contribution,
+    FragmentRequest,
+    FragmentUpdate,
+    Heartbeat,
+    Leave,
+)
+from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.messages import (
+    JoinReply,
+    PeerState,
+    PeerStateRequest,
+    Register,
+    RunEnd,
+    SyncerHeartbeat,
+)
+
+EndStage = Literal["stop", "done"]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a learner tells the syncer about itself when it registers."""
+
+    params: list[list[Any]]
+    """[name, shape] of every model parameter, in order (the syncer checks them against its own)."""
+    layout: str
+    """Digest of its fragment layout (the syncer checks it against its own)."""
+    pid: int = 0
+    """Its process id (for the syncer's logs)."""
+    device: str = "cpu"
+    """Where it computes."""
+
+
+@dataclass(frozen=True)
+class Send:
+    """One message for the syncer shard ``shard``."""
+
+    shard: int
+    """Index of the shard's link (shard order)."""
+    msg: Any
+    """The message (``core.messages`` or ``protocol.messages``)."""
+
+
+@dataclass
+class LearnerOutput:
+    """What the driver must do after a call: send ``send`` in order, log ``notes``."""
+
+    send: list[Send] = field(default_factory=list)
+    """Messages to send, in order."""
+    notes: list[str] = field(default_factory=list)
+    """Things worth a line in the log (the session does no logging itself)."""
+
+    def extend(self, other: LearnerOutput) -> LearnerOutput:
+        self.send += other.send
+        self.notes += other.notes
+        return self
+
+
+@dataclass
+class BoundaryPlan:
+    """What the driver does at a step boundary, in this order: write ``apply`` into the model,
+    load ``peer_state`` into the optimizer, build its optimizer state for each learner in
+    ``serve``, read the fragments in ``read`` to host memory; then call ``complete``."""
+
+    apply: list[tuple[FragmentUpdate, Receipt]] = field(default_factory=list)
+    """Global fragments to write (``Receipt.alpha``: 0 overwrites, > 0 blends), in arrival order."""
+    peer_state: PeerState | None = None
+    """A live peer's optimizer state, sent in answer to this learner's own request."""
+    serve: list[int] = field(default_factory=list)
+    """Learners that asked (through the syncer) for this learner's optimizer state."""
+    answer: list[int] = field(default_factory=list)
+    """Fragments the syncer asked for that could not be answered at once: answer them now."""
+    push: list[int] = field(default_factory=list)
+    """Fragments a lock-step learner sends now, on its own schedule."""
+    prepare: list[int] = field(default_factory=list)
+    """Fragments the syncer will ask for next: snapshot them, so their requests are answered at once."""
+    notes: list[str] = field(default_factory=list)
+    """Things worth a line in the log (an update ignored, and why)."""
+
+    @property
+    def read(self) -> list[int]:
+        """Every fragment whose current values ``complete`` needs, each once."""
+        return sorted({*self.answer, *self.push, *self.prepare})
+
+
+@dataclass
+class ShardLink:
+    """What the learner knows of one syncer shard."""
+
+    backoff: float
+    """The next re-registration delay (doubles up to ``backoff_max_s``)."""
+    epoch: int | None = None
+    """The shard's incarnation, as its last accepted registration said."""
+    last_heard: float | None = None
+    """When anything was last heard from it."""
+    joined: bool = False
+    """Whether it accepted this learner's registration (and has not gone silent or restarted since)."""
+    warned: bool = False
+    """Whether its silence was said (once, until it is heard again)."""
+    next_join: float = -math.inf
+    """When to register (again) while not joined."""
+    owned: list[int] = field(default_factory=list)
+    """The fragments it owns."""
+
+
+def _nbytes(values: Sequence[torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+class LearnerSession:
+    """The protocol of one learner process (one incarnation) against its syncer shards."""
+
+    def __init__(
+        self,
+        cfg: DiLoCoConfig,
+        rt: RuntimeConfig,
+        learner: int,
+        incarnation: int,
+        layout: FragmentLayout,
+        registration: Registration,
+        now: float,
+        *,
+        num_shards: int = 1,
+        max_merged_tokens: float = math.inf,
+        wants_peer_state: bool = False,
+    ) -> None:
+        """``wants_peer_state``: the driver has an optimizer whose state a live peer can hand
+        over; the session asks for it once, when the join is complete and the run is under way."""
+        if num_shards < 1:
+            raise ValueError("a learner needs at least one syncer shard")
+        self.cfg, self.rt = cfg, rt
+        self.learner, self.incarnation = learner, incarnation
+        self.layout, self.registration = layout, registration
+        self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
+        self.links = [ShardLink(rt.backoff_initial_s) for _ in range(num_shards)]
+        self.started_at = now
+        self.wants_peer_state = wants_peer_state
+        self.refused: str | None = None
+        """Why a shard refused this learner for good (it must stop)."""
+        self.run_end: EndStage | None = None
+        """How far the run's end has come, as the syncer announced it."""
+        self.end_reason = ""
+        self.data_position: int | None = None
+        """Where the learner's data resumes, as its first accepted registration said."""
+        self.joined_once = False
+        self.received: set[int] = set()
+        """Fragments received since this process started (the join is complete with all)."""
+        self.answered = 0
+        """Requests answered at once from a snapshot."""
+        # progress, for heartbeats and the fleet view
+        self.position = 0
+        self.tokens = 0
+        self.busy_s = 0.0
+        self.loss: float | None = None
+        self.bytes_sent = 0
+        self.step_time_s = 0.0
+        """Mean inner-step time between the last two heartbeats (0: none yet): the syncer's step
+        clock smooths it once, with its own EMA."""
+        self._hb_at: float | None = None
+        self._hb_mark = (0, 0.0)  # (steps, busy_s) at the last heartbeat
+        # between boundaries
+        self._inbox: list[FragmentUpdate] = []
+        self._peer_state: PeerState | None = None
+        self._awaiting_peer_state = False
+        self._asked_peer_state = False
+        self._peer_requests: list[int] = []
+        self._requests: list[int] = []
+        self._unanswered: list[int] = []
+        self._due: list[int] = []
+        self._prepared: dict[int, Contribution] = {}
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def joined(self) -> bool:
+        """Every shard has accepted this learner (and none has gone silent or restarted since)."""
+        return all(link.joined for link in self.links)
+
+    def ready(self, now: float) -> bool:
+        """Training may start: every fragment of the global model has been received, or a shard
+        accepted this learner but ``join_timeout_s`` has passed since it started (it trains on
+        from what it has; answers built on what it lacks are rebased by the syncer)."""
+        if len(self.received) == self.layout.num_fragments:
+            return True
+        return self.joined_once and now - self.started_at >= self.rt.join_timeout_s
+
+    @property
+    def stopped(self) -> bool:
+        """Training must stop: refused, or the run has ended (the boundaries go on without steps
+        until ``done``, to apply the last versions and answer the final sync)."""
+        return self.refused is not None or self.run_end is not None
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will come: refused, or the final model is written."""
+        return self.refused is not None or self.run_end == "done"
+
+    def shard_of(self, p: int) -> int:
+        """The shard that owns fragment p (fragments are dealt round-robin to shards)."""
+        return p % len(self.links)
+
+    # -- the link side -----------------------------------------------------------------------
+
+    def tick(self, now: float) -> LearnerOutput:
+        """Heartbeats, liveness of each shard, (re-)registration with backoff."""
+        out = LearnerOutput()
+        if self.done:
+            return out
+        if self._hb_at is None or now - self._hb_at >= self.rt.heartbeat_interval_s:
+            self._hb_at = now
+            hb = self._heartbeat()
+            out.send += [Send(i, hb) for i, link in enumerate(self.links) if link.joined]
+        for i, link in enumerate(self.links):
+            silent = now - (link.last_heard if link.last_heard is not None else self.started_at)
+            if link.joined and silent > self.rt.syncer_liveness_s:
+                link.joined, link.next_join = False, now
+                if not link.warned:
+                    link.warned = True
+                    out.notes.append(
+                        f"learner {self.learner}: syncer shard {i} unreachable for {silent:.1f} s; training on and "
+                        "registering again with backoff"
+                    )
+            if not link.joined and now >= link.next_join:
+                out.send.append(Send(i, self._register()))
+                link.next_join = now + link.backoff
+                link.backoff = min(link.backoff * 2, self.rt.backoff_max_s)
+        return out
+
+    def next_deadline(self, now: float) -> float | None:
+        """The next time ``tick`` has something to do without a new message."""
+        if self.done:
+            return None
+        times = [self._hb_at + self.rt.heartbeat_interval_s if self._hb_at is not None else now]
+        if len(self.received) < self.layout.num_fragments:
+            times.append(self.started_at + self.rt.join_timeout_s)  # when ``ready`` gives up waiting
+        for link in self.links:
+            if link.joined:
+                heard = link.last_heard if link.last_heard is not None else self.started_at
+                times.append(math.nextafter(heard + self.rt.syncer_liveness_s, math.inf))
+            else:
+                times.append(link.next_join)
+        return max(min(times), now)
+
+    def receive(self, shard: int, msg: Any, now: float) -> LearnerOutput:
+        """One message from shard ``shard``; anything the rules do not expect is noted and dropped."""
+        out = LearnerOutput()
+        if not 0 <= shard < len(self.links):
+            out.notes.append(f"learner {self.learner}: a message from shard {shard}, which is not one of ours")
+            return out
+        link = self.links[shard]
+        link.last_heard = now
+        if link.warned and link.joined:
+            link.warned = False
+        if isinstance(msg, SyncerHeartbeat):
+            if link.joined and link.epoch is not None and msg.epoch != link.epoch:
+                link.joined, link.next_join = False, now  # the shard restarted: register again, keeping our progress
+            elif not link.joined:
+                link.next_join = min(link.next_join, now)
+        elif isinstance(msg, JoinReply):
+            self._on_join_reply(shard, link, msg, now, out)
+        elif isinstance(msg, RunEnd):
+            if self.run_end != "done":
+                self.run_end, self.end_reason = msg.stage, msg.reason
+        elif isinstance(msg, FragmentRequest):
+            self._on_request(msg, shard, out)
+        elif isinstance(msg, FragmentUpdate):
+            if msg.learner != self.learner or self.shard_of(msg.fragment) != shard:
+                out.notes.append(
+                    f"learner {self.learner}: dropped fragment {msg.fragment} addressed to learner {msg.learner} "
+                    f"from shard {shard}"
+                )
+            else:
+                self._inbox.append(msg)
+        elif isinstance(msg, PeerState):
+            if self._awaiting_peer_state and msg.learner == self.learner and shard == 0:
+                self._awaiting_peer_state = False
+                self._peer_state = msg
+            else:
+                out.notes.append(f"learner {self.learner}: ignored an optimizer state it did not ask for")
+        elif isinstance(msg, PeerStateRequest):
+            if msg.learner != self.learner and msg.learner not in self._peer_requests:
+                self._peer_requests.append(msg.learner)
+        else:
+            out.notes.append(f"learner {self.learner}: unexpected {type(msg).__name__} from shard {shard}")
+        return out
+
+    def _on_join_reply(self, shard: int, link: ShardLink, msg: JoinReply, now: float, out: LearnerOutput) -> None:
+        if not msg.accepted and msg.retry_after_s > 0:
+            # e.g. our own predecessor (SIGKILLed a moment ago) still holds the id: try again
+            out.notes.append(
+                f"learner {self.learner}: not registered yet ({msg.reason}); retrying in {msg.retry_after_s:.1f} s"
+            )
+            link.next_join = now + msg.retry_after_s
+            return
+        if not msg.accepted:
+            self.refused = msg.reason
+            return
+        link.epoch, link.joined, link.owned = msg.epoch, True, list(msg.owned)
+        link.backoff = self.rt.backoff_initial_s
+        if self.data_position is None:
+            self.data_position = msg.data_position
+        self.joined_once = True
+
+    def _on_request(self, msg: FragmentRequest, shard: int, out: LearnerOutput) -> None:
+        """Answer at once from the last boundary's snapshot, or at the next boundary: training is
+        never paused for a request."""
+        p = msg.fragment
+        if msg.learner != self.learner or not 0 <= p < self.layout.num_fragments or self.shard_of(p) != shard:
+            out.notes.append(f"learner {self.learner}: dropped a request for fragment {p} from shard {shard}")
+            return
+        self._requests.append(p)
+        ready = self._prepared.pop(p, None)
+        if ready is not None:
+            out.send.append(self._sent(ready))
+            self.answered += 1
+        elif p not in self._unanswered:
+            self._unanswered.append(p)
+
+    def leave(self) -> LearnerOutput:
+        """A clean departure: every shard that accepted this learner stops counting it as live."""
+        msg = Leave(self.learner, self.incarnation)
+        return LearnerOutput([Send(i, msg) for i, link in enumerate(self.links) if link.joined])
+
+    # -- the training side -------------------------------------------------------------------
+
+    def step(
+        self, tokens: int, duration_s: float, now: float, data_position: int | None = None, loss: float | None = None
+    ) -> BoundaryPlan:
+        """Count one finished inner step (``duration_s``: its time since the previous boundary,
+        this boundary included) and plan the boundary after it."""
+        self.busy_s += max(duration_s, 0.0)
+        self.tokens += tokens
+        self.position = self.position + 1 if data_position is None else data_position
+        if loss is not None:
+            self.loss = loss
+        self._due += [p for p in self.core.on_step(tokens) if p not in self._due]
+        return self.boundary(now)
+
+    def boundary(self, now: float) -> BoundaryPlan:
+        """Plan a step boundary (also without a step: while joining, blocked, or finishing)."""
+        plan = BoundaryPlan()
+        pieces = self.layout.fragments
+        for u in self._inbox:
+            receipt = self.core.on_update(u, pieces[u.fragment] if 0 <= u.fragment < len(pieces) else None)
+            if receipt.mode == "ignore":
+                if receipt.problem:
+                    plan.notes.append(
+                        f"learner {self.learner}: ignored fragment {u.fragment} version {u.version}: {receipt.problem}"
+                    )
+                continue
+            self.received.add(u.fragment)
+            self._prepared.pop(u.fragment, None)  # built on the old version: it would count that progress twice
+            plan.apply.append((u, receipt))
+        self._inbox.clear()
+        plan.peer_state, self._peer_state = self._peer_state, None
+        plan.serve, self._peer_requests = self._peer_requests, []
+        for p in self._requests:
+            self.core.on_request(p)  # the schedule says which fragments are asked for next
+        self._requests.clear()
+        plan.answer, self._unanswered = self._unanswered, []
+        plan.push, self._due = self._due, []
+        busy = {*plan.answer, *plan.push}
+        plan.prepare = [p for p in self.core.expected if p not in busy]
+        return plan
+
+    def complete(
+        self, plan: BoundaryPlan, values: Mapping[int, list[torch.Tensor]], peer_states: Sequence[PeerState] = ()
+    ) -> LearnerOutput:
+        """Finish the boundary ``plan``: ``values`` holds the host copy of each fragment in
+        ``plan.read`` (taken after ``plan.apply`` was written); ``peer_states`` the optimizer
+        state for each learner in ``plan.serve``. Returns the acks, answers, pushes and states
+        to send; the snapshots are kept for the next requests."""
+        out = LearnerOutput()
+        for u, _ in plan.apply:
+            out.send.append(Send(self.shard_of(u.fragment), Ack(self.learner, self.incarnation, u.fragment, u.version)))
+        for p in [*plan.answer, *plan.push]:
+            out.send.append(self._sent(self.core.contribution(p, values[p], self.position)))
+        self._prepared = {p: self.core.contribution(p, values[p], self.position) for p in plan.prepare}
+        out.send += [Send(0, ps) for ps in peer_states]
+        if self.wants_peer_state and not self._asked_peer_state and len(self.received) == self.layout.num_fragments:
+            # In a fresh run nobody has a state worth taking; in a run under way a warm one saves
+            # the first steps from AdamW's cold start.
+            self._asked_peer_state = True
+            if max(self.core.base_version, default=0) > 0:
+                self._awaiting_peer_state = True
+                out.send.append(Send(0, PeerStateRequest(self.learner, self.incarnation)))
+        return out
+
+    def _sent(self, c: Contribution) -> Send:
+        self.core.sent(c)
+        self.bytes_sent += _nbytes(c.values)
+        return Send(self.shard_of(c.fragment), c)
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _register(self) -> Register:
+        r = self.registration
+        # A fresh process needs every fragment; after a shard restarts, it keeps its progress.
+        bases = list(self.core.base_version) if self.joined_once else []
+        return Register(self.learner, self.incarnation, r.params, r.layout, bases, r.pid, r.device)
+
+    def _heartbeat(self) -> Heartbeat:
+        """Progress since the start of this incarnation, every figure within its wire bounds: the
+        step time is the mean over the steps since the last heartbeat (a step faster than the
+        syncer believes, ``min_step_time_s``, is reported at that bound, so a tiny model still
+        drives the step clock; one longer than a day, a learner stopped in a debugger, as a day);
+        a loss that is negative, not finite or huge is reported unknown."""
+        steps, busy = self.core.step, self.busy_s
+        if steps > self._hb_mark[0]:
+            self.step_time_s = (busy - self._hb_mark[1]) / (steps - self._hb_mark[0])
+        self._hb_mark = (steps, busy)
+        reported = min(max(self.step_time_s, self.cfg.min_step_time_s), MAX_STEP_TIME_S) if self.step_time_s else 0.0
+        loss = self.loss if self.loss is not None and 0.0 <= self.loss <= MAX_LOSS else LOSS_UNKNOWN  # NaN fails both
+        return Heartbeat(
+            self.learner,
+            self.incarnation,
+            min(steps, MAX_COUNT),
+            reported,
+            min(self.tokens, MAX_COUNT),
+            min(busy, MAX_BUSY_S),
+            loss,
+            min(self.bytes_sent, MAX_COUNT),
+        )

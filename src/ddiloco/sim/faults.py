@@ -1,0 +1,85 @@
+"""Faults placed exactly, for the deterministic fault harness (``Simulation(..., faults=...)``).
+
+The chaos schedule (``ddiloco.chaos``) draws failures at random times; these are placed by hand
+at a chosen step, round or time, so a test can put a fault exactly where a rule is at stake (a
+syncer restart inside a grace window, a learner killed just after it answered) and replay it
+bit for bit. Times are virtual seconds since the run started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KillLearner:
+    """Kill a learner's process (no goodbye) when it finishes inner step ``at_step``; a new
+    process starts ``restart_after_s`` later and registers again (never, if None)."""
+
+    learner: int
+    """Which learner."""
+    at_step: int
+    """The inner step of its running process after which it dies (once)."""
+    restart_after_s: float | None = 5.0
+    """Seconds until the new process starts (its start-up and join then take their own time)."""
+
+
+@dataclass(frozen=True)
+class RestartSyncer:
+    """Kill a syncer shard once it has closed ``after_rounds`` rounds (or at ``at_s``); it comes
+    back ``down_s`` later from what its store made durable, with a new epoch."""
+
+    shard: int = 0
+    """Which shard."""
+    after_rounds: int | None = None
+    """Kill it right after the round that brings its closed rounds to this many."""
+    at_s: float | None = None
+    """Or kill it at this time."""
+    down_s: float = 3.0
+    """How long it stays down."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Cut a learner off from every syncer shard for ``duration_s`` from ``start_s``: messages
+    either way are lost (as on a reset connection); both sides keep running."""
+
+    learner: int
+    """Which learner."""
+    start_s: float
+    """When the partition starts."""
+    duration_s: float
+    """How long it lasts."""
+
+
+@dataclass(frozen=True)
+class Slow:
+    """Make a learner's steps ``factor`` times longer from ``start_s`` to ``end_s``."""
+
+    learner: int
+    """Which learner."""
+    factor: float
+    """Step-time multiplier (> 1: slower)."""
+    start_s: float = 0.0
+    """When it starts."""
+    end_s: float = float("inf")
+    """When it ends."""
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """Add ``extra_s`` of one-way latency to every message between a learner and the syncer
+    shards, from ``start_s`` to ``end_s`` (a far site: its answers come after the others')."""
+
+    learner: int
+    """Which learner."""
+    extra_s: float
+    """Extra seconds each way."""
+    start_s: float = 0.0
+    """When it starts."""
+    end_s: float = float("inf")
+    """When it ends."""
+
+
+Fault = KillLearner | RestartSyncer | Partition | Slow | SlowLink
+"""Any fault the harness can place."""
