@@ -37,7 +37,8 @@ from ddiloco.service.learner_comm import LearnerComm, Progress
 from ddiloco.service.peer_state import load_state, state_message
 from ddiloco.service.protocol import PeerState, PeerStateRequest, learner_identity, param_spec
 from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket
-from ddiloco.training.layout import embedding_parameters, layout_of
+from ddiloco.training.layout import layout_of
+from ddiloco.workloads.base import embedding_parameters
 
 log = logging.getLogger(__name__)
 

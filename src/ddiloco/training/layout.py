@@ -45,15 +45,3 @@ def layout_of(model: nn.Module, algo: DiLoCoConfig, is_embedding_like: Callable[
     )
     flags = tuple(is_embedding_like(pc.name) for frag in fragments.fragments for pc in frag)
     return ModelLayout(fragments, flags)
-
-
-def embedding_parameters(model: nn.Module) -> Callable[[str], bool]:
-    """The default for a model we know nothing else about: the parameters of its
-    ``nn.Embedding`` modules (token and position tables) are embedding-like."""
-    names = {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules()
-        if isinstance(module, nn.Embedding)
-        for name, _ in module.named_parameters(recurse=False)
-    }
-    return names.__contains__
