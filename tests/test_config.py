@@ -133,6 +133,7 @@ def test_missing_text_package_names_the_install_command(monkeypatch):
         text.load_corpus.cache_clear()
 
 
+@pytest.mark.slow  # python -m ddiloco.cli as a process
 def test_simulate_cli_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [

@@ -187,6 +187,7 @@ def test_a_learner_ignores_implausible_versions_and_token_counts():
 
 
 @pytest.mark.parametrize("jump_s", [-600.0, 600.0])
+@pytest.mark.slow  # a real service run in threads, watched for 3 s of real time
 def test_a_wall_clock_jump_changes_no_liveness_or_grace_decision(tmp_path, jump_s):
     """The core runs on the monotonic clock: stepping the wall clock by minutes mid-run leaves
     every learner live and every grace window the size it was."""
