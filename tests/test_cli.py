@@ -102,8 +102,10 @@ def test_config_list_prints_every_key_with_type_default_and_docs(capsys):
         assert f"[{sec}]" in out
         for f in dataclasses.fields(cls):
             assert f"\n{sec}.{f.name} (" in out, f"{sec}.{f.name}"
-    assert 'run.method (str) = "decoupled"\n' in out
-    assert "algo.quorum (int | str) = 1\n    K: distinct learners" in out
+    assert 'run.method ("dp" | "diloco" | "streaming" | "decoupled") = "decoupled"\n' in out
+    assert 'algo.quorum (int | "all") = 1\n    K: distinct learners' in out
+    assert 'algo.num_fragments (int | "auto") = "auto"\n' in out
+    assert "workload.options (dict[str, Any]) = {}\n" in out
     assert "chaos.stragglers (tuple[str, ...]) = []" in out
     assert "runtime.duration_s (float) = 120.0\n    A real run's time budget" in out
 
@@ -111,7 +113,7 @@ def test_config_list_prints_every_key_with_type_default_and_docs(capsys):
 def test_config_list_with_a_method_shows_its_preset(capsys):
     assert main(["config", "--list", "--method", "streaming"]) == 0
     out = capsys.readouterr().out
-    assert 'algo.merge (str) = "mean"   (method preset)' in out
+    assert 'algo.merge ("rda" | "mean") = "mean"   (method preset)' in out
     assert "algo.alpha (float) = 0.5   (method preset)" in out
     assert "algo.sync_every (int) = 24\n" in out  # not touched by the preset
 

@@ -29,7 +29,10 @@ from ddiloco.errors import ConfigError, DataError
         ("sim.speeds=[1.0]", "sim.speeds"),
         ('chaos.stragglers=["9:2.0"]', "chaos.stragglers entry '9:2.0' is out of range"),
         ("workload.factory=nomodule", "workload.factory 'nomodule' is malformed"),
-        ("run.method=sgd", "run.method = 'sgd' is not known"),
+        (
+            "run.method=sgd",
+            "run.method = 'sgd' is out of range; allowed: one of ('dp', 'diloco', 'streaming', 'decoupled')",
+        ),
         ("run.budget=forever", "run.budget = 'forever' is out of range"),
         ("algo.staleness=ignore", "algo.staleness = 'ignore' is out of range"),
         ("missing_equals", "must look like section.key=value"),
@@ -40,6 +43,49 @@ def test_bad_values_name_the_field(override, needle):
         load_config(None, [override])
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_every_choice_field_refuses_a_word_outside_its_literal():
+    import typing
+
+    from ddiloco.config import SECTIONS
+
+    checked = []
+    for sec, cls in SECTIONS.items():
+        for name, tp in typing.get_type_hints(cls).items():
+            literals = [a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is typing.Literal]
+            if not literals:
+                continue
+            checked.append(f"{sec}.{name}")
+            for choice in typing.get_args(literals[0]):  # every listed choice loads as itself
+                assert getattr(getattr(load_config(None, [f"{sec}.{name}={choice}"]), sec), name) == choice
+            with pytest.raises(ConfigError) as e:
+                load_config(None, [f"{sec}.{name}=bogus"])
+            assert str(e.value).startswith(f"{sec}.{name} = 'bogus' is out of range; allowed: "), str(e.value)
+            assert "\n" not in str(e.value)
+    assert {"run.method", "run.budget", "algo.merge", "algo.quorum", "algo.num_fragments"} <= set(checked)
+
+
+def test_the_allowed_tuples_are_the_literal_types():
+    import typing
+
+    from ddiloco.config import BUDGETS, METHODS, RunSection
+    from ddiloco.core import config as core_config
+    from ddiloco.methods import PRESETS
+
+    hints = typing.get_type_hints(core_config.DiLoCoConfig)
+    assert typing.get_args(hints["merge"]) == core_config.MERGES == ("rda", "mean")
+    assert typing.get_args(hints["staleness"]) == core_config.STALENESS
+    run = typing.get_type_hints(RunSection)
+    assert typing.get_args(run["method"]) == METHODS and set(METHODS) == set(PRESETS)
+    assert typing.get_args(run["budget"]) == BUDGETS == ("tokens", "time")
+
+
+def test_a_toml_value_of_the_wrong_kind_names_the_choices(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[algo]\nmerge = 1\n")
+    with pytest.raises(ConfigError, match=r"^algo.merge = 1 is out of range; allowed: one of \('rda', 'mean'\)$"):
+        load_config(f)
 
 
 def test_keywords_and_numbers_for_p_and_k():
@@ -87,6 +133,7 @@ def test_missing_text_package_names_the_install_command(monkeypatch):
         text.load_corpus.cache_clear()
 
 
+@pytest.mark.slow  # python -m ddiloco.cli as a process
 def test_simulate_cli_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [

@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from helpers import merges, wait_for
 
 from ddiloco.config import load_config
@@ -16,6 +17,8 @@ from ddiloco.service.clock import SkewedClock
 from ddiloco.service.learner import LearnerProcess
 from ddiloco.service.syncer import SyncerService
 from ddiloco.service.transport import FaultInjector, InProcessNetwork, learner_identity
+
+pytestmark = pytest.mark.slow  # a real service run in threads: tens of seconds of real time
 
 ADDRESS = "inproc://syncer"
 SETTINGS = [

@@ -127,6 +127,7 @@ def test_two_learners_with_sgd_momentum_and_dict_batches_merge_in_one_process(fl
         assert 0 < ln.stats.sync_s < ln.stats.step_s
 
 
+@pytest.mark.slow  # a real service run in threads, for several seconds
 def test_a_restarted_learner_takes_a_peers_optimizer_state_and_its_data_position(fleet):
     net, server, run_dir = fleet
     model0 = DictNet()
@@ -238,6 +239,7 @@ def _free_port() -> int:
     return free_port("127.0.0.1")
 
 
+@pytest.mark.slow  # spawns processes
 def test_the_readme_snippet_runs_as_written_against_a_loopback_syncer(tmp_path):
     """The README's "Turn your training script into a learner" code, run as written; only the
     syncer's port is replaced by the one the test's syncer got."""
@@ -278,6 +280,7 @@ def test_the_readme_snippet_runs_as_written_against_a_loopback_syncer(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.slow  # spawns processes
 def test_a_two_rank_torchrun_learner_with_ddp_or_fsdp2(tmp_path, mode):
     """One learner = 2 ranks with DDP or FSDP2 (fully_shard, gloo on CPU); rank 0 talks to the
     syncer; every rank takes the global model on join and applies the same fragments."""
@@ -353,6 +356,7 @@ def test_export_writes_tied_weights_loadably(tmp_path):
         ddiloco.load_state_dict(tmp_path / "nowhere")
 
 
+@pytest.mark.slow  # spawns processes
 def test_plain_loop_example_trains_alone():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "plain_loop.py"), "--syncer", "none", "--steps", "200"],
@@ -365,6 +369,7 @@ def test_plain_loop_example_trains_alone():
     assert "learner 0: loss" in out.stdout
 
 
+@pytest.mark.slow  # spawns processes
 def test_hf_example_end_to_end_two_learners_a_syncer_and_an_export(tmp_path):
     """examples/hf_causal_lm.py for a few steps: a transformers model from a config, byte-level
     text through the text workload, two learner processes and a syncer, save_pretrained."""

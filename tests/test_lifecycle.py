@@ -49,6 +49,7 @@ def lines(path: Path) -> list[dict]:
     return read_jsonl(path)
 
 
+@pytest.mark.slow  # spawns processes
 def test_ctrl_c_on_train_stops_cleanly_writes_partial_results_and_leaves_no_process(tmp_path):
     """SIGINT once: learners, evaluator and syncer stop, the summary is written and marked
     partial; a second signal during that cleanup is ignored (and said to be)."""
@@ -82,6 +83,7 @@ def test_ctrl_c_on_train_stops_cleanly_writes_partial_results_and_leaves_no_proc
     wait_for(lambda: not survivors(str(run_dir)), 10, "every process of the run to be gone")
 
 
+@pytest.mark.slow  # spawns processes
 def test_ctrl_c_on_simulate_writes_a_partial_run_folder(tmp_path):
     run_dir = tmp_path / "sim"
     p = subprocess.Popen(
@@ -107,6 +109,7 @@ def test_ctrl_c_on_simulate_writes_a_partial_run_folder(tmp_path):
     assert lines(run_dir / "metrics" / "eval.jsonl")[-1]["final"] is True  # the model as it was, evaluated
 
 
+@pytest.mark.slow  # spawns processes
 def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(tmp_path):
     """Syncer, two learners and an evaluator started separately (as docs/operations.md shows):
     the syncer ends the run at its time budget, runs the final sync, and every process exits 0;
@@ -211,6 +214,7 @@ def test_a_dead_comm_thread_ends_the_learner_with_its_exit_code_and_one_line(tmp
 
 
 @pytest.mark.parametrize("bad", ["127.0.0.1:48911", "tcp://127.0.0.1", "tcp://127.0.0.1:0"])
+@pytest.mark.slow  # spawns processes
 def test_a_learner_address_without_scheme_or_port_is_refused_at_parse_time(bad):
     out = subprocess.run(
         [*CLI, "learner", "--syncer", bad, "--id", "0"], capture_output=True, text=True, env=ENV, timeout=60

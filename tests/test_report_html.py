@@ -283,6 +283,7 @@ def test_strings_are_escaped(tmp_path):
     assert "&lt;b&gt;2x&lt;/b&gt;" in page  # the warning, as text
 
 
+@pytest.mark.slow  # python -m ddiloco as a process
 def test_cli_writes_the_report(runs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     proc = subprocess.run(

@@ -18,6 +18,8 @@ from helpers import wait_for
 
 from ddiloco.service.launcher import free_port
 
+pytestmark = pytest.mark.slow  # every test runs the syncer and learners as processes
+
 SYNCER_HOST = "127.0.0.2"
 SETTINGS = [
     "--set",

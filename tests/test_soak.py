@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # bench/soak.py as a process: a syncer and five learners for ~50 s
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -208,6 +208,27 @@ def test_an_unreachable_address_says_so_in_one_line_and_fails_quickly(capsys):
     assert len(err) == 1 and f"no answer from {addr} within 0.3 s: is the syncer running?" in err[0]
 
 
+def test_a_client_whose_request_cannot_even_be_queued_gets_no_answer_instead_of_hanging(monkeypatch):
+    """A DEALER with no peer blocks in send for ever (a refused CURVE handshake can leave it so):
+    here every new socket is made peerless-blocking (IMMEDIATE) towards an address nobody serves."""
+    import zmq
+
+    from ddiloco.service.evaluator import fetch_global
+
+    ctx = zmq.Context.instance()
+    plain = ctx.socket
+
+    def immediate(kind):
+        s = plain(kind)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        return s
+
+    monkeypatch.setattr(ctx, "socket", immediate)
+    addr = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    assert fetch_status(addr, 0.2) is None
+    assert fetch_global([addr], 0.2) is None
+
+
 def test_a_folder_without_status_files_is_refused(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) != 0
     assert "no status/syncer-*.json" in capsys.readouterr().err

@@ -165,6 +165,7 @@ def test_shards_lock_separately(tmp_path):
     b.close()
 
 
+@pytest.mark.slow  # a second process holds the lock
 def test_lock_held_by_another_process_names_its_pid(tmp_path):
     store, _ = opened(tmp_path)
     store.close()

@@ -13,11 +13,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.errors import ConfigError, require
+from ddiloco.errors import ConfigError, require, require_one_of
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.workloads.config import WorkloadConfig
 
@@ -26,14 +26,17 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-METHODS = ("dp", "diloco", "streaming", "decoupled")
+Method = Literal["dp", "diloco", "streaming", "decoupled"]
+SimBudget = Literal["tokens", "time"]
+METHODS: tuple[Method, ...] = typing.get_args(Method)
+BUDGETS: tuple[SimBudget, ...] = typing.get_args(SimBudget)
 
 
 @dataclass(frozen=True)
 class RunSection:
     """What to run and for how long."""
 
-    method: str = "decoupled"
+    method: Method = "decoupled"
     """dp (data-parallel reference), diloco (synchronous), streaming, or decoupled."""
     num_learners: int = 4
     """M, the number of learners."""
@@ -47,7 +50,7 @@ class RunSection:
     merged_tokens: int = 0
     """A second, optional budget: end the run once this many tokens are merged into the global
     model (the mean over fragments of the tokens their merges took in); 0: none."""
-    budget: str = "tokens"
+    budget: SimBudget = "tokens"
     """When a simulated run ends: "tokens" once the fleet has processed N tokens, however long
     that takes (lock-step waits and slow learners take longer; every method is compared at
     equal tokens); "time" at T, with whatever tokens faults and waits left (goodput studies).
@@ -128,15 +131,14 @@ class Config:
 
     def validate(self) -> Config:
         r = self.run
-        if r.method not in METHODS:
-            raise ConfigError(f"run.method = {r.method!r} is not known; allowed: {', '.join(METHODS)}")
+        require_one_of("run.method", r.method, METHODS)
+        require_one_of("run.budget", r.budget, BUDGETS)
         for name, ok, allowed in (
             ("num_learners", r.num_learners >= 1, ">= 1"),
             ("processed_tokens", r.processed_tokens >= 1, ">= 1"),
             ("merged_tokens", r.merged_tokens >= 0, ">= 0 (0: no merged-token budget)"),
             ("eval_points", r.eval_points >= 0, ">= 0"),
             ("threads", r.threads >= 1, ">= 1"),
-            ("budget", r.budget in ("tokens", "time"), '"tokens" or "time"'),
         ):
             require(ok, f"run.{name}", getattr(r, name), allowed)
         i = self.inner
@@ -217,8 +219,14 @@ class Config:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a TOML/CLI value to the annotated field type, or fail naming the key."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {int, str}:
-        # "int or a keyword" fields (num_fragments = "auto", quorum = "all")
+    if origin is Literal:
+        # A few allowed values: the loader checks them itself, so that no Literal field can
+        # slip through a validate() that forgot it.
+        require_one_of(where, value, typing.get_args(tp))
+        return value
+    if origin in (typing.Union, types.UnionType) and _int_or_keyword(tp):
+        # "int or a keyword" fields (num_fragments = "auto", quorum = "all"); a word that is not
+        # the keyword is left to the section's validate(), which says what the number may be.
         if isinstance(value, bool):
             raise ConfigError(f"{where} = {value!r} is not a valid integer or keyword")
         if isinstance(value, str) and value.strip().lstrip("-").isdigit():
@@ -261,6 +269,18 @@ RENAMED = {
     "run.merged_tokens. Rename the key",
 }
 """Keys of earlier versions: a config that still uses one is told what it became."""
+
+
+def _int_or_keyword(tp: Any) -> bool:
+    """Whether ``tp`` is ``int | str`` or ``int | Literal[...]`` (of strings)."""
+    args = typing.get_args(tp)
+    if int not in args:
+        return False
+    others = [a for a in args if a is not int]
+    return bool(others) and all(
+        a is str or (typing.get_origin(a) is Literal and all(isinstance(v, str) for v in typing.get_args(a)))
+        for a in others
+    )
 
 
 def _build(cls: type, data: dict[str, Any], section: str) -> Any:

@@ -12,9 +12,11 @@ import dataclasses
 import inspect
 import json
 import textwrap
+import types
+import typing
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class Entry:
 
     key: str
     type: str
+    """The field's type as text; a ``Literal`` lists its choices (``"rda" | "mean"``)."""
     default: Any
     doc: str
     preset: bool = False
@@ -66,11 +69,31 @@ def reference(method: str | None = None) -> list[Entry]:
     out = []
     for section, cls in SECTIONS.items():
         docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             value = getattr(getattr(cfg, section), f.name)
             default = getattr(getattr(plain, section), f.name)
-            out.append(Entry(f"{section}.{f.name}", str(f.type), value, docs.get(f.name, ""), value != default))
+            kind = type_text(hints[f.name])
+            out.append(Entry(f"{section}.{f.name}", kind, value, docs.get(f.name, ""), value != default))
     return out
+
+
+def type_text(tp: Any) -> str:
+    """A resolved annotation as a reader writes it: ``int``, ``tuple[str, ...]``, and a
+    ``Literal`` as its choices in TOML spelling (``int | "all"``, ``"rda" | "mean"``)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(toml_value(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_text(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join('...' if a is Ellipsis else type_text(a) for a in args)}]"
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "Any"
+    return getattr(tp, "__name__", str(tp))
 
 
 def toml_value(value: Any) -> str:

@@ -20,6 +20,12 @@ def require(ok: bool, key: str, value: object, allowed: str) -> None:
         raise ConfigError(f"{key} = {value!r} is out of range; allowed: {allowed}")
 
 
+def require_one_of(key: str, value: object, choices: tuple[object, ...]) -> None:
+    """``require`` for a field of a few allowed values (a ``Literal`` type's ``get_args``):
+    ``error: algo.merge = 'x' is out of range; allowed: one of ('rda', 'mean')``."""
+    require(value in choices, key, value, f"one of {choices}")
+
+
 class UsageError(DDiLoCoError):
     """The library API was called wrongly (a model whose shapes changed, ``step()`` after
     ``close()``, an argument of the wrong kind)."""

@@ -6,32 +6,39 @@ Baselines are configurations of these same knobs (see ``methods.py``), not separ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Literal, TypeGuard, get_args
 
-from ddiloco.errors import require
+from ddiloco.errors import require, require_one_of
 
-FRAGMENT_STRATEGIES = ("balanced", "per_layer", "strided")
-MERGES = ("rda", "mean")
-ANCHORS = ("base", "current")
-LATE_FRAGMENT = ("continue", "wait")
-STALENESS = ("none", "scaled", "delayed")
+# Each choice is a Literal type (what mypy and the config loader see); the allowed tuples are
+# derived from it, so the two cannot drift apart.
+FragmentStrategy = Literal["balanced", "per_layer", "strided"]
+Merge = Literal["rda", "mean"]
+Anchor = Literal["base", "current"]
+LateFragment = Literal["continue", "wait"]
+Staleness = Literal["none", "scaled", "delayed"]
+FRAGMENT_STRATEGIES: tuple[FragmentStrategy, ...] = get_args(FragmentStrategy)
+MERGES: tuple[Merge, ...] = get_args(Merge)
+ANCHORS: tuple[Anchor, ...] = get_args(Anchor)
+LATE_FRAGMENT: tuple[LateFragment, ...] = get_args(LateFragment)
+STALENESS: tuple[Staleness, ...] = get_args(Staleness)
 
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
     """Decoupled DiLoCo's algorithm settings (the paper's defaults where it gives them)."""
 
-    num_fragments: int | str = "auto"
+    num_fragments: int | Literal["auto"] = "auto"
     """P, the number of parameter fragments (>= 1), or "auto" for the model's default: the
     largest P <= H whose largest fragment is at most 1.25x the mean."""
-    fragment_strategy: str = "balanced"
+    fragment_strategy: FragmentStrategy = "balanced"
     """How tensors are grouped: balanced (greedy bin-packing by size, rows of large tensors
     split when needed), per_layer, or strided (tensor i goes to fragment i mod P)."""
     sync_every: int = 24
     """H: inner steps between two outer steps of the same fragment."""
     overlap: int = 2
     """tau: inner steps a fragment may be in flight (0 <= tau < H)."""
-    quorum: int | str = 1
+    quorum: int | Literal["all"] = 1
     """K: distinct learners whose answers a round needs before it may close (>= 1), or "all"
     for every live learner. The effective quorum is min(K, live learners)."""
     grace: bool = True
@@ -46,16 +53,16 @@ class DiLoCoConfig:
     """A learner not heard from for this long is not live: no round waits for it."""
     keep_versions: int = 4
     """S: past versions of each fragment kept to anchor contributions; older bases are stale."""
-    anchor: str = "base"
+    anchor: Anchor = "base"
     """Anchor of the outer gradient: 'base' (the global value the learner started from) or
     'current' (the latest global value; only for ablations)."""
-    merge: str = "rda"
+    merge: Merge = "rda"
     """Merge of non-embedding tensors: weighted radial-directional averaging or weighted mean."""
     outer_lr: float = 0.7
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9
     """Outer momentum (Nesterov)."""
-    staleness: str = "none"
+    staleness: Staleness = "none"
     """How the outer step treats stale answers (answers whose base is behind the current
     version); it matters when rounds close on few learners (K = 1 without grace):
     "none": an answer that misses its round waits for the fragment's next round, and is merged
@@ -69,7 +76,7 @@ class DiLoCoConfig:
     globally merged tokens (like the inner schedule); 0 keeps it constant (DiLoCo's choice)."""
     alpha: float = 0.0
     """Blend on receipt: local = alpha*local + (1-alpha)*global; 0 overwrites (the default)."""
-    late_fragment: str = "continue"
+    late_fragment: LateFragment = "continue"
     """'continue' never blocks (Decoupled DiLoCo); 'wait' blocks at step send+tau until the
     fragment arrives (lock-step baselines), with learners sending on their own schedule."""
     syncer_timeout_s: float = 60.0
@@ -121,12 +128,7 @@ class DiLoCoConfig:
             self.num_fragments,
             'an integer >= 1, or "auto"',
         )
-        _check(
-            self.fragment_strategy in FRAGMENT_STRATEGIES,
-            "fragment_strategy",
-            self.fragment_strategy,
-            f"one of {FRAGMENT_STRATEGIES}",
-        )
+        _one_of("fragment_strategy", self.fragment_strategy, FRAGMENT_STRATEGIES)
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
         _check(
             0 <= self.overlap < self.sync_every,
@@ -145,14 +147,14 @@ class DiLoCoConfig:
         _check(0.0 <= self.ema_decay < 1.0, "ema_decay", self.ema_decay, "[0, 1)")
         _check(self.liveness_timeout_s > 0, "liveness_timeout_s", self.liveness_timeout_s, "> 0")
         _check(self.keep_versions >= 1, "keep_versions", self.keep_versions, ">= 1")
-        _check(self.anchor in ANCHORS, "anchor", self.anchor, f"one of {ANCHORS}")
-        _check(self.merge in MERGES, "merge", self.merge, f"one of {MERGES}")
+        _one_of("anchor", self.anchor, ANCHORS)
+        _one_of("merge", self.merge, MERGES)
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "> 0")
         _check(0.0 <= self.outer_momentum < 1.0, "outer_momentum", self.outer_momentum, "[0, 1)")
         _check(self.outer_lr_decay_tokens >= 0, "outer_lr_decay_tokens", self.outer_lr_decay_tokens, ">= 0")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
-        _check(self.staleness in STALENESS, "staleness", self.staleness, f"one of {STALENESS}")
-        _check(self.late_fragment in LATE_FRAGMENT, "late_fragment", self.late_fragment, f"one of {LATE_FRAGMENT}")
+        _one_of("staleness", self.staleness, STALENESS)
+        _one_of("late_fragment", self.late_fragment, LATE_FRAGMENT)
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
@@ -192,3 +194,7 @@ def _is_int(v: object) -> TypeGuard[int]:
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:
     require(ok, f"algo.{field}", value, allowed)
+
+
+def _one_of(field: str, value: object, choices: tuple[object, ...]) -> None:
+    require_one_of(f"algo.{field}", value, choices)

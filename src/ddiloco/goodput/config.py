@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from ddiloco.chaos import SECONDS_PER_YEAR, Distribution, Exponential, Weibull
 from ddiloco.errors import ConfigError
@@ -91,6 +91,7 @@ class CostModel:
 
 
 StrategyKind = Literal["dp", "elastic", "decoupled"]
+STRATEGY_KINDS: tuple[StrategyKind, ...] = get_args(StrategyKind)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,10 @@ class Strategy:
     """K: the system advances while at least K learners run (paper main runs: K = 1)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dp", "elastic", "decoupled"):
-            raise ConfigError(f"strategy = {self.kind!r}: must be dp, elastic or decoupled")
+        if self.kind not in STRATEGY_KINDS:
+            raise ConfigError(
+                f"strategy = {self.kind!r}: must be {', '.join(STRATEGY_KINDS[:-1])} or {STRATEGY_KINDS[-1]}"
+            )
         if self.kind != "decoupled" and (self.learners, self.quorum) != (1, 1):
             raise ConfigError(f"strategy {self.kind}: learners and quorum apply to decoupled only")
         if not isinstance(self.learners, int) or self.learners < 1:

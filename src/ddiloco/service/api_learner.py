@@ -36,8 +36,9 @@ from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys, is_local
 from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
-from ddiloco.training.layout import embedding_parameters, layout_of, param_spec
+from ddiloco.training.layout import layout_of, param_spec
 from ddiloco.training.peer_state import load_state, state_message
+from ddiloco.workloads.base import embedding_parameters
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,9 @@ def fetch_global(
         if keys is not None:
             keys.apply(s)
         s.setsockopt(zmq.LINGER, 0)
+        # A DEALER without a peer blocks in send forever; a refused CURVE handshake (a wrong
+        # key) can leave it so: bounded like the answer.
+        s.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         s.setsockopt(zmq.IDENTITY, f"observer-{os.getpid()}-{time.monotonic_ns()}".encode())
         s.connect(addr)
         try:
@@ -53,7 +56,7 @@ def fetch_global(
                     break
                 if not s.poll(int(timeout_s * 1000)):
                     return None
-        except WireError:
+        except (WireError, zmq.Again):
             return None
         finally:
             s.close(0)

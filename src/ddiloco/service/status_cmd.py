@@ -43,9 +43,15 @@ def fetch_status(addr: str, timeout_s: float, keys: ClientKeys | None = None) ->
         if keys is not None:
             keys.apply(s)
         s.setsockopt(zmq.LINGER, 0)
+        # A DEALER without a peer blocks in send forever; a refused CURVE handshake (a wrong
+        # key) can leave it so: bounded like the answer.
+        s.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         s.setsockopt(zmq.IDENTITY, f"observer-status-{os.getpid()}-{time.monotonic_ns()}".encode())
         s.connect(addr)
-        s.send_multipart(encode(StatusRequest("ddiloco status")))
+        try:
+            s.send_multipart(encode(StatusRequest("ddiloco status")))
+        except zmq.Again:
+            return None
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not s.poll(max(1, int(left * 1000))):

@@ -31,6 +31,7 @@ from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
+from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_jsonl
@@ -43,7 +44,8 @@ from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
-from ddiloco.training.layout import embedding_parameters, layout_of, param_spec
+from ddiloco.training.layout import layout_of, param_spec
+from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
 
 log = logging.getLogger(__name__)
@@ -399,8 +401,6 @@ class SyncerService:
         log.info("final eval loss %.4f %s", loss, loss_unit(wl))
 
     def write_final_model(self) -> Path:
-        from ddiloco.export import save_state_dict
-
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
         # Through the model, so tied tensors (an LM head sharing the embedding) get the merged values too.

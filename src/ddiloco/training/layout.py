@@ -48,18 +48,6 @@ def layout_of(model: nn.Module, algo: DiLoCoConfig, is_embedding_like: Callable[
     return ModelLayout(fragments, flags)
 
 
-def embedding_parameters(model: nn.Module) -> Callable[[str], bool]:
-    """The default for a model we know nothing else about: the parameters of its
-    ``nn.Embedding`` modules (token and position tables) are embedding-like."""
-    names = {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules()
-        if isinstance(module, nn.Embedding)
-        for name, _ in module.named_parameters(recurse=False)
-    }
-    return names.__contains__
-
-
 def param_spec(model: nn.Module) -> list[list[Any]]:
     """[name, shape] of every parameter, as a learner registers it and the syncer checks it."""
     return [[n, list(p.shape)] for n, p in model.named_parameters()]

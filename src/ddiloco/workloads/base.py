@@ -7,6 +7,7 @@ the config (``workload.factory = "package.module:factory"``) without editing thi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -75,3 +76,15 @@ def loss_unit(workload: object) -> str:
     "nats/byte"), or "" when it does not say (the loss is then shown without a unit)."""
     unit = getattr(workload, "loss_unit", "")
     return unit if isinstance(unit, str) else ""
+
+
+def embedding_parameters(model: nn.Module) -> Callable[[str], bool]:
+    """The default for a model we know nothing else about: the parameters of its
+    ``nn.Embedding`` modules (token and position tables) are embedding-like."""
+    names = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    return names.__contains__

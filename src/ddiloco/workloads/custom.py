@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ddiloco.errors import UsageError
-from ddiloco.workloads.base import Batch
+from ddiloco.workloads.base import Batch, embedding_parameters
 
 ModelSource = nn.Module | Callable[[int], nn.Module]
 BatchSource = Iterable[Any] | Callable[[int, int, int], Iterable[Any]]
@@ -129,8 +129,6 @@ class CustomWorkload:
 
     def is_embedding_like(self, name: str) -> bool:
         if self._emb is None:
-            from ddiloco.training.layout import embedding_parameters
-
             self._emb = embedding_parameters(self.build_model(0))
         return self._emb(name)
 
