@@ -81,6 +81,7 @@ def recorded(tmp_path):
     return tmp_path, path
 
 
+@pytest.mark.slow
 def test_a_recorded_syncer_replays_in_virtual_time_to_the_same_decisions(recorded):
     run_dir, path = recorded
     live = rounds(read_tape(run_dir / "state" / "tape.jsonl"))
@@ -91,6 +92,7 @@ def test_a_recorded_syncer_replays_in_virtual_time_to_the_same_decisions(recorde
     assert len(live) >= 12 and replayed == [r for r in live if r["close_reason"] != "flush"]
 
 
+@pytest.mark.slow
 def test_a_damaged_recording_is_one_clear_error(recorded, tmp_path):
     _, path = recorded
     data = path.read_bytes()
