@@ -35,9 +35,9 @@ class RuntimeConfig:
     eval_interval_s: float = 20.0
     """Seconds between evaluations of the global model by the evaluator process."""
     duration_s: float = 120.0
-    """A real run's time budget: the syncer ends the run when its merged global tokens reach
-    run.processed_tokens or when this many wall-clock seconds have passed since the run started
-    (run.json's started_at), whichever comes first."""
+    """A real run's time budget: the syncer ends the run when this many seconds have passed
+    since it started (run.json's started_at), or at its token budgets (run.processed_tokens,
+    run.merged_tokens), whichever comes first."""
     final_eval: bool = True
     """The syncer evaluates the final global model once when the run ends (for summary.json);
     turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
