@@ -313,6 +313,7 @@ class Learner:
                 break  # the comm thread died: nothing more will come
             self._idle_boundary()
             comm.arrived.wait(0.05)
+            comm.arrived.clear()
         done = session.run_end == "done"
         if done:
             self._idle_boundary()  # the last versions that arrived with the end
