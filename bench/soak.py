@@ -199,6 +199,7 @@ def rss_kb(pid: int) -> int | None:
 def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[float, str]], attack: bool) -> dict:
     import torch
 
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.service.evaluator import fetch_global
     from ddiloco.service.keys import ClientKeys, make_keys
 
@@ -243,13 +244,14 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
 
     def check_tape(new: list[dict]) -> None:
         for r in new:
-            if r.get("event") != "round":
+            rd = parse_tape_record(r)
+            if not isinstance(rd, RoundRecord):
                 continue
-            p, v = r["fragment"], r["version"]
-            produced = any(e["weight"] > 0 for e in r["merged"])
+            p, v = rd.fragment, rd.version
+            produced = bool(rd.took_part)
             prev = last_round_version.get(p)
             if prev is not None and (v < prev or (produced and v <= prev)):
-                violate("tape_version_order", f"fragment {p}: round {r['round']} version {v} after {prev}")
+                violate("tape_version_order", f"fragment {p}: round {rd.round_id} version {v} after {prev}")
             last_round_version[p] = v if prev is None else max(prev, v)
             served[str(p)] = max(served.get(str(p), 0), v)
 
@@ -353,6 +355,7 @@ def finish(
     from safetensors.torch import load_file
 
     from ddiloco.core.syncer import Syncer
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.service.store import SyncerStore
     from ddiloco.service.syncer import restore_into
     from ddiloco.training.evaluate import evaluate
@@ -396,7 +399,13 @@ def finish(
     def t_of(r: dict) -> float:
         return r["closed_at"] + r.get("wall_offset", 0.0) - c.t0_wall
 
-    honest_merges = [(t_of(r), e) for r in rounds for e in r["merged"] if e["learner"] in HONEST and e["weight"] > 0]
+    honest_merges = [
+        (t_of(r), e)
+        for r in rounds
+        if isinstance(rd := parse_tape_record(r), RoundRecord)
+        for e in rd.took_part
+        if e.learner in HONEST
+    ]
     # rejections by reason and learner; notices of a quarantine are not answers
     rejections: list[dict] = []
     truncated = 0
@@ -536,6 +545,7 @@ def attacker_main(args) -> int:
 
     torch.set_num_threads(1)
     from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
     from ddiloco.service.keys import ClientKeys
     from ddiloco.service.transport import learner_identity
@@ -578,10 +588,11 @@ def attacker_main(args) -> int:
 
     def norm_of_honest(p: int) -> float:
         for r in tape.poll():
-            if r.get("event") == "round":
-                for e in r["merged"]:
-                    if e["learner"] in HONEST and e["weight"] > 0:
-                        honest_norms.setdefault(r["fragment"], []).append(e["norm"])
+            rd = parse_tape_record(r)
+            if isinstance(rd, RoundRecord):
+                for e in rd.took_part:
+                    if e.learner in HONEST:
+                        honest_norms.setdefault(rd.fragment, []).append(e.norm)
         xs = honest_norms.get(p, [])[-4:]
         return max(xs) if xs else 0.0  # the current honest level (0: no reference for p yet)
 

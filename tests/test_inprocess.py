@@ -12,6 +12,7 @@ from pathlib import Path
 from helpers import merges, wait_for
 
 from ddiloco.config import load_config
+from ddiloco.core.tape import RoundRecord
 from ddiloco.service.clock import SkewedClock
 from ddiloco.service.learner import LearnerProcess
 from ddiloco.service.syncer import SyncerService
@@ -68,7 +69,7 @@ class Fleet:
         for t in self.threads:
             t.join(timeout=30)
 
-    def merges(self) -> list[dict]:
+    def merges(self) -> list[RoundRecord]:
         return merges(self.run_dir)
 
 
@@ -89,11 +90,7 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
         assert new_incarnation > old_incarnation
 
         def contributed_again() -> bool:
-            return any(
-                e["learner"] == 1 and e["incarnation"] == new_incarnation and e["weight"] > 0
-                for r in fleet.merges()
-                for e in r["merged"]
-            )
+            return any(e.learner == 1 and e.incarnation == new_incarnation for r in fleet.merges() for e in r.took_part)
 
         wait_for(lambda: len(fleet.merges()) >= 20 and contributed_again(), 240, "20 merges and the restarted learner")
     finally:
@@ -104,20 +101,16 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
     # versions strictly increase per fragment, one per merge
     by_fragment: dict[int, list[int]] = defaultdict(list)
     for r in merges:
-        by_fragment[r["fragment"]].append(r["version"])
+        by_fragment[r.fragment].append(r.version)
     for versions in by_fragment.values():
         assert versions == list(range(versions[0], versions[0] + len(versions))) and versions[0] == 1
     # each contribution identity is merged at most once, duplicates and replays included
-    seen = [(e["learner"], e["incarnation"], e["seq"]) for r in merges for e in r["merged"]]
+    seen = [(e.learner, e.incarnation, e.seq) for r in merges for e in r.merged]
     assert len(seen) == len(set(seen))
     # the faults really happened, and nothing from the killed incarnation was merged after its successor's join
     assert faults.counts["dropped"] > 0 and faults.counts["duplicated"] > 0 and faults.counts["delayed"] > 0
-    firsts = [r["closed_at"] for r in merges for e in r["merged"] if e["incarnation"] == new_incarnation]
-    assert not any(
-        e["learner"] == 1 and e["incarnation"] == old_incarnation
-        for r in merges
-        if r["closed_at"] > min(firsts)
-        for e in r["merged"]
-    )
+    firsts = [r.closed_at for r in merges for e in r.merged if e.incarnation == new_incarnation]
+    late = [e for r in merges if r.closed_at > min(firsts) for e in r.merged]
+    assert not any(e.learner == 1 and e.incarnation == old_incarnation for e in late)
     # every learner that was stopped cleanly exited 0
     assert fleet.exits[0] == [0] and fleet.exits[2] == [0]

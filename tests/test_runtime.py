@@ -16,6 +16,7 @@ import torch
 import zmq
 from helpers import wait_for
 
+from ddiloco.report.tape import rounds_of
 from ddiloco.service.launcher import free_port
 
 SYNCER_HOST = "127.0.0.2"
@@ -145,7 +146,8 @@ def wall(record: dict, key: str) -> float:
 
 
 def merged_learners(rounds: list[dict]) -> set[int]:
-    return {m["learner"] for r in rounds if r.get("event") == "round" for m in r["merged"] if m["weight"] > 0}
+    """Learners that took part in a merge of these tape lines (``was_merged``)."""
+    return {m.learner for r in rounds_of(rounds) for m in r.took_part}
 
 
 def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluster):
