@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from ddiloco.core.tape import MergedEntry, RoundRecord
 from ddiloco.report.summary import summarise, write_summary
 
@@ -99,3 +101,14 @@ def test_damaged_or_hostile_accounting_and_records_are_not_trusted(tmp_path):
     (d / "metrics" / "accounting.json").write_text('{"horizon_s": "x", "learners": -3, "compute_s": "y"}')
     s = summarise(d)
     assert s["goodput"] == 0.0 and s["num_learners"] == 2  # nonsense is read as nothing, M from config.toml
+
+
+def test_the_report_pages_goodput_is_the_summarys_for_a_run_without_accounting(tmp_path):
+    """Both add the learners' busy seconds up by one rule (core.counters) over one run length."""
+    from ddiloco.report.html import goodput_series, load_run
+
+    d = folder(tmp_path, runlog=["start", "end"])
+    summary = write_summary(d)
+    series = goodput_series(load_run(d))
+    assert series is not None and series[2] == pytest.approx(summary["goodput"])
+    assert series[0][-1] == summary["run_time_s"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.core.counters import IncarnationCounters, Increment
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml, rounds_of
@@ -179,34 +180,33 @@ def _by_learner(records: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]
     return dict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
 
 
+def _one_learner(records: list[dict[str, Any]], key: str) -> list[Increment]:
+    """What each of one learner's readings of counter ``key`` added (``core.counters`` rules)."""
+    return IncarnationCounters.of_records([{**r, "learner": 0} for r in records], key)[1]
+
+
 def busy_increments(records: list[dict[str, Any]], key: str = "busy_s") -> list[tuple[float, float, float]]:
     """(start, end, seconds) pieces of one learner's cumulative busy-time counter.
 
-    Counters restart from 0 when the learner's process restarts, so a decrease is a restart:
-    the new value is what was done since, inside ``[end - value, end]`` at the latest (and so
-    is the first report's value).
-    """
-    out: list[tuple[float, float, float]] = []
-    prev_t, prev_v = 0.0, None
-    for r in records:
-        t, v = _num(r.get("time")), _num(r.get(key))
-        if t is None or v is None:
-            continue
-        if prev_v is None or v < prev_v:  # first report, or a restart: work since the counter was 0
-            inc, start = v, max(prev_t, t - v)
-        else:
-            inc, start = v - prev_v, prev_t
-        if inc > 0:
-            out.append((min(start, t), t, inc))
-        prev_t, prev_v = t, v
-    return out
+    Counters restart from 0 when the learner's process restarts (a new incarnation, or for
+    records without one, a decrease): the new value is what was done since, inside
+    ``[end - value, end]`` at the latest (and so is the first report's value)."""
+    return [(i.start, i.end, i.amount) for i in _one_learner(records, key) if i.amount > 0]
 
 
 def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], list[float], float] | None:
-    """Bucket edges, goodput per bucket (sum of busy seconds / (M x bucket length)) and the mean."""
+    """Bucket edges, goodput per bucket (sum of busy seconds / (M x bucket length)) and the mean.
+
+    Busy seconds add up by the rule the summary uses (``core.counters``: per incarnation, restarts
+    handled). A run without accounting (started by hand) has for goodput in its summary that busy
+    share over its run length; the series spans the same length, so the mean shown is it."""
     per = _by_learner(run.learners)
-    pieces = [p for rs in per.values() for p in busy_increments(rs)]
-    horizon = max((r["time"] for rs in per.values() for r in rs), default=0.0)
+    counters, steps = IncarnationCounters.of_records(run.learners, "busy_s")
+    pieces = [(i.start, i.end, i.amount) for i in steps if i.amount > 0]
+    horizon = max((i.end for i in steps), default=0.0)
+    length = _num(run.summary.get("run_time_s"))
+    if not run.accounting and length is not None and length > 0:
+        horizon = length
     m = run.num_learners
     if not pieces or horizon <= 0 or m <= 0:
         return None
@@ -215,7 +215,7 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
     busy = [0.0] * n
     for s, e, amount in pieces:
         if e <= s:
-            busy[min(n - 1, int(e / width))] += amount
+            busy[min(n - 1, max(0, int(e / width)))] += amount
             continue
         i0, i1 = int(s / width), min(n - 1, int(e / width))
         for i in range(max(0, i0), i1 + 1):
@@ -223,20 +223,15 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
             if overlap > 0:
                 busy[i] += amount * overlap / (e - s)
     edges = [i * width for i in range(n + 1)]
-    return edges, [b / (m * width) for b in busy], sum(busy) / (m * horizon)
+    return edges, [b / (m * width) for b in busy], counters.total() / (m * horizon)
 
 
 def cumulative(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """Times and the counter summed over the learner's incarnations (restarts handled)."""
     ts, vs, total = [], [], 0.0
-    prev = None
-    for r in records:
-        t, v = _num(r.get("time")), _num(r.get(key))
-        if t is None or v is None:
-            continue
-        total += v if prev is None or v < prev else v - prev
-        prev = v
-        ts.append(t)
+    for i in _one_learner(records, key):
+        total += i.amount
+        ts.append(i.end)
         vs.append(total)
     return ts, vs
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddiloco.core.counters import IncarnationCounters
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.plotting import pyplot
@@ -98,23 +99,10 @@ def _num(value: Any, default: float = 0.0) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _incarnation_totals(records: list[dict[str, Any]], key: str) -> float:
-    """Sum over learners and their incarnations of a counter that is cumulative within an
-    incarnation: its largest value per (learner, incarnation); for records that do not name
-    the incarnation, a drop of the counter is taken as a restart."""
-    best: dict[tuple[Any, Any], float] = {}
-    restarts: dict[Any, int] = {}
-    last: dict[Any, float] = {}
-    for r in records:
-        m, v = r.get("learner"), _num(r.get(key))
-        inc = r.get("incarnation")
-        if inc is None:  # an older record: count restarts by the counter's drops
-            if v < last.get(m, 0.0):
-                restarts[m] = restarts.get(m, 0) + 1
-            last[m] = v
-            inc = ("drop", restarts.get(m, 0))
-        best[(m, inc)] = max(best.get((m, inc), 0.0), v)
-    return sum(best.values())
+def learner_total(records: list[dict[str, Any]], key: str) -> float:
+    """A learner counter (metrics/learners.jsonl's ``tokens``, ``busy_s`` ...) summed over learners
+    and their incarnations: the one restart rule of ``core.counters`` (the HTML page uses it too)."""
+    return IncarnationCounters.of_records(records, key)[0].total()
 
 
 def summarise(run_dir: str | Path) -> dict[str, Any]:
@@ -147,8 +135,8 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         shares: dict[str, float | None] = {k: _num(acct.get(f"{k}_s")) / alloc for k in kinds}
     else:
         shares = dict.fromkeys(kinds)
-        shares["compute"] = _incarnation_totals(learners, "busy_s") / alloc if learners else None
-    processed = _num(acct.get("tokens")) or _incarnation_totals(learners, "tokens")
+        shares["compute"] = learner_total(learners, "busy_s") / alloc if learners else None
+    processed = _num(acct.get("tokens")) or learner_total(learners, "tokens")
     # every fragment merges the same tokens once: the global count is the mean over fragments
     merged = sum(m.tokens for r in rounds for m in r.took_part) / max(num_fragments, 1)
     if not tape:
