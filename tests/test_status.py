@@ -23,7 +23,8 @@ from ddiloco.core.messages import Ack, Heartbeat, Join, Leave
 from ddiloco.core.syncer import Syncer
 from ddiloco.service.fleet_status import fleet_status, learner_records, run_t0, status_reply
 from ddiloco.service.launcher import free_port
-from ddiloco.service.status_cmd import fetch_status, merge_views
+from ddiloco.service.observer import NoReply, fetch_status
+from ddiloco.service.status_cmd import merge_views
 from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode
 
 SETTINGS = [
@@ -158,8 +159,11 @@ def test_status_of_a_live_fleet_then_of_its_run_folder(tmp_path, capsys):
             t.start()
 
         def progressed():
-            st = fetch_status(server.address, 5.0)
-            ok = st is not None and len(st["learners"]) == 2
+            try:
+                st = fetch_status(server.address, 5.0)
+            except NoReply:
+                return None  # slow to answer: ask again
+            ok = len(st["learners"]) == 2
             ok = ok and all(ln["step"] > 0 and ln["tokens"] > 0 and ln["loss"] is not None for ln in st["learners"])
             ok = ok and all(ln["contribution_age_s"] is not None and ln["bytes_sent"] > 0 for ln in st["learners"])
             return st if ok and any(f["version"] > 0 for f in st["fragments"]) else None
