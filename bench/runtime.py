@@ -170,10 +170,14 @@ def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict
     spawn = on.spawned["learner-1"]
 
     def first_merge() -> float | None:
+        from ddiloco.core.tape import RoundRecord, parse_tape_record
+
         for r in on.tape():
-            closed = r.get("closed_at", 0.0) + r.get("wall_offset", 0.0)  # the tape's clock is monotonic
-            mine = r.get("event") == "round" and any(m["learner"] == 1 and m["weight"] > 0 for m in r["merged"])
-            if mine and closed > spawn:
+            rd = parse_tape_record(r)
+            if not isinstance(rd, RoundRecord):
+                continue
+            closed = rd.closed_at + r.get("wall_offset", 0.0)  # the tape's clock is monotonic
+            if any(m.learner == 1 and m.was_merged for m in rd.merged) and closed > spawn:
                 return closed
         return None
 

@@ -199,6 +199,7 @@ def rss_kb(pid: int) -> int | None:
 def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[float, str]], attack: bool) -> dict:
     import torch
 
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.service.evaluator import fetch_global
     from ddiloco.service.keys import ClientKeys, make_keys
 
@@ -244,8 +245,9 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
         """Note the versions the tape says were made (each was made durable before it was
         served); the tape's invariants are checked once, at the end, by ``check_run``."""
         for r in new:
-            if r.get("event") == "round":
-                served[str(r["fragment"])] = max(served.get(str(r["fragment"]), 0), r["version"])
+            rd = parse_tape_record(r)
+            if isinstance(rd, RoundRecord):
+                served[str(rd.fragment)] = max(served.get(str(rd.fragment), 0), rd.version)
 
     while time.time() < end:
         now = time.time() - t0
@@ -347,6 +349,7 @@ def finish(
     from safetensors.torch import load_file
 
     from ddiloco.core.syncer import Syncer
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.report.invariants import Restore, check_run
     from ddiloco.service.store import SyncerStore
     from ddiloco.training.evaluate import evaluate
@@ -394,7 +397,13 @@ def finish(
     def t_of(r: dict) -> float:
         return r["closed_at"] + r.get("wall_offset", 0.0) - c.t0_wall
 
-    honest_merges = [(t_of(r), e) for r in rounds for e in r["merged"] if e["learner"] in HONEST and e["weight"] > 0]
+    honest_merges = [
+        (t_of(r), e)
+        for r in rounds
+        if isinstance(rd := parse_tape_record(r), RoundRecord)
+        for e in rd.took_part
+        if e.learner in HONEST
+    ]
     # rejections by reason and learner; notices of a quarantine are not answers
     rejections: list[dict] = []
     truncated = 0
@@ -534,6 +543,7 @@ def attacker_main(args) -> int:
 
     torch.set_num_threads(1)
     from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
     from ddiloco.service.keys import ClientKeys
     from ddiloco.service.transport import learner_identity
@@ -576,10 +586,11 @@ def attacker_main(args) -> int:
 
     def norm_of_honest(p: int) -> float:
         for r in tape.poll():
-            if r.get("event") == "round":
-                for e in r["merged"]:
-                    if e["learner"] in HONEST and e["weight"] > 0:
-                        honest_norms.setdefault(r["fragment"], []).append(e["norm"])
+            rd = parse_tape_record(r)
+            if isinstance(rd, RoundRecord):
+                for e in rd.took_part:
+                    if e.learner in HONEST:
+                        honest_norms.setdefault(rd.fragment, []).append(e.norm)
         xs = honest_norms.get(p, [])[-4:]
         return max(xs) if xs else 0.0  # the current honest level (0: no reference for p yet)
 

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddiloco.report.tape import read_tape
+from ddiloco.core.tape import RoundRecord
+from ddiloco.report.tape import read_rounds
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition", poll: float = 0.05) -> Any:
@@ -22,7 +23,6 @@ def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condit
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def merges(run_dir: Path) -> list[dict]:
-    """The rounds on a syncer's tape that merged something (an entry with a positive weight)."""
-    tape = read_tape(Path(run_dir) / "state" / "tape.jsonl")
-    return [r for r in tape if r["event"] == "round" and any(e["weight"] > 0 for e in r["merged"])]
+def merges(run_dir: Path) -> list[RoundRecord]:
+    """The rounds on a syncer's tape that merged something (an entry took part: ``was_merged``)."""
+    return [r for r in read_rounds(Path(run_dir) / "state" / "tape.jsonl") if r.took_part]

@@ -15,6 +15,7 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat, Join
 from ddiloco.core.syncer import Output, Syncer
+from ddiloco.core.tape import RoundRecord, TapeRecord
 from ddiloco.methods import PRESETS
 from ddiloco.sim.run import simulate
 
@@ -59,6 +60,7 @@ class Fleet:
         init = torch.randn(1000, generator=self.g)
         self.s = Syncer(cfg, balanced_layout([TensorSpec("w", (1000,))], 1), {"w": init}, [False])
         self.tape: list[dict] = []
+        self.records: list[TapeRecord] = []  # the same, typed as the core returned them
         self.now = 0.0
         for m in range(learners):
             self.keep(self.s.handle(Join(m, 0, [0]), 0.0))
@@ -66,6 +68,7 @@ class Fleet:
 
     def keep(self, out: Output) -> Output:
         self.tape += [r.to_json() for r in out.tape]
+        self.records += out.tape
         return out
 
     def honest(self, m: int, scale: float = 0.01, **kw) -> Contribution:
@@ -180,8 +183,8 @@ def test_zero_step_answers_do_not_drag_the_weight_cap_to_zero():
     for _ in range(6):
         f.round([f.honest(m, steps=0, tokens=0) for m in range(4)])
     f.round([f.honest(m) for m in range(4)])
-    last = [e for e in f.tape if e["event"] == "round"][-1]["merged"]
-    assert all(m["weight"] > 0 and not m["clipped"] for m in last)
+    last = [r for r in f.records if isinstance(r, RoundRecord)][-1].merged
+    assert all(m.was_merged and not m.clipped for m in last)
 
 
 def test_without_history_an_answer_far_above_its_round_peers_is_screened_but_a_common_jump_is_not():

@@ -13,6 +13,7 @@ import pytest
 from helpers import merges, wait_for
 
 from ddiloco.config import load_config
+from ddiloco.core.tape import RoundRecord
 from ddiloco.report.invariants import check_run
 from ddiloco.report.tape import read_tape
 from ddiloco.service.clock import SkewedClock
@@ -73,7 +74,7 @@ class Fleet:
         for t in self.threads:
             t.join(timeout=30)
 
-    def merges(self) -> list[dict]:
+    def merges(self) -> list[RoundRecord]:
         return merges(self.run_dir)
 
 
@@ -94,11 +95,7 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
         assert new_incarnation > old_incarnation
 
         def contributed_again() -> bool:
-            return any(
-                e["learner"] == 1 and e["incarnation"] == new_incarnation and e["weight"] > 0
-                for r in fleet.merges()
-                for e in r["merged"]
-            )
+            return any(e.learner == 1 and e.incarnation == new_incarnation for r in fleet.merges() for e in r.took_part)
 
         wait_for(lambda: len(fleet.merges()) >= 20 and contributed_again(), 240, "20 merges and the restarted learner")
     finally:
@@ -110,12 +107,8 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
     assert check_run(read_tape(tmp_path / "state" / "tape.jsonl")) == []
     # the faults really happened, and nothing from the killed incarnation was merged after its successor's join
     assert faults.counts["dropped"] > 0 and faults.counts["duplicated"] > 0 and faults.counts["delayed"] > 0
-    firsts = [r["closed_at"] for r in merges for e in r["merged"] if e["incarnation"] == new_incarnation]
-    assert not any(
-        e["learner"] == 1 and e["incarnation"] == old_incarnation
-        for r in merges
-        if r["closed_at"] > min(firsts)
-        for e in r["merged"]
-    )
+    firsts = [r.closed_at for r in merges for e in r.merged if e.incarnation == new_incarnation]
+    late = [e for r in merges if r.closed_at > min(firsts) for e in r.merged]
+    assert not any(e.learner == 1 and e.incarnation == old_incarnation for e in late)
     # every learner that was stopped cleanly exited 0
     assert fleet.exits[0] == [0] and fleet.exits[2] == [0]

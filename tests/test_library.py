@@ -117,8 +117,7 @@ def test_two_learners_with_sgd_momentum_and_dict_batches_merge_in_one_process(fl
         t.join(timeout=180)
     assert not errors, errors
     assert all(not t.is_alive() for t in threads)
-    rounds = merges(run_dir)
-    merged = {e["learner"] for r in rounds for e in r["merged"] if e["weight"] > 0}
+    merged = {e.learner for r in merges(run_dir) for e in r.took_part}
     assert merged == {0, 1}
     for ln in learners.values():
         assert ln.closed and ln.stats.steps == 120 and ln.stats.applied > 0
@@ -140,7 +139,7 @@ def test_a_restarted_learner_takes_a_peers_optimizer_state_and_its_data_position
     peer.start()
     try:
         train(second, model1, opt1, 60, seed=1)
-        wait_for(lambda: any(e["learner"] == 1 for r in merges(run_dir) for e in r["merged"]), 60, "a merge of 1")
+        wait_for(lambda: any(e.learner == 1 for r in merges(run_dir) for e in r.took_part), 60, "a merge of 1")
         second.close()
         # The restarted process: a fresh model and optimizer, the same id.
         model2 = DictNet()
@@ -395,7 +394,7 @@ def test_hf_example_end_to_end_two_learners_a_syncer_and_an_export(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     loss = float(re.search(r"eval loss \(nats/byte\): ([0-9.]+)", out.stdout).group(1))
     assert 0 < loss < math.log(256)  # better than uniform bytes
-    assert {e["learner"] for r in merges(run_dir) for e in r["merged"]} == {0, 1}
+    assert {e.learner for r in merges(run_dir) for e in r.took_part} == {0, 1}
     exported = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
     final = ddiloco.load_state_dict(run_dir)
     for name, value in exported.state_dict().items():

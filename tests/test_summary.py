@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from ddiloco.core.tape import MergedEntry, RoundRecord
 from ddiloco.report.summary import summarise, write_summary
 
 
@@ -14,8 +17,9 @@ def jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def merged(learner: int, weight: float, tokens: int = 100, in_grace: bool = False) -> dict:
-    return {"learner": learner, "weight": weight, "tokens": tokens, "steps": 4, "staleness": 0, "in_grace": in_grace}
+def merged(learner: int, weight: float, tokens: int = 100, in_grace: bool = False) -> MergedEntry:
+    return MergedEntry(learner, incarnation=1, seq=0, base_version=0, staleness=0, weight=weight, tokens=tokens,
+                       steps=4, in_grace=in_grace)  # fmt: skip
 
 
 def folder(tmp_path: Path, *, runlog: list[str], rounds_per_fragment: int = 4) -> Path:
@@ -28,8 +32,9 @@ def folder(tmp_path: Path, *, runlog: list[str], rounds_per_fragment: int = 4) -
         for p in (0, 1):
             entries = [merged(0, 1.0), merged(1, 0.0 if k == 0 else 1.0, in_grace=k == 1)]
             # The syncer's own tape: monotonic times and the wall offset (top-level tape: relative).
-            rounds.append({"event": "round", "fragment": p, "version": k + 1, "opened_at": 50.0 + k,
-                           "closed_at": 50.5 + k, "merged": entries, "wall_offset": 960.0})  # fmt: skip
+            rd = RoundRecord(p, len(rounds), opened_at=50.0 + k, closed_at=50.5 + k, version=k + 1, quorum=1,
+                             grace_s=0.0, close_reason="all_answered", merged=entries)  # fmt: skip
+            rounds.append({**rd.to_json(), "wall_offset": 960.0})
     jsonl(d / "state" / "tape.jsonl", rounds)
     jsonl(d / "metrics" / "learners.jsonl", [
         {"time": 5.0, "learner": 0, "incarnation": 1, "tokens": 500, "busy_s": 4.0},
@@ -96,3 +101,14 @@ def test_damaged_or_hostile_accounting_and_records_are_not_trusted(tmp_path):
     (d / "metrics" / "accounting.json").write_text('{"horizon_s": "x", "learners": -3, "compute_s": "y"}')
     s = summarise(d)
     assert s["goodput"] == 0.0 and s["num_learners"] == 2  # nonsense is read as nothing, M from config.toml
+
+
+def test_the_report_pages_goodput_is_the_summarys_for_a_run_without_accounting(tmp_path):
+    """Both add the learners' busy seconds up by one rule (core.counters) over one run length."""
+    from ddiloco.report.html import goodput_series, load_run
+
+    d = folder(tmp_path, runlog=["start", "end"])
+    summary = write_summary(d)
+    series = goodput_series(load_run(d))
+    assert series is not None and series[2] == pytest.approx(summary["goodput"])
+    assert series[0][-1] == summary["run_time_s"]

@@ -4,10 +4,6 @@ folder that ``from_pretrained`` loads.
 The syncer writes ``RUN_DIR/final/model.safetensors`` when it stops (``save_state_dict``); a
 live syncer's current model can be fetched instead (``fetch_state``). ``export_model`` loads
 either into the user's model and writes the folder; ``ddiloco export`` calls the same functions.
-
-The file itself (``save_state_dict``, ``load_state_dict``, ``FINAL``) is the run folder's, in
-``ddiloco.report.model_file``: the syncer writes it without importing this module, which
-imports the syncer's client side (``fetch_state``).
 """
 
 from __future__ import annotations
@@ -20,11 +16,47 @@ import torch
 from torch import nn
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.model_file import FINAL, load_state_dict, save_state_dict
-
-__all__ = ["FINAL", "export_model", "fetch_state", "load_state_dict", "save_state_dict"]
 
 log = logging.getLogger(__name__)
+
+FINAL = Path("final") / "model.safetensors"
+"""Where a run folder holds the syncer's final global model."""
+
+
+def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path:
+    """Write ``state`` as safetensors. Tensors that share memory (tied weights) are written as
+    copies, so a plain ``model.load_state_dict(load_state_dict(path))`` restores every key."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        # safetensors refuses tensors that share memory: the second of a tied pair is a copy
+        out[name] = t.clone() if ptr and ptr in seen else t
+        seen.add(ptr)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(out, str(tmp))
+    tmp.replace(path)  # a reader never sees half a file
+    return path
+
+
+def load_state_dict(source: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict in a safetensors file, or in a run folder's ``final/model.safetensors``."""
+    from safetensors.torch import load_file
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / FINAL
+    if not path.is_file():
+        raise DDiLoCoError(
+            f"{path} does not exist: pass a run folder whose syncer has stopped (it writes {FINAL}) or a "
+            ".safetensors file"
+        )
+    return load_file(str(path))
 
 
 def fetch_state(
@@ -39,16 +71,14 @@ def fetch_state(
     """The current global model of a live syncer (every shard), as a state dict of ``model``'s
     structure. ``config`` must give the syncer's fragment layout (a Config, DiLoCoConfig or TOML).
     ``insecure`` allows a syncer off this machine without keys (it is said once)."""
-    from ddiloco.service.api_learner import as_config, client_keys
-    from ddiloco.service.evaluator import fetch_global, load_global
-    from ddiloco.training.layout import layout_of
-    from ddiloco.workloads.base import embedding_parameters
+    from ddiloco.service.api_learner import as_config
+    from ddiloco.service.evaluator import load_global
+    from ddiloco.service.observer import fetch_global, observer_keys
+    from ddiloco.training.layout import embedding_parameters, layout_of
 
     cfg = as_config(config)  # type: ignore[arg-type]
-    keys = client_keys(list(syncers), key, "observer", insecure=insecure)
-    states = fetch_global(list(syncers), timeout_s, keys)
-    if states is None:
-        raise DDiLoCoError(f"no answer from {', '.join(syncers)} within {timeout_s:.0f} s: is the syncer running?")
+    keys = observer_keys(list(syncers), key, insecure)
+    states = fetch_global(list(syncers), timeout_s, keys, requester="ddiloco export")  # NoReply says why not
     layout = layout_of(model, cfg.algo, embedding_parameters(model)).fragments
     load_global(model, layout, states)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -2,11 +2,15 @@
 
 The core never stores the tape; each ``Syncer`` call returns the records it produced and the
 driver appends them to a file (service) or a list (simulator). ``to_json`` gives the line
-written to ``tape.jsonl``; ``ddiloco.report.tape`` reads such lines back.
+written to ``tape.jsonl``; ``parse_tape_record`` (``from_json``) reads such a line back into its
+type, and ``ddiloco.report.tape`` reads whole files. ``was_merged`` is the one rule for "this
+entry took part in the merge".
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
@@ -27,6 +31,68 @@ RejectReason = Literal[
 ]
 MAX_REJECTIONS_PER_ROUND = 32
 """Rejections listed in one round record; more are only counted (the record stays bounded)."""
+MAX_READ_INT = 2**63 - 1
+"""Largest integer a read record may hold (a larger one is damage, and would overflow a float sum)."""
+CLOSE_REASONS: frozenset[str] = frozenset(get_args(CloseReason))
+REJECT_REASONS: frozenset[str] = frozenset(get_args(RejectReason))
+
+
+class _Malformed(Exception):
+    """A record read back does not have the fields and types its writer gives it."""
+
+
+def _int(d: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value: object = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_READ_INT:
+        raise _Malformed(key)
+    return value
+
+
+def _float(d: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value: object = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Malformed(key)
+    if isinstance(value, int) and abs(value) > MAX_READ_INT:  # float() of a huge int overflows
+        raise _Malformed(key)
+    number = float(value)
+    if not math.isfinite(number):
+        raise _Malformed(key)
+    return number
+
+
+def _bool(d: Mapping[str, Any], key: str, default: bool | None = None) -> bool:
+    value: object = d.get(key, default)
+    if not isinstance(value, bool):
+        raise _Malformed(key)
+    return value
+
+
+def _str(d: Mapping[str, Any], key: str, default: str | None = None) -> str:
+    value: object = d.get(key, default)
+    if not isinstance(value, str):
+        raise _Malformed(key)
+    return value
+
+
+def _list(d: Mapping[str, Any], key: str) -> list[Any]:
+    value: object = d.get(key, [])
+    if not isinstance(value, list):
+        raise _Malformed(key)
+    return value
+
+
+def _reject_reason(d: Mapping[str, Any]) -> RejectReason:
+    reason = _str(d, "reason")
+    if reason not in REJECT_REASONS:
+        raise _Malformed("reason")
+    return cast(RejectReason, reason)
+
+
+def _close_reason(d: Mapping[str, Any]) -> CloseReason:
+    reason = _str(d, "close_reason")
+    if reason not in CLOSE_REASONS:
+        raise _Malformed("close_reason")
+    return cast(CloseReason, reason)
 
 
 @dataclass(frozen=True)
@@ -54,6 +120,20 @@ class Rejection:
             "time": self.time,
         }
 
+    @classmethod
+    def from_json(cls, d: object) -> Rejection | None:
+        """The rejection ``to_json`` wrote, or None when ``d`` is not one (see ``parse_tape_record``)."""
+        try:
+            return cls._read(d)
+        except _Malformed:
+            return None
+
+    @classmethod
+    def _read(cls, d: object) -> Rejection:
+        if not isinstance(d, Mapping):
+            raise _Malformed("not an object")
+        return cls(_int(d, "learner"), _int(d, "fragment"), _reject_reason(d), _str(d, "detail", ""), _float(d, "time"))
+
 
 @dataclass(frozen=True)
 class Late:
@@ -68,6 +148,16 @@ class Late:
 
     def to_json(self) -> dict[str, Any]:
         return {"event": "late", "learner": self.learner, "fragment": self.fragment, "time": self.time}
+
+    @classmethod
+    def from_json(cls, d: object) -> Late | None:
+        """The record ``to_json`` wrote, or None when ``d`` is not one (see ``parse_tape_record``)."""
+        if not isinstance(d, Mapping):
+            return None
+        try:
+            return cls(_int(d, "learner"), _int(d, "fragment"), _float(d, "time"))
+        except _Malformed:
+            return None
 
 
 @dataclass(frozen=True)
@@ -97,25 +187,6 @@ class MergedEntry:
     norm: float = 0.0
     """L2 norm of its outer gradient."""
 
-    @property
-    def was_merged(self) -> bool:
-        """It took part in the merge (an answer of weight 0, e.g. no steps, did not)."""
-        return self.weight > 0
-
-    @classmethod
-    def from_json(cls, d: Any) -> MergedEntry | None:
-        """Back from ``to_json`` output (None when ``d`` is not one: records come from files)."""
-        if not isinstance(d, dict):
-            return None
-        try:
-            return cls(
-                _int(d["learner"]), _int(d["incarnation"]), _int(d["seq"]), _int(d["base_version"]),
-                _int(d["staleness"]), _num(d["weight"]), _int(d["tokens"]), _int(d["steps"]), bool(d["in_grace"]),
-                bool(d.get("clipped", False)), _num(d.get("norm", 0.0)),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError):
-            return None
-
     def to_json(self) -> dict[str, Any]:
         return {
             "learner": self.learner,
@@ -130,6 +201,43 @@ class MergedEntry:
             "clipped": self.clipped,
             "norm": self.norm,
         }
+
+    @property
+    def was_merged(self) -> bool:
+        """Whether it took part in the merge (see ``was_merged``)."""
+        return was_merged(self)
+
+    @classmethod
+    def from_json(cls, d: object) -> MergedEntry | None:
+        """The entry ``to_json`` wrote, or None when ``d`` is not one (see ``parse_tape_record``)."""
+        try:
+            return cls._read(d)
+        except _Malformed:
+            return None
+
+    @classmethod
+    def _read(cls, d: object) -> MergedEntry:
+        if not isinstance(d, Mapping):
+            raise _Malformed("not an object")
+        return cls(
+            learner=_int(d, "learner"),
+            incarnation=_int(d, "incarnation"),
+            seq=_int(d, "seq"),
+            base_version=_int(d, "base_version"),
+            staleness=_int(d, "staleness"),
+            weight=_float(d, "weight"),
+            tokens=_int(d, "tokens"),
+            steps=_int(d, "steps"),
+            in_grace=_bool(d, "in_grace"),
+            clipped=_bool(d, "clipped", False),  # older tapes lack the last two
+            norm=_float(d, "norm", 0.0),
+        )
+
+
+def was_merged(entry: MergedEntry) -> bool:
+    """The one rule for "this entry took part in the merge": a positive token weight. An entry of
+    weight 0 answered the round (it is on the tape) but moved nothing."""
+    return entry.weight > 0
 
 
 @dataclass
@@ -159,26 +267,6 @@ class RoundRecord:
     rejected_total: int = 0
     """All contributions refused while this round was open."""
 
-    @classmethod
-    def from_json(cls, d: Any) -> RoundRecord | None:
-        """Back from ``to_json`` output (None when ``d`` is not a round record; malformed merged
-        entries are dropped: records come from files)."""
-        if not isinstance(d, dict) or d.get("event") != "round":
-            return None
-        try:
-            reason = str(d["close_reason"])
-            if reason not in get_args(CloseReason):
-                return None
-            entries = d.get("merged", [])
-            merged = [e for e in (MergedEntry.from_json(x) for x in entries if isinstance(entries, list)) if e]
-            return cls(
-                _int(d["fragment"]), _int(d["round"]), _num(d["opened_at"]), _num(d["closed_at"]), _int(d["version"]),
-                _int(d["quorum"]), _num(d["grace_s"]), cast(CloseReason, reason), merged,
-                rejected_total=_int(d.get("rejected_total", 0)),
-            )  # fmt: skip
-        except (KeyError, TypeError, ValueError):
-            return None
-
     def to_json(self) -> dict[str, Any]:
         return {
             "event": "round",
@@ -195,17 +283,59 @@ class RoundRecord:
             "rejected_total": self.rejected_total,
         }
 
+    @property
+    def took_part(self) -> list[MergedEntry]:
+        """The entries that took part in the merge (``was_merged``), in learner order."""
+        return [m for m in self.merged if was_merged(m)]
+
+    @property
+    def is_merge(self) -> bool:
+        """Whether the round merged something: it made a version and an entry took part."""
+        return self.version > 0 and any(was_merged(m) for m in self.merged)
+
+    @classmethod
+    def from_json(cls, d: object) -> RoundRecord | None:
+        """The round ``to_json`` wrote, or None when ``d`` is not one (see ``parse_tape_record``).
+        One malformed entry makes the whole round malformed: a round is not half trusted."""
+        try:
+            return cls._read(d)
+        except _Malformed:
+            return None
+
+    @classmethod
+    def _read(cls, d: object) -> RoundRecord:
+        if not isinstance(d, Mapping):
+            raise _Malformed("not an object")
+        rejected = [Rejection._read(r) for r in _list(d, "rejected")]
+        return cls(
+            fragment=_int(d, "fragment"),
+            round_id=_int(d, "round"),
+            opened_at=_float(d, "opened_at"),
+            closed_at=_float(d, "closed_at"),
+            version=_int(d, "version"),
+            quorum=_int(d, "quorum"),
+            grace_s=_float(d, "grace_s"),
+            close_reason=_close_reason(d),
+            merged=[MergedEntry._read(m) for m in _list(d, "merged")],
+            rejected=rejected,
+            rejected_total=_int(d, "rejected_total", len(rejected)),  # older tapes only listed them
+        )
+
 
 TapeRecord = RoundRecord | Rejection | Late
 
 
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"expected an integer, got {v!r}")
-    return int(v)
-
-
-def _num(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {v!r}")
-    return float(v)
+def parse_tape_record(d: object) -> TapeRecord | None:
+    """A tape line (a dict from JSON) as its typed record, or None when it is not a well-formed
+    one: records come from files, so a malformed one is skipped, never trusted, and never
+    raises. Unknown keys (``wall_offset``) are ignored; numbers must be finite and bounded."""
+    if not isinstance(d, Mapping):
+        return None
+    event = d.get("event")
+    if event == "round":
+        return RoundRecord.from_json(d)
+    if event == "rejected":
+        return Rejection.from_json(d)
+    if event == "late":
+        return Late.from_json(d)
+    return None

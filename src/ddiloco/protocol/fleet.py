@@ -43,11 +43,11 @@ class FleetBook:
         self.progress: dict[int, Progress] = {}
         self._tokens = IncarnationCounters()
 
-    def heartbeat(self, hb: Heartbeat) -> None:
+    def heartbeat(self, hb: Heartbeat, now: float) -> None:
         """A heartbeat of the learner's registered incarnation (the caller checked it)."""
         loss = hb.loss if hb.loss >= 0 else None
         self.progress[hb.learner] = Progress(hb.incarnation, hb.step, hb.tokens, hb.busy_s, loss, hb.bytes_sent)
-        self._tokens.update(hb.learner, hb.incarnation, hb.tokens)
+        self._tokens.add(hb.learner, hb.incarnation, hb.tokens, now)
 
     def restarted(self, learner: int, incarnation: int) -> None:
         """A new incarnation registered: its counters start again from 0 (its predecessors'

@@ -238,7 +238,7 @@ class SyncerSession:
                 self._relay(msg, now, out)
             else:
                 if isinstance(msg, Heartbeat) and self.core.registered(msg.learner) == msg.incarnation:
-                    self.fleet.heartbeat(msg)
+                    self.fleet.heartbeat(msg, now)
                 out.core(self.core.handle(msg, now), self.identities)
         else:
             out.notes.append(Note("malformed", f"unexpected {type(msg).__name__} from {peer!r}"))

@@ -1,4 +1,4 @@
-"""Where each learner's allocated time went: computing, blocked, down, restarting or starting."""
+"""Where each learner's allocated time went: starting, computing, blocked, down or restarting."""
 
 from __future__ import annotations
 
@@ -11,13 +11,23 @@ STATES: tuple[State, ...] = get_args(State)
 
 @dataclass
 class TimeAccount:
-    """Time spent in each state by one learner (states change at event times)."""
+    """Time spent in each state by one learner (states change at event times).
+
+    The simulator switches it at virtual event times; the launcher at the events it observes
+    (spawned: starting or restarting, first inner step: compute, killed or died: down), so every
+    second from ``since`` to ``close`` is in exactly one state and the shares add up to 1."""
 
     state: State = "compute"
+    """The state it is in now."""
     since: float = 0.0
+    """When it entered it (an account's time never goes back: see ``switch``)."""
     totals: dict[State, float] = field(default_factory=lambda: {s: 0.0 for s in STATES})
+    """Seconds spent in each state before ``since``."""
 
     def switch(self, state: State, now: float) -> None:
+        """Enter ``state`` at ``now``. An event observed late, at a time before the last switch,
+        is taken at that switch (time spent is never negative)."""
+        now = max(now, self.since)
         self.totals[self.state] += now - self.since
         self.state, self.since = state, now
 

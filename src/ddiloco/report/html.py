@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.core.counters import IncarnationCounters, Increment
+from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml
+from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml, rounds_of
 
 MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
@@ -57,6 +59,8 @@ class Run:
     learners: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     tape: list[dict[str, Any]] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    """The tape's well-formed round records, typed (times as seconds since the start)."""
     notes: list[str] = field(default_factory=list)
     """What the page should say about how this folder was read (cut files, old format ...)."""
 
@@ -133,6 +137,7 @@ def load_run(path: str | Path) -> Run:
     if cut:
         run.notes.append(f"tape.jsonl has more than {MAX_RECORDS:,} records; the rest is not shown")
     run.tape = _tape_times(tape, _num(run.meta.get("started_at")), run.notes)
+    run.rounds = rounds_of(run.tape)
     return run
 
 
@@ -175,34 +180,33 @@ def _by_learner(records: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]
     return dict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
 
 
+def _one_learner(records: list[dict[str, Any]], key: str) -> list[Increment]:
+    """What each of one learner's readings of counter ``key`` added (``core.counters`` rules)."""
+    return IncarnationCounters.of_records([{**r, "learner": 0} for r in records], key)[1]
+
+
 def busy_increments(records: list[dict[str, Any]], key: str = "busy_s") -> list[tuple[float, float, float]]:
     """(start, end, seconds) pieces of one learner's cumulative busy-time counter.
 
-    Counters restart from 0 when the learner's process restarts, so a decrease is a restart:
-    the new value is what was done since, inside ``[end - value, end]`` at the latest (and so
-    is the first report's value).
-    """
-    out: list[tuple[float, float, float]] = []
-    prev_t, prev_v = 0.0, None
-    for r in records:
-        t, v = _num(r.get("time")), _num(r.get(key))
-        if t is None or v is None:
-            continue
-        if prev_v is None or v < prev_v:  # first report, or a restart: work since the counter was 0
-            inc, start = v, max(prev_t, t - v)
-        else:
-            inc, start = v - prev_v, prev_t
-        if inc > 0:
-            out.append((min(start, t), t, inc))
-        prev_t, prev_v = t, v
-    return out
+    Counters restart from 0 when the learner's process restarts (a new incarnation, or for
+    records without one, a decrease): the new value is what was done since, inside
+    ``[end - value, end]`` at the latest (and so is the first report's value)."""
+    return [(i.start, i.end, i.amount) for i in _one_learner(records, key) if i.amount > 0]
 
 
 def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], list[float], float] | None:
-    """Bucket edges, goodput per bucket (sum of busy seconds / (M x bucket length)) and the mean."""
+    """Bucket edges, goodput per bucket (sum of busy seconds / (M x bucket length)) and the mean.
+
+    Busy seconds add up by the rule the summary uses (``core.counters``: per incarnation, restarts
+    handled). A run without accounting (started by hand) has for goodput in its summary that busy
+    share over its run length; the series spans the same length, so the mean shown is it."""
     per = _by_learner(run.learners)
-    pieces = [p for rs in per.values() for p in busy_increments(rs)]
-    horizon = max((r["time"] for rs in per.values() for r in rs), default=0.0)
+    counters, steps = IncarnationCounters.of_records(run.learners, "busy_s")
+    pieces = [(i.start, i.end, i.amount) for i in steps if i.amount > 0]
+    horizon = max((i.end for i in steps), default=0.0)
+    length = _num(run.summary.get("run_time_s"))
+    if not run.accounting and length is not None and length > 0:
+        horizon = length
     m = run.num_learners
     if not pieces or horizon <= 0 or m <= 0:
         return None
@@ -211,7 +215,7 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
     busy = [0.0] * n
     for s, e, amount in pieces:
         if e <= s:
-            busy[min(n - 1, int(e / width))] += amount
+            busy[min(n - 1, max(0, int(e / width)))] += amount
             continue
         i0, i1 = int(s / width), min(n - 1, int(e / width))
         for i in range(max(0, i0), i1 + 1):
@@ -219,34 +223,17 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
             if overlap > 0:
                 busy[i] += amount * overlap / (e - s)
     edges = [i * width for i in range(n + 1)]
-    return edges, [b / (m * width) for b in busy], sum(busy) / (m * horizon)
+    return edges, [b / (m * width) for b in busy], counters.total() / (m * horizon)
 
 
 def cumulative(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     """Times and the counter summed over the learner's incarnations (restarts handled)."""
     ts, vs, total = [], [], 0.0
-    prev = None
-    for r in records:
-        t, v = _num(r.get("time")), _num(r.get(key))
-        if t is None or v is None:
-            continue
-        total += v if prev is None or v < prev else v - prev
-        prev = v
-        ts.append(t)
+    for i in _one_learner(records, key):
+        total += i.amount
+        ts.append(i.end)
         vs.append(total)
     return ts, vs
-
-
-def _rounds(run: Run) -> list[dict[str, Any]]:
-    return [
-        r
-        for r in run.tape
-        if r.get("event") == "round" and isinstance(r.get("merged"), list) and _num(r.get("closed_at")) is not None
-    ]
-
-
-def _entries(r: dict[str, Any]) -> list[dict[str, Any]]:
-    return [m for m in r.get("merged", []) if isinstance(m, dict) and m.get("learner") is not None]
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -437,14 +424,14 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
     import numpy as np  # a dependency of matplotlib
 
     for r, order in zip(runs, orders):
-        frags: dict[Any, list[dict[str, Any]]] = {}
-        for rd in _rounds(r):
-            if _entries(rd):
-                frags.setdefault(_key(rd.get("fragment")), []).append(rd)
+        frags: dict[int, list[RoundRecord]] = {}
+        for rd in r.rounds:
+            if rd.merged:
+                frags.setdefault(rd.fragment, []).append(rd)
         if not frags:
             fg.notes.append(f"{r.label}: no rounds with answers on the tape (tape.jsonl missing or empty)")
             continue
-        learners = sorted({_key(m["learner"]) for rs in frags.values() for rd in rs for m in _entries(rd)} | set(order),
+        learners = sorted({m.learner for rs in frags.values() for rd in rs for m in rd.merged} | set(order),
                           key=_sort_key)  # fmt: skip
         row = {lrn: i for i, lrn in enumerate(learners)}
         shown = sorted(frags, key=_sort_key)[:MAX_FRAGMENT_PANELS]
@@ -453,20 +440,19 @@ def fig_participation(runs: list[Run], orders: list[list[Any]]) -> Figure:
         cmap = plt.get_cmap("viridis").with_extremes(under="#bdbdbd", bad="white")
         meshes = []
         for ax, p in zip(axes[:, 0], shown):
-            rounds = sorted(frags[p], key=lambda rd: rd["closed_at"])
+            rounds = sorted(frags[p], key=lambda rd: rd.closed_at)
             data = np.full((len(learners), len(rounds)), np.nan)
             for j, rd in enumerate(rounds):
-                total = sum(max(0.0, _num(m.get("weight")) or 0.0) for m in _entries(rd))
-                for m in _entries(rd):
-                    w = _num(m.get("weight")) or 0.0
-                    data[row[_key(m["learner"])], j] = w / total if w > 0 and total > 0 else -1.0
+                total = sum(m.weight for m in rd.took_part)
+                for m in rd.merged:  # grey (-1): it answered but took no part
+                    data[row[m.learner], j] = m.weight / total if m.was_merged else -1.0
             masked = np.ma.masked_invalid(data)
             extent = (0.5, len(rounds) + 0.5, len(learners) - 0.5, -0.5)
             meshes.append(
                 ax.imshow(masked, cmap=cmap, aspect="auto", interpolation="nearest", extent=extent, origin="upper")
             )
-            ax.text(1.0, 1.02, f"{len(rounds)} rounds, closed {rounds[0]['closed_at']:,.0f} s to "
-                    f"{rounds[-1]['closed_at']:,.0f} s", transform=ax.transAxes, ha="right", va="bottom",
+            ax.text(1.0, 1.02, f"{len(rounds)} rounds, closed {rounds[0].closed_at:,.0f} s to "
+                    f"{rounds[-1].closed_at:,.0f} s", transform=ax.transAxes, ha="right", va="bottom",
                     fontsize=7, color="#555")  # fmt: skip
             ax.set_yticks(range(len(learners)))
             ax.set_yticklabels([str(lrn) for lrn in learners], fontsize=7 if len(learners) > 12 else 8)
@@ -499,17 +485,10 @@ def fig_staleness(runs: list[Run], colours: list[str]) -> Figure:
     )
     data = []
     for r, c in zip(runs, colours):
-        rounds = _rounds(r)
-        stale = [
-            int(s)
-            for rd in rounds
-            for m in _entries(rd)
-            if (_num(m.get("weight")) or 0.0) > 0 and (s := _num(m.get("staleness"))) is not None
-        ]
-        grace = [g for rd in rounds if (g := _num(rd.get("grace_s"))) is not None and g > 0]
-        admitted = sum(
-            1 for rd in rounds for m in _entries(rd) if m.get("in_grace") and (_num(m.get("weight")) or 0) > 0
-        )
+        rounds = r.rounds
+        stale = [m.staleness for rd in rounds for m in rd.took_part]
+        grace = [rd.grace_s for rd in rounds if rd.grace_s > 0]
+        admitted = sum(1 for rd in rounds for m in rd.took_part if m.in_grace)
         if not stale and not grace:
             fg.notes.append(f"{r.label}: no merged entries on the tape (tape.jsonl missing or empty)")
             continue
@@ -629,7 +608,7 @@ def _fmt(value: Any, spec: str) -> str:
 def _summary_rows(run: Run) -> list[tuple[str, str]]:
     s = run.summary
     partial = s.get("partial")
-    tape_rounds = len([rd for rd in _rounds(run) if any((_num(m.get("weight")) or 0) > 0 for m in _entries(rd))])
+    tape_rounds = sum(1 for rd in run.rounds if rd.took_part)
     return [
         ("method", run.method),
         ("clock", run.clock),
@@ -735,7 +714,7 @@ def render_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     orders = []
     for r in runs:
         seen = {_key(x.get("learner")) for x in r.learners if x.get("learner") is not None}
-        seen |= {_key(m["learner"]) for rd in _rounds(r) for m in _entries(rd)}
+        seen |= {m.learner for rd in r.rounds for m in rd.merged}
         orders.append(sorted(seen, key=_sort_key))
     figures = [
         fig_eval_loss(runs, colours),

@@ -2,40 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ddiloco.core.tape import Late, Rejection, RoundRecord, TapeRecord, parse_tape_record
 from ddiloco.report.accounting import Goodput
 
 
-def summarise_tape(tape: list[dict[str, Any]], num_fragments: int) -> dict[str, float]:
+def summarise_tape(tape: Sequence[dict[str, Any] | TapeRecord], num_fragments: int) -> dict[str, float]:
     """Rounds per fragment, mean learners per merge, grace admissions, rejections, late answers.
 
-    A merge is a round that made a new version with at least one entry of weight > 0; an entry
-    of weight 0 answered but took no part, so it is not counted as merged. Records come from
-    files: a malformed one is skipped, not trusted."""
-
-    def entries(e: dict[str, Any]) -> list[dict[str, Any]]:
-        merged = e.get("merged")
-        return [m for m in merged if isinstance(m, dict)] if isinstance(merged, list) else []
-
-    def weighted(e: dict[str, Any]) -> list[dict[str, Any]]:
-        return [m for m in entries(e) if isinstance(m.get("weight"), (int, float)) and m["weight"] > 0]
-
-    rounds = [e for e in tape if e.get("event") == "round"]
-    merges = [e for e in rounds if isinstance(e.get("version"), int) and e["version"] > 0 and weighted(e)]
-    rejected = sum(
-        e["rejected_total"] if isinstance(e.get("rejected_total"), int) else len(e.get("rejected") or [])
-        for e in rounds
-    ) + sum(1 for e in tape if e.get("event") == "rejected")
+    A merge is a round that made a new version with at least one entry that took part
+    (``core.tape.was_merged``: weight > 0); an entry of weight 0 answered but took no part, so it
+    is not counted as merged. ``tape`` holds typed records or the lines of a tape file: those come
+    from files, so a malformed one is skipped, not trusted."""
+    records = [r if isinstance(r, (RoundRecord, Rejection, Late)) else parse_tape_record(r) for r in tape]
+    rounds = [r for r in records if isinstance(r, RoundRecord)]
+    merges = [r for r in rounds if r.is_merge]
     return {
         "rounds_per_fragment": len(merges) / max(num_fragments, 1),
-        "learners_per_merge": sum(len(weighted(e)) for e in merges) / len(merges) if merges else 0.0,
-        "grace_admissions": sum(1 for e in merges for m in weighted(e) if m.get("in_grace")),
-        "rejected": rejected,
-        "late": sum(1 for e in tape if e.get("event") == "late"),
+        "learners_per_merge": sum(len(r.took_part) for r in merges) / len(merges) if merges else 0.0,
+        "grace_admissions": sum(1 for r in merges for m in r.took_part if m.in_grace),
+        "rejected": sum(r.rejected_total for r in rounds) + sum(isinstance(r, Rejection) for r in records),
+        "late": sum(isinstance(r, Late) for r in records),
     }
 
 

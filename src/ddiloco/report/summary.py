@@ -17,10 +17,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddiloco.core.counters import IncarnationCounters
+from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
-from ddiloco.report.tape import read_json, read_jsonl, read_toml
+from ddiloco.report.tape import parse_tape, read_json, read_jsonl, read_toml
 
 log = logging.getLogger(__name__)
 
@@ -97,23 +99,10 @@ def _num(value: Any, default: float = 0.0) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _incarnation_totals(records: list[dict[str, Any]], key: str) -> float:
-    """Sum over learners and their incarnations of a counter that is cumulative within an
-    incarnation: its largest value per (learner, incarnation); for records that do not name
-    the incarnation, a drop of the counter is taken as a restart."""
-    best: dict[tuple[Any, Any], float] = {}
-    restarts: dict[Any, int] = {}
-    last: dict[Any, float] = {}
-    for r in records:
-        m, v = r.get("learner"), _num(r.get(key))
-        inc = r.get("incarnation")
-        if inc is None:  # an older record: count restarts by the counter's drops
-            if v < last.get(m, 0.0):
-                restarts[m] = restarts.get(m, 0) + 1
-            last[m] = v
-            inc = ("drop", restarts.get(m, 0))
-        best[(m, inc)] = max(best.get((m, inc), 0.0), v)
-    return sum(best.values())
+def learner_total(records: list[dict[str, Any]], key: str) -> float:
+    """A learner counter (metrics/learners.jsonl's ``tokens``, ``busy_s`` ...) summed over learners
+    and their incarnations: the one restart rule of ``core.counters`` (the HTML page uses it too)."""
+    return IncarnationCounters.of_records(records, key)[0].total()
 
 
 def summarise(run_dir: str | Path) -> dict[str, Any]:
@@ -130,7 +119,9 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     tape = _relative_tape(d)
     if tape is None:
         tape = read_jsonl(d / "tape.jsonl")
-    num_fragments = int(_num(acct.get("num_fragments"))) or _fragments_in(tape) or 1
+    records = parse_tape(tape)  # typed once; a damaged line is skipped
+    rounds = [r for r in records if isinstance(r, RoundRecord)]
+    num_fragments = int(_num(acct.get("num_fragments"))) or len({r.fragment for r in rounds}) or 1
     ends = [r for r in runlog if r.get("what") in ("end", "interrupted")]
     horizon = max(_num(acct.get("horizon_s")), 0.0) or (max(_num(ends[-1].get("time")), 0.0) if ends else 0.0)
     if not horizon:
@@ -144,21 +135,15 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         shares: dict[str, float | None] = {k: _num(acct.get(f"{k}_s")) / alloc for k in kinds}
     else:
         shares = dict.fromkeys(kinds)
-        shares["compute"] = _incarnation_totals(learners, "busy_s") / alloc if learners else None
-    processed = _num(acct.get("tokens")) or _incarnation_totals(learners, "tokens")
+        shares["compute"] = learner_total(learners, "busy_s") / alloc if learners else None
+    processed = _num(acct.get("tokens")) or learner_total(learners, "tokens")
     # every fragment merges the same tokens once: the global count is the mean over fragments
-    merged = sum(
-        _num(e.get("tokens"))
-        for r in tape
-        if r.get("event") == "round"
-        for e in r.get("merged", [])
-        if _num(e.get("weight")) > 0
-    ) / max(num_fragments, 1)
+    merged = sum(m.tokens for r in rounds for m in r.took_part) / max(num_fragments, 1)
     if not tape:
         merged = _num(acct.get("tokens_merged"))
     final = [e for e in evals if e.get("final")]
     last_eval = (final or evals or [{}])[-1]
-    stats = summarise_tape(tape, num_fragments)
+    stats = summarise_tape(records, num_fragments)
     if not tape and isinstance(acct.get("tape_stats"), dict):  # data-parallel: every step syncs, no tape
         stats = {k: _num(acct["tape_stats"].get(k)) for k in stats}
     interrupted = bool(ends) and ends[-1].get("what") == "interrupted"  # a resumed run that ended is whole
@@ -214,11 +199,6 @@ def warnings_for(summary: dict[str, Any]) -> list[str]:
     if summary.get("eval_loss") is None:
         out.append("no evaluation of the global model was recorded")
     return out
-
-
-def _fragments_in(tape: list[dict[str, Any]]) -> int:
-    frags = {r.get("fragment") for r in tape if r.get("event") == "round"}
-    return len(frags)
 
 
 def write_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -4,8 +4,11 @@ tolerant of damage, and appending to its run log: the one place for both, whoeve
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ddiloco.core.tape import RoundRecord, TapeRecord, parse_tape_record
 
 MAX_RECORDS = 1_000_000
 """Most records read from one file: a runaway file cannot eat the reader's memory."""
@@ -71,8 +74,34 @@ def read_jsonl(path: str | Path, limit: int = MAX_RECORDS) -> list[dict[str, Any
 
 
 def read_tape(path: str | Path) -> list[dict[str, Any]]:
-    """The records of an event tape (``tape.jsonl``)."""
+    """The records of an event tape (``tape.jsonl``), as the JSON objects written."""
     return read_jsonl(path)
+
+
+def parse_tape(records: Iterable[dict[str, Any]]) -> list[TapeRecord]:
+    """Tape lines as typed records (``RoundRecord``, ``Rejection``, ``Late``), in order; a
+    malformed or unknown line is skipped (``core.tape.parse_tape_record``)."""
+    return [r for d in records if (r := parse_tape_record(d)) is not None]
+
+
+def rounds_of(records: Iterable[dict[str, Any] | TapeRecord]) -> list[RoundRecord]:
+    """The well-formed round records among tape lines or typed records, in order."""
+    out = []
+    for d in records:
+        r = d if isinstance(d, RoundRecord) else parse_tape_record(d) if isinstance(d, dict) else None
+        if isinstance(r, RoundRecord):
+            out.append(r)
+    return out
+
+
+def read_tape_records(path: str | Path) -> list[TapeRecord]:
+    """The typed records of an event tape (``tape.jsonl``); damaged lines are skipped."""
+    return parse_tape(read_jsonl(path))
+
+
+def read_rounds(path: str | Path) -> list[RoundRecord]:
+    """The closed rounds of an event tape (``tape.jsonl``), typed; damaged lines are skipped."""
+    return rounds_of(read_jsonl(path))
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -10,17 +10,16 @@ import sys
 import time
 
 import torch
-import zmq
 
 from ddiloco.config import Config
 from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.lifecycle import ProgressLines, StopSignals
-from ddiloco.protocol.messages import FetchGlobal, GlobalState
+from ddiloco.protocol.messages import GlobalState
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
+from ddiloco.service import observer
 from ddiloco.service.keys import ClientKeys
-from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.layout import layout_for
 from ddiloco.workloads.base import loss_unit
@@ -32,35 +31,13 @@ log = logging.getLogger(__name__)
 def fetch_global(
     syncers: list[str], timeout_s: float = 5.0, keys: ClientKeys | None = None
 ) -> list[GlobalState] | None:
-    """Ask every syncer shard for its fragments; None if any shard does not answer in time."""
-    ctx = zmq.Context.instance()
-    states = []
-    for addr in syncers:
-        s = ctx.socket(zmq.DEALER)
-        if keys is not None:
-            keys.apply(s)
-        s.setsockopt(zmq.LINGER, 0)
-        # A DEALER without a peer blocks in send forever; a refused CURVE handshake (a wrong
-        # key) can leave it so: bounded like the answer.
-        s.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-        s.setsockopt(zmq.IDENTITY, f"observer-{os.getpid()}-{time.monotonic_ns()}".encode())
-        s.connect(addr)
-        try:
-            s.send_multipart(encode(FetchGlobal("evaluator")))
-            if not s.poll(int(timeout_s * 1000)):
-                return None
-            while True:
-                msg = decode(s.recv_multipart(copy=False))
-                if isinstance(msg, GlobalState):
-                    states.append(msg)
-                    break
-                if not s.poll(int(timeout_s * 1000)):
-                    return None
-        except (WireError, zmq.Again):
-            return None
-        finally:
-            s.close(0)
-    return states
+    """Every syncer shard's fragments (``observer.fetch_global``); None if any shard does not
+    answer in time: the evaluator tries again at its next interval."""
+    try:
+        return observer.fetch_global(syncers, timeout_s, keys, requester="evaluator")
+    except observer.NoReply as e:
+        log.debug("%s", e)
+        return None
 
 
 def load_global(model: torch.nn.Module, layout: FragmentLayout, states: list[GlobalState]) -> dict[str, int]:
@@ -115,7 +92,7 @@ def _evaluate_until_the_end(
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)
-                merged = sum(s.merged_tokens for s in states) / len(states)
+                merged = sum(s.global_tokens for s in states) / len(states)
                 rec = {
                     "event": "eval",
                     "time": time.time() - t0,

@@ -29,11 +29,12 @@ import tomli_w
 from ddiloco.chaos.schedule import make_schedule
 from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.accounting import uptime
+from ddiloco.report.accounting import STATES, uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.learner import EXIT_REFUSED
+from ddiloco.service.learner_book import LearnerBook
 from ddiloco.service.status import read_status
 
 
@@ -105,28 +106,6 @@ class Proc:
 
 
 @dataclass
-class LearnerBook:
-    """Per-learner accounting across its incarnations."""
-
-    steps: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-    down_s: float = 0.0
-    restarting_s: float = 0.0
-    failures: int = 0
-    down_since: float | None = None
-    restart_spawned: float | None = None
-    restart_latencies: list[float] = field(default_factory=list)
-    lost_steps: float = 0.0
-    outages: list[tuple[float, float]] = field(default_factory=list)  # (death, first step after)
-    starting_s: float = 0.0
-    """Its first incarnation's start-up (process start to first inner step): the job's
-    start-up, not a restart."""
-    start_spawned: float | None = None
-    """While its first incarnation is starting: when it was spawned."""
-
-
-@dataclass
 class _Plan:
     """What the chaos schedule still has in store, and the restarts that are due."""
 
@@ -183,6 +162,7 @@ class Launcher:
         self.interrupted = False
         self.syncer_restarts = 0
         self._t0 = time.time()
+        self._t_learners: float | None = None  # when the learners were started (their time counts from then)
         self._ending = False  # the syncer announced the run's end: no more chaos
         # A resumed run (train --resume) adds this session's accounting to the earlier ones'.
         self._previous_accounting = read_json(self.run_dir / "metrics" / "accounting.json")
@@ -212,17 +192,11 @@ class Launcher:
         if not self.stop_requested:
             raise DDiLoCoError(f"the syncer did not come up within {timeout:.0f} s; see {self.logs / 'syncer.log'}")
 
-    def _bank(self, m: int) -> dict | None:
-        """Add a finished incarnation's figures (from its last status) to the learner's book."""
+    def _own_status(self, m: int) -> dict | None:
+        """Learner m's status file if its current process wrote it, else None."""
         st = read_status(self.run_dir / "status" / f"learner-{m}.json")
         pid = self.learners[m].popen.pid if self.learners[m].popen else None
-        if st and st.get("pid") == pid:
-            b = self.books[m]
-            b.steps += st["steps"]
-            b.tokens += st["tokens"]
-            b.compute_s += st["compute_s"]
-            return st
-        return None
+        return st if st and pid is not None and st.get("pid") == pid else None
 
     def run(self) -> dict:
         """Run until the syncer ends the run (or ``request_stop``); returns the summary, which
@@ -243,12 +217,12 @@ class Launcher:
         plan = _Plan.of(self.cfg, len(self.learners))
         self.syncer.start(self.env, self.logs)
         self._wait_syncer_ready()
-        self._t_learners = time.time()
-        for p, book in zip(self.learners, self.books):
+        self._t_learners = time.time()  # the learners' allocated time starts: every account at once
+        self.books = [LearnerBook.starting_at(self._t_learners) for _ in self.learners]
+        for p in self.learners:
             if self.stop_requested:
                 return
             p.start(self.env, self.logs)
-            book.start_spawned = p.started_at
         self.evaluator.start(self.env, self.logs)
         last_view = last_look = 0.0
         while not self.stop_requested:
@@ -264,7 +238,7 @@ class Launcher:
                 self._inject_chaos(plan, now)
             self._reap_dead(plan, now)
             self._restart_due(plan, now)
-            self._track_restarts()
+            self._track_first_steps()
             if now - last_view >= 0.5 and self.on_status:
                 last_view = now
                 self.on_status(self.status())
@@ -349,11 +323,7 @@ class Launcher:
             p = self.learners[m]
             p.restarts += 1
             p.start(self.env, self.logs)
-            b = self.books[m]
-            if b.down_since is not None:
-                b.down_s += now - b.down_since
-                b.down_since = None
-            b.restart_spawned = p.started_at
+            self.books[m].respawned(p.started_at)
             self._fault("restart", p.name)
 
     def _stop_all(self) -> float:
@@ -379,14 +349,11 @@ class Launcher:
         for m, p in enumerate(self.learners):
             if p.popen is not None:
                 p.wait(timeout=15)
-                self._bank(m)
-            b = self.books[m]
-            if b.down_since is not None:
-                b.down_s += end - b.down_since
-            if b.restart_spawned is not None:
-                b.restarting_s += end - b.restart_spawned
-            if b.start_spawned is not None:
-                b.starting_s += end - b.start_spawned
+                self._track_first_steps(m)  # one that stepped since the last look: compute since then
+                if (st := self._own_status(m)) is not None:
+                    self.books[m].bank(st)
+            if self._t_learners is not None:
+                self.books[m].close(end)
         self.evaluator.signal(signal.SIGTERM)
         if self.syncer.alive():
             self.syncer.signal(signal.SIGTERM)  # it flushes, writes the final model and summary
@@ -395,39 +362,20 @@ class Launcher:
         return end
 
     def _on_learner_death(self, m: int, now: float, kind: str) -> None:
-        st = self._bank(m)
-        b = self.books[m]
-        b.failures += 1
-        b.lost_steps += (st or {}).get("pending_steps", 0.0)  # steps it had not yet had merged back
-        b.down_since = now
-        if not b.outages or b.outages[-1][1] != float("inf"):
-            b.outages.append((now - self._t_learners, float("inf")))
-        if b.restart_spawned is not None:  # died while still restarting
-            b.restarting_s += now - b.restart_spawned
-            b.restart_spawned = None
-        if b.start_spawned is not None:  # died while still starting
-            b.starting_s += now - b.start_spawned
-            b.start_spawned = None
+        self._track_first_steps(m)  # a first step it made before dying still ends its start-up
+        self.books[m].died(now, self._own_status(m))
         self._fault(kind, f"learner-{m}")
 
-    def _track_restarts(self) -> None:
-        """A learner's first step ends its start-up (first incarnation) or its restart."""
-        for m, b in enumerate(self.books):
-            p = self.learners[m]
-            if p.popen is None or (b.start_spawned is None and b.restart_spawned is None):
+    def _track_first_steps(self, *only: int) -> None:
+        """A starting or restarting learner's first inner step (its status file says when: it is
+        written at once after the first step) starts its compute time."""
+        for m in only or range(len(self.books)):
+            if self.books[m].account.state not in ("starting", "restarting"):
                 continue
-            st = read_status(self.run_dir / "status" / f"learner-{m}.json")
-            if not (st and st.get("pid") == p.popen.pid and st.get("first_step_at")):
-                continue
-            if b.start_spawned is not None:
-                b.starting_s += st["first_step_at"] - b.start_spawned
-                b.start_spawned = None
-            elif b.restart_spawned is not None:
-                b.restarting_s += st["first_step_at"] - b.restart_spawned
-                b.restart_latencies.append(st["first_step_at"] - b.restart_spawned)
-                b.restart_spawned = None
-                if b.outages and b.outages[-1][1] == float("inf"):
-                    b.outages[-1] = (b.outages[-1][0], st["first_step_at"] - self._t_learners)
+            st = self._own_status(m)
+            first = st.get("first_step_at") if st else None
+            if isinstance(first, (int, float)) and not isinstance(first, bool):
+                self.books[m].first_step(first)
 
     def _duty_cycle(self, schedule: Any, t: float) -> None:
         """Stragglers: SIGSTOP for (1 - 1/factor) of every second, SIGCONT for the rest."""
@@ -455,20 +403,18 @@ class Launcher:
         run folder, through the function every command uses."""
         if self.interrupted or self.stop_requested:
             self._run_event("interrupted", "ddiloco train was stopped by a signal")
-        t_start = getattr(self, "_t_learners", end)
+        t_start = self._t_learners if self._t_learners is not None else end
         horizon = max(end - t_start, 0.0)
-        outages = [(m, a, min(b, horizon)) for m, bk in enumerate(self.books) for a, b in bk.outages]
+        time_in = {s: sum(b.account.totals[s] for b in self.books) for s in STATES}
+        outages = [(m, a - t_start, min(b - t_start, horizon)) for m, k in enumerate(self.books) for a, b in k.outages]
         need = self.cfg.algo.quorum_size or 1
         accounting = {
             "method": f"{self.cfg.run.method} (real)",
             "horizon_s": horizon,
             "learners": len(self.books),
             "tokens": sum(b.tokens for b in self.books),
-            "compute_s": sum(b.compute_s for b in self.books),
-            "blocked_s": 0.0,
-            "down_s": sum(b.down_s for b in self.books),
-            "restarting_s": sum(b.restarting_s for b in self.books),
-            "starting_s": sum(b.starting_s for b in self.books),
+            # blocked: the launcher sees no lock-step wait (it stays in compute, as before)
+            **{f"{s}_s": time_in[s] for s in STATES},
             "uptime": uptime(outages, len(self.books), min(need, len(self.books)), horizon) if horizon else None,
             "lost_steps": sum(b.lost_steps for b in self.books),
             "restart_latencies_s": [x for b in self.books for x in b.restart_latencies],

@@ -1,17 +1,16 @@
 """``ddiloco status ADDR|RUN_DIR``: the fleet at a glance, from a live syncer or a run folder.
 
-From an address it sends a ``StatusRequest`` through a short-lived ZeroMQ DEALER, as an
-observer (``observer.key_secret`` with ``--keys``), and waits a bounded time for the
-``StatusReply``. From a run folder it reads every shard's status/syncer-K.json. Either way it
-merges the shards' views into one and prints two tables (learners, fragments), or the dict
-with ``--json``; ``--watch`` refreshes it until Ctrl-C.
+From an address it asks the syncer as an observer (``service/observer.py``: a ``StatusRequest``,
+``observer.key_secret`` with ``--keys``, a bounded wait for the ``StatusReply``). From a run
+folder it reads every shard's status/syncer-K.json. Either way it merges the shards' views into
+one and prints two tables (learners, fragments), or the dict with ``--json``; ``--watch``
+refreshes it until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.protocol.messages import StatusReply, StatusRequest
 from ddiloco.service.keys import ClientKeys
+from ddiloco.service.observer import fetch_status, observer_keys
 from ddiloco.service.status import read_status
-from ddiloco.service.wire import WireError, decode, encode
 
 TERMS = "docs/operations.md#terms"
 _RANK = {"up": 2, "left": 1, "down": 0}
@@ -31,40 +29,6 @@ _RANK = {"up": 2, "left": 1, "down": 0}
 
 def is_address(target: str) -> bool:
     return "://" in target
-
-
-def fetch_status(addr: str, timeout_s: float, keys: ClientKeys | None = None) -> dict[str, Any] | None:
-    """One shard's status from the syncer at ``addr``; None if no answer within ``timeout_s``."""
-    import zmq
-
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    try:
-        if keys is not None:
-            keys.apply(s)
-        s.setsockopt(zmq.LINGER, 0)
-        # A DEALER without a peer blocks in send forever; a refused CURVE handshake (a wrong
-        # key) can leave it so: bounded like the answer.
-        s.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-        s.setsockopt(zmq.IDENTITY, f"observer-status-{os.getpid()}-{time.monotonic_ns()}".encode())
-        s.connect(addr)
-        try:
-            s.send_multipart(encode(StatusRequest("ddiloco status")))
-        except zmq.Again:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not s.poll(max(1, int(left * 1000))):
-                return None
-            try:
-                msg = decode(s.recv_multipart(copy=False))
-            except WireError:
-                continue  # not ours to judge: keep waiting for the reply
-            if isinstance(msg, StatusReply):
-                return msg.status
-        return None
-    finally:
-        s.close(0)
 
 
 def read_run_dir(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -104,7 +68,7 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         "shards": sorted(v.get("shard", 0) for v in views),
         "time": max(v.get("time", 0.0) for v in views),
         "run_time_s": max(v.get("run_time_s", 0.0) for v in views),
-        "merged_tokens": sum(v.get("merged_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
+        "global_tokens": sum(v.get("global_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
         "learners_total": max(v.get("learners_total", 0) for v in views),
         "fragments_total": sum(v.get("fragments_total", 0) for v in views),
         "learners": [learners[m] for m in sorted(learners)],
@@ -150,7 +114,7 @@ def render(view: dict[str, Any], source: str) -> Any:
     up = sum(1 for ln in learners if ln["state"] == "up")
     total, ftotal = view.get("learners_total", len(learners)), view.get("fragments_total", len(fragments))
     lt = Table(
-        title=f"learners: {up} up of {total} - global tokens {view.get('merged_tokens', 0):,.0f} - "
+        title=f"learners: {up} up of {total} - global tokens {view.get('global_tokens', 0):,.0f} - "
         f"run time {view.get('run_time_s', 0):,.0f} s",
         caption=f"terms: {TERMS}" + (f" ({len(learners)} of {total} listed)" if len(learners) < total else ""),
     )
@@ -201,11 +165,7 @@ class Source:
         if self.addresses and len(self.addresses) != len(targets) or not self.addresses and len(targets) != 1:
             raise DDiLoCoError("give one run folder, or one address per syncer shard (tcp://HOST:PORT ...)")
         self.timeout_s = timeout_s
-        self.keys: ClientKeys | None = None
-        if self.addresses:
-            from ddiloco.service.api_learner import client_keys
-
-            self.keys = client_keys(self.addresses, keys_dir, "observer", insecure)
+        self.keys: ClientKeys | None = observer_keys(self.addresses, keys_dir, insecure) if self.addresses else None
 
     def read(self) -> tuple[dict[str, Any], str]:
         """The merged view and the line saying where it is from (DDiLoCoError: nothing to show)."""
@@ -214,15 +174,7 @@ class Source:
             written = max(v.get("time", 0.0) for v in views)
             line = f"(from the run folder, last written {_clock(written)}, {max(0.0, time.time() - written):.0f} s ago)"
             return merge_views(views), line
-        views = []
-        for addr in self.addresses:
-            v = fetch_status(addr, self.timeout_s, self.keys)
-            if v is None:
-                raise DDiLoCoError(
-                    f"no answer from {addr} within {self.timeout_s:g} s: is the syncer running? (check the address "
-                    "and port; a syncer with keys needs --keys DIR holding observer.key_secret)"
-                )
-            views.append(v)
+        views = [fetch_status(addr, self.timeout_s, self.keys) for addr in self.addresses]  # NoReply says why not
         return merge_views(views), f"(live from {', '.join(self.addresses)} at {_clock(time.time())})"
 
 

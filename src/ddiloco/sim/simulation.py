@@ -588,9 +588,8 @@ class Simulation:
             "learner_tick": self._on_learner_tick,
             "syncer_tick": self._on_syncer_tick,
             "fail": lambda a, d: self._fail(self.learners[a], d[1], d[0]),
-            "restart_begin": lambda a, gen: gen == self.learners[a].gen
-            and self._switch(self.learners[a], "restarting"),
-            "rejoin": lambda a, gen: gen == self.learners[a].gen and self._on_rejoin(self.learners[a]),
+            "restart_begin": self._on_restart_begin,
+            "rejoin": self._on_rejoin_event,
             "unblock_check": self._on_unblock_check,
             "shard_kill": lambda a, f: self._kill_shard(self.shards[a - SYNCER], f.down_s),
             "shard_up": lambda a, k: self._start_shard(self.shards[k]),
