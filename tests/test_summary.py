@@ -17,8 +17,8 @@ def jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def merged(learner: int, weight: float, tokens: int = 100, in_grace: bool = False) -> MergedEntry:
-    return MergedEntry(learner, incarnation=1, seq=0, base_version=0, staleness=0, weight=weight, tokens=tokens,
+def merged(learner: int, weight: float, tokens: int = 100, in_grace: bool = False, seq: int = 0) -> MergedEntry:
+    return MergedEntry(learner, incarnation=1, seq=seq, base_version=0, staleness=0, weight=weight, tokens=tokens,
                        steps=4, in_grace=in_grace)  # fmt: skip
 
 
@@ -30,7 +30,8 @@ def folder(tmp_path: Path, *, runlog: list[str], rounds_per_fragment: int = 4) -
     rounds = []
     for k in range(rounds_per_fragment):
         for p in (0, 1):
-            entries = [merged(0, 1.0), merged(1, 0.0 if k == 0 else 1.0, in_grace=k == 1)]
+            seq = len(rounds)  # each learner's contributions are numbered: none is merged twice
+            entries = [merged(0, 1.0, seq=seq), merged(1, 0.0 if k == 0 else 1.0, in_grace=k == 1, seq=seq)]
             # The syncer's own tape: monotonic times and the wall offset (top-level tape: relative).
             rd = RoundRecord(p, len(rounds), opened_at=50.0 + k, closed_at=50.5 + k, version=k + 1, quorum=1,
                              grace_s=0.0, close_reason="all_answered", merged=entries)  # fmt: skip
@@ -112,3 +113,13 @@ def test_the_report_pages_goodput_is_the_summarys_for_a_run_without_accounting(t
     series = goodput_series(load_run(d))
     assert series is not None and series[2] == pytest.approx(summary["goodput"])
     assert series[0][-1] == summary["run_time_s"]
+
+
+def test_a_tape_that_breaks_an_invariant_is_said_in_the_summary(tmp_path):
+    d = folder(tmp_path, runlog=["start", "end"])
+    tape = d / "state" / "tape.jsonl"
+    lines = tape.read_text().splitlines()
+    tape.write_text("\n".join([*lines, lines[-1]]) + "\n")  # the last round again: its answers merged twice
+    s = summarise(d)
+    assert s["invariant_violations"] and s["invariant_violations"][0].startswith("merged_twice")
+    assert any("invariant violations" in w for w in s["warnings"])

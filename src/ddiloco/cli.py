@@ -232,9 +232,9 @@ def progress_line(st: dict) -> str:
     sy = st["syncer"]
     up = sum(st["alive"])
     return (
-        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('merged_tokens', 0):,.0f} / {st['tokens_budget']:,} "
-        f"global tokens, {up}/{len(st['alive'])} learners up, faults injected {st['faults']}"
-        + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
+        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('processed_tokens', 0):,.0f} / {st['tokens_budget']:,} "
+        f"tokens processed ({sy.get('merged_tokens', 0):,.0f} merged), {up}/{len(st['alive'])} learners up, "
+        f"faults injected {st['faults']}" + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
     )
 
 
@@ -301,8 +301,9 @@ def progress_table(st: dict):
     sy = st["syncer"]
     end = f", ending: {sy['run_end']}" if sy.get("run_end") else ""
     t = Table(
-        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('merged_tokens', 0):,.0f} / "
-        f"{st['tokens_budget']:,} global tokens, faults injected: {st['faults']}{end}"
+        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('processed_tokens', 0):,.0f} / "
+        f"{st['tokens_budget']:,} tokens processed ({sy.get('merged_tokens', 0):,.0f} merged), faults injected: "
+        f"{st['faults']}{end}"
     )
     for col in ("learner", "state", "steps", "steps/s", "train loss", "versions applied"):
         t.add_column(col, justify="right")

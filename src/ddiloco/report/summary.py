@@ -20,6 +20,7 @@ from typing import Any
 from ddiloco.core.counters import IncarnationCounters
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.invariants import check_run
 from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
 from ddiloco.report.tape import parse_tape, read_json, read_jsonl, read_toml
@@ -171,6 +172,8 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         "num_learners": m_count,
         "run_time_s": horizon,
         **stats,
+        # What the tape alone can vouch for (every driver keeps these; report/invariants.py).
+        "invariant_violations": [f"{v.kind}: {v.detail}" for v in check_run(tape)],
     }
     summary["warnings"] = warnings_for(summary)
     return summary
@@ -198,6 +201,9 @@ def warnings_for(summary: dict[str, Any]) -> list[str]:
         out.append("the run was interrupted: these are partial figures")
     if summary.get("eval_loss") is None:
         out.append("no evaluation of the global model was recorded")
+    broken = summary.get("invariant_violations") or []
+    if broken:
+        out.append(f"{len(broken)} invariant violations on the tape (a bug: please report it), first: {broken[0]}")
     return out
 
 

@@ -92,7 +92,7 @@ def _evaluate_until_the_end(
             if states is not None:
                 versions = load_global(model, layout, states)
                 loss = evaluate(wl, model, batches)
-                merged = sum(s.global_tokens for s in states) / len(states)
+                merged = sum(s.merged_tokens for s in states) / len(states)
                 rec = {
                     "event": "eval",
                     "time": time.time() - t0,
@@ -105,7 +105,7 @@ def _evaluate_until_the_end(
                 }
                 with open(out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-                line = f"evaluator: eval loss {loss:.4f} {loss_unit(wl)} at {merged:,.0f} global tokens"
+                line = f"evaluator: eval loss {loss:.4f} {loss_unit(wl)} at {merged:,.0f} merged tokens"
                 progress.maybe(lambda: line)  # noqa: B023 (called at once, inside this iteration)
                 if all(s.run_ended for s in states):
                     log.info("the run ended: the evaluator stops")

@@ -68,7 +68,9 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         "shards": sorted(v.get("shard", 0) for v in views),
         "time": max(v.get("time", 0.0) for v in views),
         "run_time_s": max(v.get("run_time_s", 0.0) for v in views),
-        "global_tokens": sum(v.get("global_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
+        "merged_tokens": sum(v.get("merged_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
+        # every shard hears every learner's heartbeats: each counts the whole fleet's processed tokens
+        "processed_tokens": max(v.get("processed_tokens", 0.0) for v in views),
         "learners_total": max(v.get("learners_total", 0) for v in views),
         "fragments_total": sum(v.get("fragments_total", 0) for v in views),
         "learners": [learners[m] for m in sorted(learners)],
@@ -114,8 +116,8 @@ def render(view: dict[str, Any], source: str) -> Any:
     up = sum(1 for ln in learners if ln["state"] == "up")
     total, ftotal = view.get("learners_total", len(learners)), view.get("fragments_total", len(fragments))
     lt = Table(
-        title=f"learners: {up} up of {total} - global tokens {view.get('global_tokens', 0):,.0f} - "
-        f"run time {view.get('run_time_s', 0):,.0f} s",
+        title=f"learners: {up} up of {total} - tokens processed {view.get('processed_tokens', 0):,.0f}, merged "
+        f"{view.get('merged_tokens', 0):,.0f} - run time {view.get('run_time_s', 0):,.0f} s",
         caption=f"terms: {TERMS}" + (f" ({len(learners)} of {total} listed)" if len(learners) < total else ""),
     )
     for col in ("learner", "state", "step", "tokens", "steps/s", "loss", "busy", "sent", "last contribution",
