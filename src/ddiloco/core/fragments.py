@@ -12,7 +12,7 @@ import heapq
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +216,20 @@ def write_fragment(
                 dst.copy_(v)
             else:
                 dst.mul_(alpha).add_(v.to(dst.dtype), alpha=1.0 - alpha)
+
+
+def assemble(layout: FragmentLayout, values: Mapping[int, Sequence[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Named tensors from fragment values (``values[p]``: one tensor per piece of fragment p),
+    row-split pieces joined back in row order; a tensor of one piece is a copy."""
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for p, vals in sorted(values.items()):
+        for pc, v in zip(layout.fragments[p], vals):
+            parts.setdefault(pc.name, []).append((pc.row_start, v))
+    out = {}
+    for name, chunks in parts.items():
+        chunks.sort(key=lambda x: x[0])
+        out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
+    return out
 
 
 # -- the staggered schedule -----------------------------------------------------------------

@@ -23,7 +23,7 @@ from ddiloco.core import admission
 from ddiloco.core.admission import STRIKES, screened
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
-from ddiloco.core.fragments import FragmentLayout, due_fragments, read_fragment
+from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment
 from ddiloco.core.merge import Accumulator, make_delta, token_weight
 from ddiloco.core.messages import (
     Ack,
@@ -790,15 +790,7 @@ class Syncer:
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global model as a name -> tensor map (row-split pieces joined back)."""
-        parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for pieces, frag in zip(self.layout.fragments, self.fragments):
-            for pc, v in zip(pieces, frag.values):
-                parts.setdefault(pc.name, []).append((pc.row_start, v))
-        out = {}
-        for name, chunks in parts.items():
-            chunks.sort(key=lambda x: x[0])
-            out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
-        return out
+        return assemble(self.layout, {p: frag.values for p, frag in enumerate(self.fragments)})
 
     def view(self, now: float, max_listed: int | None = None) -> SyncerView:
         """The fleet and the owned fragments at ``now``, read-only (``max_listed``: at most that

@@ -28,7 +28,7 @@ from torch import nn
 
 from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
 from ddiloco.config import Config
-from ddiloco.core.fragments import read_fragment, write_fragment
+from ddiloco.core.fragments import assemble, read_fragment, write_fragment
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import RoundRecord, TapeRecord
@@ -495,19 +495,14 @@ class Simulation:
     # -- evaluation ------------------------------------------------------------------------
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """The global model: each fragment's values from the shard that owns it."""
-        parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        """The global model: each fragment's values from the shard that owns it (from its store
+        while it is down)."""
+        values = {}
         for sh in self.shards:
             core = sh.session.core if sh.session is not None else None
             for p in sh.owned:
-                values = core.fragments[p].values if core is not None else self._durable_values(sh, p)
-                for pc, v in zip(self.layout.fragments[p], values):
-                    parts.setdefault(pc.name, []).append((pc.row_start, v))
-        out = {}
-        for name, chunks in parts.items():
-            chunks.sort(key=lambda x: x[0])
-            out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
-        return out
+                values[p] = core.fragments[p].values if core is not None else self._durable_values(sh, p)
+        return assemble(self.layout, values)
 
     def _durable_values(self, sh: SimShard, p: int) -> list[torch.Tensor]:
         rec = sh.store.records.get(p)
