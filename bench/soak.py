@@ -218,13 +218,18 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
         print(f"VIOLATION {kind}: {detail}", flush=True)
 
     c.syncer()
-    deadline = time.time() + 60
+    # The schedule's clock starts when the honest fleet trains, not when its processes are
+    # spawned: on a busy machine start-up alone can take longer than a short run (bounded waits).
+    deadline = time.time() + 300
     while not c.status("syncer-0") and time.time() < deadline:
         time.sleep(0.1)
-    t0 = c.t0_wall = time.time()
-    end = t0 + duration_s
     for m in HONEST:
         c.learner(m)
+    deadline = time.time() + 300
+    while not all(c.status(f"learner-{m}").get("steps", 0) > 0 for m in HONEST) and time.time() < deadline:
+        time.sleep(0.2)
+    t0 = c.t0_wall = time.time()
+    end = t0 + duration_s
     if attack:
         c.helper("attacker", end, ["--attack-from", f"{t0 + 0.2 * duration_s:.3f}"])
         c.helper("intruder", end, ["--flood-from", f"{t0 + 0.5 * duration_s:.3f}"])

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.core.admission import STRIKES
+
 pytestmark = pytest.mark.slow  # bench/soak.py as a process: a syncer and five learners for ~50 s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,7 @@ def soak(tmp_path_factory) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "0.8", "--no-baseline", "--seed", "8"]
     cmd += ["--out", str(out), "--work", str(out / "work")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)  # start-up waits are bounded
     path = out / "reliability.json"
     assert path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(path.read_text())
@@ -44,7 +46,10 @@ def test_soak_invariants_hold_and_the_faults_and_attacks_happened(soak):
     reasons = a["rejections_by_reason"]
     for reason in ("bad_payload", "bad_counters", "duplicate"):
         assert reasons.get(reason, {}).get("attacker", 0) > 0, reasons
-    assert sum(r["honest"] for r in reasons.values()) == 0, reasons
+    # No honest answer is refused for what it carried (the refusals that count as strikes). One
+    # anchored at a version a restarted syncer no longer keeps is refused as stale_base and
+    # answered with the current version, by design: honest learners do that after a restart.
+    assert sum(r["honest"] for reason, r in reasons.items() if reason in STRIKES) == 0, reasons
     intr = a["intruder"]
     assert intr["connections"] > 50 and intr["messages"] > 50 and intr["replies"] == 0, intr
     assert 7 not in a["live_ids_seen"]
