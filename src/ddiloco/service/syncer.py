@@ -30,6 +30,7 @@ from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.messages import Register
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
 from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
@@ -218,7 +219,7 @@ class SyncerService:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
         now = self.clock.monotonic()
-        if type(msg).__name__ == "Register" and not self._join_rate.allow(identity, now):
+        if isinstance(msg, Register) and not self._join_rate.allow(identity, now):
             self.counts["rate_limited"] += 1
             return
         principal = None
