@@ -182,6 +182,8 @@ class SyncerView:
     """Every owned fragment, in order."""
     merged_tokens: float
     """Tokens merged into the global model (the mean over the owned fragments)."""
+    learners_total: int = 0
+    """Every registered learner id (``learners`` may list fewer)."""
 
 
 @dataclass
@@ -811,7 +813,17 @@ class Syncer:
             for p in self.owned[:max_listed]
             for f in (self.fragments[p],)
         ]  # fmt: skip
-        return SyncerView(tuple(live), tuple(learners), tuple(fragments), self.merged_tokens)
+        return SyncerView(tuple(live), tuple(learners), tuple(fragments), self.merged_tokens, len(self.learners))
+
+    def values(self, p: int) -> list[torch.Tensor]:
+        """Fragment p's current global values, one tensor per piece (the core's own: read them,
+        copy them, never write them)."""
+        return self.fragments[p].values
+
+    @property
+    def open_rounds(self) -> int:
+        """Rounds open now (the final sync is over when none is)."""
+        return len(self.rounds)
 
     def embedding_like(self) -> list[bool]:
         """Per piece, in fragment order: merged by weighted mean (as the constructor was given)."""

@@ -220,12 +220,14 @@ class LearnerSession:
         return all(link.joined for link in self.links)
 
     def ready(self, now: float) -> bool:
-        """Training may start: every fragment of the global model has been received, or a shard
-        accepted this learner but ``join_timeout_s`` has passed since it started (it trains on
-        from what it has; answers built on what it lacks are rebased by the syncer)."""
-        if len(self.received) == self.layout.num_fragments:
-            return True
-        return self.joined_once and now - self.started_at >= self.rt.join_timeout_s
+        """Training may start: a shard accepted this learner (its reply says where its data
+        resumes), and every fragment of the global model has been received or
+        ``join_timeout_s`` has passed since it started (it trains on from what it has; answers
+        built on what it lacks are rebased by the syncer). Fragments alone are not enough: they
+        can arrive while the reply that accepted the learner was lost, and it registers again."""
+        if not self.joined_once:
+            return False
+        return len(self.received) == self.layout.num_fragments or now - self.started_at >= self.rt.join_timeout_s
 
     @property
     def stopped(self) -> bool:

@@ -205,9 +205,9 @@ class SyncerSession:
         """This shard's fragments of the global model, for an observer."""
         tensors: dict[str, torch.Tensor] = {}
         for p in self.core.owned:
-            for i, v in enumerate(self.core.fragments[p].values):
+            for i, v in enumerate(self.core.values(p)):
                 tensors[f"{p}.{i}"] = v
-        versions = {str(p): self.core.fragments[p].version for p in self.core.owned}
+        versions = {str(p): v for p, v in enumerate(self.core.versions()) if p in self.core.owned}
         return GlobalState(versions, self.core.merged_tokens, tensors, run_ended=self.end_stage == "done")
 
     # -- events ------------------------------------------------------------------------------
@@ -346,8 +346,8 @@ class SyncerSession:
             out.core(self.core.final_sync(now), self.identities)
             # every live learner answers at once; a silent one stops being waited for at its liveness timeout
             self._end_next = now + self.core.cfg.liveness_timeout_s + 2 * self.rt.heartbeat_interval_s
-        elif self.end_stage == "final" and (not self.core.rounds or now >= self._end_next):
-            if self.core.rounds:
+        elif self.end_stage == "final" and (not self.core.open_rounds or now >= self._end_next):
+            if self.core.open_rounds:
                 out.core(self.core.flush(now, final=True), self.identities)
             self.end_stage = "done"
             self._broadcast(RunEnd("done", self.end_reason), out)

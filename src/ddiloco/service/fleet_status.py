@@ -88,7 +88,7 @@ def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: 
         "processed_tokens": session.fleet.processed_tokens(),
         "versions": {str(f.fragment): f.version for f in view.fragments},
         "live": list(view.live),
-        "learners_total": len(session.core.learners),
+        "learners_total": view.learners_total,
         "fragments_total": len(session.core.owned),
         "learners": learners,
         "fragments": fragments,

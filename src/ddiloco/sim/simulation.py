@@ -501,7 +501,7 @@ class Simulation:
         for sh in self.shards:
             core = sh.session.core if sh.session is not None else None
             for p in sh.owned:
-                values[p] = core.fragments[p].values if core is not None else self._durable_values(sh, p)
+                values[p] = core.values(p) if core is not None else self._durable_values(sh, p)
         return assemble(self.layout, values)
 
     def _durable_values(self, sh: SimShard, p: int) -> list[torch.Tensor]:
