@@ -446,7 +446,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke version: 150k tokens, no sweep, one seed")
     ap.add_argument("--cache", default=str(ROOT / "bench" / "cache" / "quality"), help="folder of cached runs")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="folder for quality.md/.json")
+    ap.add_argument(
+        "--verify",
+        default="",
+        metavar="ARMS",
+        help="rerun these arms (comma-separated, dp among them) at the published report's settings with this "
+        "code and compare, without sweeping: writes quality-verify.md/.json",
+    )
     args = ap.parse_args()
+    if args.verify and args.quick:
+        ap.error("--verify compares with the full report's runs: drop --quick")
     tokens = 150_000 if args.quick else TOKENS
     seeds = (0,) if args.quick else SEEDS
     base = [*COMMON, f"run.num_learners={M}", f"run.processed_tokens={tokens}"]
@@ -461,6 +470,8 @@ def main() -> int:
     code = code_digest()
     print(f"code: digest {code} of src/ddiloco/{{{','.join(n or '__init__' for n in code_layers())}}}", flush=True)
     runner = Runner(Path(args.cache) / ("quick" if args.quick else ""), args.workers, code)  # quick: not kept in git
+    if args.verify:
+        return verify(args, base, runner, started, code)
 
     # 1. DP's LR and the batch sanity check (one learner, batch B, M x the steps), side by side.
     single = [*COMMON, "run.num_learners=1", f"run.processed_tokens={tokens}"]
@@ -490,6 +501,29 @@ def main() -> int:
     best = {"dp": overrides_of(dp_sweep.best), **{m: overrides_of(second[m].best) for m in second}}
 
     # 3. Three seeds of every arm at the final settings.
+    arms = final_arms(base, best)
+    jobs = [(f"{arm} seed {s}", meth, (*over, f"run.seed={s}")) for arm, (meth, over) in arms.items() for s in seeds]
+    print(f"final: {len(jobs)} runs ({len(arms)} arms x {len(seeds)} seeds; cached ones are not run again)", flush=True)
+    results = runner.run(jobs)
+    by_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    for (label, _, _), r in zip(jobs, results):
+        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+
+    report = summarise(by_arm, fig, sanity, single_sweep, [dp_sweep, second["decoupled"], second["diloco"]], best)
+    report.update(invocation_facts(args, started, runner, code))
+    report["settings"] = {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "quality-quick" if args.quick else "quality"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(to_markdown(report))
+    print(to_markdown(report))
+    runner.pool.shutdown()
+    return 0
+
+
+def final_arms(base: list[str], best: dict[str, list[str]]) -> dict[str, tuple[str, list[str]]]:
+    """Every arm of the final stage: name -> (method, overrides), at the swept settings ``best``."""
     dec, dil = best["decoupled"], best["diloco"]
     arms: dict[str, tuple[str, list[str]]] = {
         "dp": ("dp", [*base, *best["dp"]]),
@@ -512,42 +546,132 @@ def main() -> int:
         other = [o for o in base if not o.startswith("run.num_learners")] + [f"run.num_learners={m_count}"]
         arms[f"M={m_count} decoupled"] = ("decoupled", [*other, *dec])
         arms[f"M={m_count} decoupled (mean)"] = ("decoupled", [*other, *dec, "algo.merge=mean"])
-    jobs = [(f"{arm} seed {s}", meth, (*over, f"run.seed={s}")) for arm, (meth, over) in arms.items() for s in seeds]
-    print(f"final: {len(jobs)} runs ({len(arms)} arms x {len(seeds)} seeds; cached ones are not run again)", flush=True)
-    results = runner.run(jobs)
-    by_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for (label, _, _), r in zip(jobs, results):
-        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+    return arms
 
-    report = summarise(by_arm, fig, sanity, single_sweep, [dp_sweep, second["decoupled"], second["diloco"]], best)
-    report.update(
-        {
-            "command": "python bench/quality.py" + (" --quick" if args.quick else ""),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "workers": args.workers,
-            },
-            "wall_s_this_invocation": time.time() - started,
-            "runs_trained_this_invocation": runner.trained,
-            "runs": len(runner.used),
-            # every run of the report was computed by this code (the cache reuses no other)
-            "code_digest": code,
-            "code_layers": code_layers(),
-            "cpu_s_all_runs": sum(r.get("cpu_s", 0.0) for r in runner.used.values()),
-            "settings": {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)},
-        }
-    )
+
+def invocation_facts(args: argparse.Namespace, started: float, runner: Runner, code: str) -> dict[str, Any]:
+    """What a report says about how it was made: command, date, machine, runs, code digest."""
+    return {
+        "command": "python bench/quality.py"
+        + (" --quick" if args.quick else "")
+        + (f" --verify '{args.verify}'" if args.verify else ""),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "workers": args.workers,
+        },
+        "wall_s_this_invocation": time.time() - started,
+        "runs_trained_this_invocation": runner.trained,
+        "runs": len(runner.used),
+        # every run of the report was computed by this code (the cache reuses no other)
+        "code_digest": code,
+        "code_layers": code_layers(),
+        "cpu_s_all_runs": sum(r.get("cpu_s", 0.0) for r in runner.used.values()),
+    }
+
+
+def verify(args: argparse.Namespace, base: list[str], runner: Runner, started: float, code: str) -> int:
+    """Rerun some arms of the published report at its final settings with this code, and compare.
+
+    The full benchmark re-sweeps every setting; this asks the narrower question a code change
+    raises first: at the settings the report chose, does the new code give the same figures?
+    Writes quality-verify.md/.json beside the report; the report itself is left as it was."""
     out = Path(args.out)
+    try:
+        old = json.loads((out / "quality.json").read_text())
+        best = {k: [str(o) for o in v] for k, v in old["best"].items()}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        print(f"error: --verify needs the published report {out / 'quality.json'} with its 'best' settings ({e})")
+        return 2
+    arms = final_arms(base, best)
+    wanted = [a.strip() for a in args.verify.split(",") if a.strip()]
+    unknown = [a for a in wanted if a not in arms]
+    if unknown or "dp" not in wanted:
+        print(f"error: --verify takes arms of {sorted(arms)}, dp among them (ratios pair with DP); got {wanted}")
+        return 2
+    # Seed-major, so an interrupted verification has whole seeds of every arm first.
+    jobs = [(f"{a} seed {s}", arms[a][0], (*arms[a][1], f"run.seed={s}")) for s in SEEDS for a in wanted]
+    print(f"verify: {len(jobs)} runs ({len(wanted)} arms x {len(SEEDS)} seeds) at the report's settings", flush=True)
+    by_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in wanted}
+    for (label, _, _), r in zip(jobs, runner.run(jobs)):
+        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+    dp_by_seed = {seed_of(r): r for r in by_arm["dp"]}
+    rows = []
+    for a in wanted:
+        new_runs, old_arm = by_arm[a], old["arms"].get(a, {})
+        old_by_seed = {seed_of(r): r for r in old_arm.get("runs", [])}
+        ratios = [r["eval_loss"] / dp_by_seed[seed_of(r)]["eval_loss"] for r in new_runs]
+        mean, lo, hi = ci95(ratios)
+        rows.append(
+            {
+                "arm": a,
+                "old_eval_loss": old_arm.get("eval_loss"),
+                "new_eval_loss": statistics.fmean(r["eval_loss"] for r in new_runs),
+                "old_ratio": old_arm.get("ratio"),
+                "old_ratio_ci95": old_arm.get("ratio_ci95"),
+                "new_ratio": mean,
+                "new_ratio_ci95": [lo, hi],
+                "old_goodput": old_arm.get("goodput"),
+                "new_goodput": statistics.fmean(r["goodput"] for r in new_runs),
+                "old_tokens_processed": old_arm.get("tokens_processed"),
+                "new_tokens_processed": statistics.fmean(r["tokens_processed"] for r in new_runs),
+                "per_seed": [
+                    {
+                        "seed": seed_of(r),
+                        "new": r["eval_loss"],
+                        "old": old_by_seed.get(seed_of(r), {}).get("eval_loss"),
+                    }
+                    for r in new_runs
+                ],
+            }
+        )
+    rep = {
+        **invocation_facts(args, started, runner, code),
+        "old_report": {"date": old.get("date"), "code_digest": old.get("code_digest"), "best": best},
+        "rows": rows,
+    }
     out.mkdir(parents=True, exist_ok=True)
-    name = "quality-quick" if args.quick else "quality"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(to_markdown(report))
-    print(to_markdown(report))
+    (out / "quality-verify.json").write_text(json.dumps(rep, indent=1))
+    (out / "quality-verify.md").write_text(verify_markdown(rep))
+    print(verify_markdown(rep))
     runner.pool.shutdown()
     return 0
+
+
+def verify_markdown(rep: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    o = rep["old_report"]
+    lines = [
+        "# Quality benchmark, verified at the published settings",
+        "",
+        f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['machine']['workers']} runs "
+        f"at once; {rep['runs_trained_this_invocation']} runs trained in {rep['wall_s_this_invocation'] / 60:.0f} "
+        f"min). New code: digest `{rep['code_digest']}`. Old figures: [quality.md](quality.md) "
+        f"({o['date']}, digest `{o['code_digest'] or 'unknown (before digests)'}`), at its final settings "
+        f"{json.dumps(o['best'])}, which this rerun keeps (no new sweep).",
+        "",
+        "| arm | eval loss old | eval loss new | L / L_dp old [95% CI] | L / L_dp new [95% CI] | goodput old | "
+        "goodput new | tokens processed old | new |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["rows"]:
+        oc, nc = r["old_ratio_ci95"] or [None, None], r["new_ratio_ci95"]
+        lines.append(
+            f"| {r['arm']} | {num(r['old_eval_loss'], '.4f')} | {r['new_eval_loss']:.4f} | "
+            f"{num(r['old_ratio'], '.4f')} [{num(oc[0], '.4f')}, {num(oc[1], '.4f')}] | "
+            f"{r['new_ratio']:.4f} [{nc[0]:.4f}, {nc[1]:.4f}] | {num(r['old_goodput'], '.1%')} | "
+            f"{r['new_goodput']:.1%} | {num(r['old_tokens_processed'], ',.0f')} | "
+            f"{r['new_tokens_processed']:,.0f} |"
+        )
+    lines += ["", "Per seed (eval loss, old -> new):", ""]
+    for r in rep["rows"]:
+        seeds = ", ".join(f"{p['seed']}: {num(p['old'], '.4f')} -> {p['new']:.4f}" for p in r["per_seed"])
+        lines.append(f"- {r['arm']}: {seeds}")
+    return "\n".join(lines) + "\n"
 
 
 def seed_of(run: dict[str, Any]) -> str:
