@@ -175,6 +175,12 @@ class TwoSessions(RuleBasedStateMachine):
         self._from_syncer(self.syncer.tick(self.now))
         for m in LEARNERS:
             self._from_learner(m, self.learners[m].tick(self.now).send)
+        # Just ticked, nothing is due now: a driver that waits until the next deadline never
+        # spins (a deadline in the past would wake it at once, forever).
+        assert self.syncer.next_deadline(self.now) > self.now
+        for m in LEARNERS:
+            deadline = self.learners[m].next_deadline(self.now)
+            assert deadline is None or deadline > self.now
 
     @rule(m=st.sampled_from(LEARNERS), duration=st.floats(0.0, 2.0), tokens=st.integers(0, 64))
     def step(self, m: int, duration: float, tokens: int) -> None:

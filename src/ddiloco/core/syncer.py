@@ -768,8 +768,10 @@ class Syncer:
     def next_deadline(self, now: float) -> float | None:
         """The next time ``poll`` could change something without a new message."""
         times = []
-        if self.cfg.late_fragment == "continue" and self.next_tick_at is not None and not self.finishing:
-            times.append(self.next_tick_at)
+        # A tick in the past (no learner live: the step clock waits) is no deadline: a driver would spin.
+        tick = self.next_tick_at
+        if self.cfg.late_fragment == "continue" and tick is not None and tick > now and not self.finishing:
+            times.append(tick)
         for rnd in self.rounds.values():
             if rnd.grace_until is not None and rnd.grace_until > now:
                 times.append(rnd.grace_until)

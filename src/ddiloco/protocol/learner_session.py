@@ -177,6 +177,7 @@ class LearnerSession:
         self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
         self.links = [ShardLink(rt.backoff_initial_s) for _ in range(num_shards)]
         self.started_at = now
+        self._join_deadline = now + rt.join_timeout_s  # one sum, so ``ready`` and the wake agree
         self.wants_peer_state = wants_peer_state
         self.refused: str | None = None
         """Why a shard refused this learner for good (it must stop)."""
@@ -227,7 +228,7 @@ class LearnerSession:
         can arrive while the reply that accepted the learner was lost, and it registers again."""
         if not self.joined_once:
             return False
-        return len(self.received) == self.layout.num_fragments or now - self.started_at >= self.rt.join_timeout_s
+        return len(self.received) == self.layout.num_fragments or now >= self._join_deadline
 
     @property
     def stopped(self) -> bool:
@@ -251,7 +252,7 @@ class LearnerSession:
         out = LearnerOutput()
         if self.done:
             return out
-        if self._hb_at is None or now - self._hb_at >= self.rt.heartbeat_interval_s:
+        if self._hb_at is None or now >= self._hb_at + self.rt.heartbeat_interval_s:  # the sum next_deadline wakes at
             self._hb_at = now
             hb = self._heartbeat()
             out.send += [Send(i, hb) for i, link in enumerate(self.links) if link.joined]
@@ -276,8 +277,8 @@ class LearnerSession:
         if self.done:
             return None
         times = [self._hb_at + self.rt.heartbeat_interval_s if self._hb_at is not None else now]
-        if len(self.received) < self.layout.num_fragments:
-            times.append(self.started_at + self.rt.join_timeout_s)  # when ``ready`` gives up waiting
+        if len(self.received) < self.layout.num_fragments and now < self._join_deadline:
+            times.append(self._join_deadline)  # when ``ready`` gives up waiting (once past, no wake: it would spin)
         for link in self.links:
             if link.joined:
                 heard = link.last_heard if link.last_heard is not None else self.started_at
@@ -418,7 +419,7 @@ class LearnerSession:
         out = LearnerOutput()
         for u, _ in plan.apply:
             out.send.append(Send(self.shard_of(u.fragment), Ack(self.learner, self.incarnation, u.fragment, u.version)))
-        for p in [*plan.answer, *plan.push]:
+        for p in dict.fromkeys([*plan.answer, *plan.push]):  # a fragment both asked for and due goes once
             out.send.append(self._sent(self.core.contribution(p, values[p], self.position)))
         self._prepared = {p: self.core.contribution(p, values[p], self.position) for p in plan.prepare}
         out.send += [Send(0, ps) for ps in peer_states]

@@ -248,7 +248,7 @@ class SyncerSession:
     def tick(self, now: float) -> SyncerOutput:
         """Time passed: rounds open and close, heartbeats go out, the run's end moves on."""
         out = SyncerOutput().core(self.core.poll(now), self.identities)
-        if self._hb_at is None or now - self._hb_at >= self.rt.heartbeat_interval_s:
+        if self._hb_at is None or now >= self._hb_at + self.rt.heartbeat_interval_s:  # the sum next_deadline wakes at
             self._hb_at = now
             hb = SyncerHeartbeat(self.epoch, self.shard)
             out.send += [(peer, hb) for peer in self.identities.values()]

@@ -288,8 +288,7 @@ class Simulation:
         if not ln.training:
             if session.ready(self.now):  # the join is complete: train from the global state
                 ln.training = True
-                if session.data_position:
-                    ln.stream.seek(session.data_position)
+                ln.stream.seek(session.data_position or 0)  # a new process starts where the syncer says, else at 0
                 self._switch(ln, "compute")
                 self._start_step(ln)
         elif ln.account.state == "blocked":
@@ -395,7 +394,11 @@ class Simulation:
 
     def _on_rejoin(self, ln: SimLearner) -> None:
         """A new process: it registers, takes the global state, asks for a peer's optimizer
-        state and its data position, all through the protocol."""
+        state and its data position, all through the protocol. It builds its model afresh: what
+        its join does not overwrite is the initial model, not the dead process's weights."""
+        with torch.no_grad():
+            for name, param in ln.model.named_parameters():
+                param.copy_(self.initial[name])
         ln.opt = make_optimizer(ln.model, self.cfg.inner)
         if ln.down_since is not None:
             self.outages.append((ln.id, ln.down_since, self.now))
