@@ -97,9 +97,19 @@ def test_a_damaged_recording_is_one_clear_error(recorded, tmp_path):
     _, path = recorded
     data = path.read_bytes()
     bad = tmp_path / "bad.rec"
-    bad.write_bytes(data[: len(data) // 2])
+    # Cut inside the last record (a cut at a record boundary is a readable, shorter recording).
+    bad.write_bytes(data[:-1])
     with pytest.raises(RecordingError, match="truncated or damaged"):
         read_recording(bad)
+    bad.write_bytes(data[:12] + b"{not json" + data[21:])  # the first record's header
+    with pytest.raises(RecordingError, match="not JSON|truncated or damaged"):
+        read_recording(bad)
+    # A record that reads but does not replay: a tick without its time, a peer that is not hex.
+    for old, new in ((b'{"kind": "tick", "t": ', b'{"kind": "tick", "u": '), (b'"peer": "', b'"peer": "z')):
+        at = data.index(old)
+        bad.write_bytes(data[:at] + new + data[at + len(old) + (len(new) - len(old)) :])
+        with pytest.raises(RecordingError, match="header is damaged"):
+            replay(bad)
     bad.write_bytes(b"nope" + data[4:])
     with pytest.raises(RecordingError, match="not a ddiloco flight recording"):
         read_recording(bad)

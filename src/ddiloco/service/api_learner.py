@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +235,12 @@ class Learner:
         self.comm: LearnerComm | None = None
         if self.rank == 0:
             registration = Registration(param_spec(self.model), self.layout.digest, os.getpid(), str(self.device))
+            # The session's join deadline (when training starts from what it has) is the caller's
+            # timeout too, not only the wait in _join.
+            runtime = cfg.runtime if join_timeout_s is None else replace(cfg.runtime, join_timeout_s=join_timeout_s)
             self.session = LearnerSession(
                 cfg.algo,
-                cfg.runtime,
+                runtime,
                 learner_id,
                 self.incarnation,
                 self.layout.fragments,

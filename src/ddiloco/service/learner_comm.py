@@ -11,6 +11,7 @@ long, and the training thread never waits on the network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -88,6 +89,8 @@ class LearnerComm:
             self.died = f"{type(e).__name__}: {e}"
             log.exception("learner %d: comm thread died", self.session.learner)
             self.stop.set()
+            with contextlib.suppress(Exception):  # already dying: the socket must not outlive the thread
+                self.sock.close(linger_s=0.0)
         finally:
             self.cpu_s = time.thread_time()
 

@@ -26,6 +26,7 @@ from typing import IO, Any
 import tomli_w
 import tomllib
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -272,7 +273,7 @@ def replay(path: str | Path) -> Replay:
             ended=start["ended"], keyed=bool(start["keyed"]),
         )  # fmt: skip
         session.restore(found, start["meta"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, SafetensorError) as e:
         raise RecordingError(f"{path}: its start state is damaged ({type(e).__name__}: {e})") from None
     outputs: list[SyncerOutput] = []
     cut = False
@@ -281,15 +282,18 @@ def replay(path: str | Path) -> Replay:
         if h["kind"] == "cut":
             cut = True
             break
-        t = float(h["t"])
-        if h["kind"] == "tick":
-            outputs.append(session.tick(t))
-            continue
         try:
+            t = float(h["t"])
+            if h["kind"] == "tick":
+                outputs.append(session.tick(t))
+                continue
             msg = decode(rec.frames)
+            role = h.get("principal")
+            principal = None if role is None else Principal(role[0], role[1])
+            peer = bytes.fromhex(h["peer"])
         except WireError as e:
             raise RecordingError(f"{path}: a recorded message does not decode: {e}") from None
-        role = h.get("principal")
-        principal = None if role is None else Principal(role[0], role[1])
-        outputs.append(session.receive(bytes.fromhex(h["peer"]), msg, t, principal))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise RecordingError(f"{path}: a record's header is damaged ({type(e).__name__}: {e})") from None
+        outputs.append(session.receive(peer, msg, t, principal))
     return Replay(session, outputs, cut)
