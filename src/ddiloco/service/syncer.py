@@ -134,6 +134,7 @@ class SyncerService:
         self.keys = keys
         self.stopping = False
         self._last_snapshot = start
+        self._model_written: tuple[int, ...] | None = None  # the versions in final/ (written once per change)
         self._last_status = -float("inf")
         self._started = start
         self._warned: set[str] = set()
@@ -363,7 +364,8 @@ class SyncerService:
             self.snapshot()
             self.write_status()
             self.write_learner_metrics()  # the learners' last figures, for the summary
-            self.write_final_model()
+            if self._model_written != tuple(self.core.versions()):  # not already written at the run's end
+                self.write_final_model()
         finally:
             self.sock.close()
             self.store.close()
@@ -409,7 +411,9 @@ class SyncerService:
         full = self.model.state_dict()
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         path = self.run_dir / "final" / name
-        return save_state_dict({k: v for k, v in full.items() if self.num_shards == 1 or k in owned_names}, path)
+        saved = save_state_dict({k: v for k, v in full.items() if self.num_shards == 1 or k in owned_names}, path)
+        self._model_written = tuple(self.core.versions())
+        return saved
 
 
 def open_syncer(
