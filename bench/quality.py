@@ -40,7 +40,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -504,22 +504,30 @@ def main() -> int:
     arms = final_arms(base, best)
     jobs = [(f"{arm} seed {s}", meth, (*over, f"run.seed={s}")) for arm, (meth, over) in arms.items() for s in seeds]
     print(f"final: {len(jobs)} runs ({len(arms)} arms x {len(seeds)} seeds; cached ones are not run again)", flush=True)
-    results = runner.run(jobs)
-    by_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for (label, _, _), r in zip(jobs, results):
-        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+    by_arm = run_by_arm(runner, jobs, arms)
 
     report = summarise(by_arm, fig, sanity, single_sweep, [dp_sweep, second["decoupled"], second["diloco"]], best)
     report.update(invocation_facts(args, started, runner, code))
     report["settings"] = {"common": base, "chaos": CHAOS, "hetero": HETERO, "seeds": list(seeds)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "quality-quick" if args.quick else "quality"
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(to_markdown(report))
-    print(to_markdown(report))
+    publish(Path(args.out), "quality-quick" if args.quick else "quality", report, to_markdown(report))
     runner.pool.shutdown()
     return 0
+
+
+def run_by_arm(runner: Runner, jobs: list[Job], arms: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """Run ``jobs`` (labelled "ARM seed S") and group their results by arm, in job order."""
+    by_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    for (label, _, _), r in zip(jobs, runner.run(jobs)):
+        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+    return by_arm
+
+
+def publish(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
+    """Write ``name``.json and ``name``.md into ``out``, and print the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(markdown)
+    print(markdown)
 
 
 def final_arms(base: list[str], best: dict[str, list[str]]) -> dict[str, tuple[str, list[str]]]:
@@ -594,9 +602,7 @@ def verify(args: argparse.Namespace, base: list[str], runner: Runner, started: f
     # Seed-major, so an interrupted verification has whole seeds of every arm first.
     jobs = [(f"{a} seed {s}", arms[a][0], (*arms[a][1], f"run.seed={s}")) for s in SEEDS for a in wanted]
     print(f"verify: {len(jobs)} runs ({len(wanted)} arms x {len(SEEDS)} seeds) at the report's settings", flush=True)
-    by_arm: dict[str, list[dict[str, Any]]] = {a: [] for a in wanted}
-    for (label, _, _), r in zip(jobs, runner.run(jobs)):
-        by_arm[label.rsplit(" seed ", 1)[0]].append(r)
+    by_arm = run_by_arm(runner, jobs, wanted)
     dp_by_seed = {seed_of(r): r for r in by_arm["dp"]}
     rows = []
     for a in wanted:
@@ -632,10 +638,7 @@ def verify(args: argparse.Namespace, base: list[str], runner: Runner, started: f
         "old_report": {"date": old.get("date"), "code_digest": old.get("code_digest"), "best": best},
         "rows": rows,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality-verify.json").write_text(json.dumps(rep, indent=1))
-    (out / "quality-verify.md").write_text(verify_markdown(rep))
-    print(verify_markdown(rep))
+    publish(out, "quality-verify", rep, verify_markdown(rep))
     runner.pool.shutdown()
     return 0
 
