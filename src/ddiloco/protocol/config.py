@@ -58,11 +58,26 @@ class RuntimeConfig:
     step_log: bool = False
     """Learners write every inner step's end time and duration to metrics/steps-ID-PID.csv."""
     max_joins_per_s: float = 2.0
-    """Registrations the syncer takes from one transport identity per second (bursts of 10);
-    more are dropped unanswered (a join flood cannot stall the syncer's chores)."""
+    """Registrations the syncer takes from one key per second (bursts of 10; per connection
+    without keys); more are dropped unanswered (a join flood cannot stall the syncer's chores)."""
     max_messages_per_s: float = 2000.0
-    """Messages the syncer takes from one transport identity per second (bursts of 2x that);
-    more are dropped before they are decoded."""
+    """Messages the syncer takes from one key per second (bursts of 2x that; per connection
+    without keys), charged on receipt: more are dropped before they are decoded."""
+    max_busy_share: float = 0.25
+    """The share of the syncer's time the messages of one key may take (decoding and handling
+    them, merges excepted; bursts of 1 s of work): a key over it has its messages dropped on
+    receipt, before they are decoded, until its share recovers. Bounds what a flood of costly
+    messages (fetches, stale contributions) from one key can take from the others; 0: off."""
+    max_fetches_per_s: float = 2.0
+    """``FetchGlobal`` and ``StatusRequest`` the syncer answers per key per second (bursts of
+    10; per connection without keys): each answer costs a copy of the model or of the fleet view."""
+    peer_state_interval_s: float = 5.0
+    """The optimizer hand-off's pace: a learner serves its optimizer state at most once per this
+    many seconds (others are refused at once, cheaply), and the syncer relays at most one request
+    per requester per this many seconds."""
+    peer_state_timeout_s: float = 30.0
+    """How long the syncer waits for the chosen peer's optimizer state before it forgets the
+    request (the requester then trains on with its own, cold state)."""
     record_mb: float = 0.0
     """Flight recorder: each syncer shard records what its session is handed (messages, with
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to

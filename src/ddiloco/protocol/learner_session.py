@@ -11,7 +11,12 @@ It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
   for next, so that their requests are answered at once, from that snapshot;
 - the optimizer hand-off: a learner that joins a run under way (some fragment past version 0)
   asks once, when its join is complete, for a live peer's optimizer state, and takes only the
-  answer to its own request; it serves its own state when asked;
+  answer to its own request (once, from another learner, through shard 0, which relays only
+  the peer it chose); it serves its own state when asked, at most one at a time and once per
+  ``peer_state_interval_s``, refusing others at once with an empty state (cheap);
+- a link that goes silent, or a shard that says this connection is not bound to the learner
+  (``SyncerHeartbeat(bound=False)``), makes the driver reconnect that link on a fresh
+  connection (``LearnerOutput.reconnect``) and register again;
 - the run's end as the syncer announces it.
 
 A boundary is two calls, because only the driver can touch the model: ``step`` (or ``boundary``
@@ -48,6 +53,7 @@ from ddiloco.core.messages import (
     Leave,
 )
 from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     JoinReply,
     PeerState,
@@ -58,6 +64,8 @@ from ddiloco.protocol.messages import (
 )
 
 EndStage = Literal["stop", "done"]
+PEER_STATE_BURST = 2.0
+"""Optimizer states a learner serves back to back before ``peer_state_interval_s`` paces it."""
 
 
 @dataclass(frozen=True)
@@ -92,10 +100,14 @@ class LearnerOutput:
     """Messages to send, in order."""
     notes: list[str] = field(default_factory=list)
     """Things worth a line in the log (the session does no logging itself)."""
+    reconnect: list[int] = field(default_factory=list)
+    """Shard links to drop and open again on a fresh connection, before sending ``send`` (the
+    shard lost track of this learner's connection; a simulator without connections ignores it)."""
 
     def extend(self, other: LearnerOutput) -> LearnerOutput:
         self.send += other.send
         self.notes += other.notes
+        self.reconnect += [i for i in other.reconnect if i not in self.reconnect]
         return self
 
 
@@ -208,6 +220,9 @@ class LearnerSession:
         self._awaiting_peer_state = False
         self._asked_peer_state = False
         self._peer_requests: list[int] = []
+        # Serving costs a copy of the optimizer state: one per peer_state_interval_s, bursts of 2
+        # (two learners that rejoin together are both served warm).
+        self._serves: RateLimits[int] = RateLimits(1.0 / max(rt.peer_state_interval_s, 1e-9), PEER_STATE_BURST)
         self._requests: list[int] = []
         self._unanswered: list[int] = []
         self._due: list[int] = []
@@ -259,12 +274,15 @@ class LearnerSession:
         for i, link in enumerate(self.links):
             silent = now - (link.last_heard if link.last_heard is not None else self.started_at)
             if link.joined and silent > self.rt.syncer_liveness_s:
+                # Nothing addressed to us: the shard is down, or lost our connection. A fresh
+                # connection either way, then registration with backoff.
                 link.joined, link.next_join = False, now
+                out.reconnect.append(i)
                 if not link.warned:
                     link.warned = True
                     out.notes.append(
-                        f"learner {self.learner}: syncer shard {i} unreachable for {silent:.1f} s; training on and "
-                        "registering again with backoff"
+                        f"learner {self.learner}: syncer shard {i} unreachable for {silent:.1f} s; training on, "
+                        "reconnecting and registering again with backoff"
                     )
             if not link.joined and now >= link.next_join:
                 out.send.append(Send(i, self._register()))
@@ -298,7 +316,16 @@ class LearnerSession:
         if link.warned and link.joined:
             link.warned = False
         if isinstance(msg, SyncerHeartbeat):
-            if link.joined and link.epoch is not None and msg.epoch != link.epoch:
+            if link.joined and not msg.bound:
+                # The shard does not know this connection as ours (it lost it, or a newer
+                # registration took our id): a fresh connection, and register again.
+                link.joined, link.next_join = False, now
+                out.reconnect.append(shard)
+                out.notes.append(
+                    f"learner {self.learner}: syncer shard {shard} does not know this connection; reconnecting and "
+                    "registering again"
+                )
+            elif link.joined and link.epoch is not None and msg.epoch != link.epoch:
                 link.joined, link.next_join = False, now  # the shard restarted: register again, keeping our progress
             elif not link.joined:
                 link.next_join = min(link.next_join, now)
@@ -318,17 +345,44 @@ class LearnerSession:
             else:
                 self._inbox.append(msg)
         elif isinstance(msg, PeerState):
-            if self._awaiting_peer_state and msg.learner == self.learner and shard == 0:
-                self._awaiting_peer_state = False
-                self._peer_state = msg
-            else:
-                out.notes.append(f"learner {self.learner}: ignored an optimizer state it did not ask for")
+            self._on_peer_state(msg, shard, out)
         elif isinstance(msg, PeerStateRequest):
-            if msg.learner != self.learner and msg.learner not in self._peer_requests:
-                self._peer_requests.append(msg.learner)
+            self._on_peer_request(msg, shard, now, out)
         else:
             out.notes.append(f"learner {self.learner}: unexpected {type(msg).__name__} from shard {shard}")
         return out
+
+    def _on_peer_state(self, msg: PeerState, shard: int, out: LearnerOutput) -> None:
+        """Only the answer to this process's own pending request, once, relayed by shard 0 (which
+        relays only the peer it chose), and never from itself. Its values are validated by the
+        driver when it loads them (``training.peer_state.load_state``)."""
+        if self._awaiting_peer_state and msg.learner == self.learner and shard == 0 and msg.source != self.learner:
+            self._awaiting_peer_state = False
+            self._peer_state = msg
+        else:
+            out.notes.append(
+                f"learner {self.learner}: ignored an optimizer state (from learner {msg.source}, shard {shard}) "
+                "it did not ask for"
+            )
+
+    def _on_peer_request(self, msg: PeerStateRequest, shard: int, now: float, out: LearnerOutput) -> None:
+        """Serve at most one request at a time and one per ``peer_state_interval_s`` (bursts of
+        ``PEER_STATE_BURST``): each costs
+        a copy of the optimizer state (twice the model). Others get an empty state at once, so the
+        syncer's relay is freed and the asker trains on cold."""
+        if msg.learner == self.learner or shard != 0:
+            out.notes.append(f"learner {self.learner}: ignored a request for its optimizer state from shard {shard}")
+            return
+        if msg.learner in self._peer_requests:
+            return  # already queued for the next boundary
+        if self._peer_requests or not self._serves.allow(0, now):
+            out.notes.append(
+                f"learner {self.learner}: refused learner {msg.learner}'s request for its optimizer state (one per "
+                f"runtime.peer_state_interval_s = {self.rt.peer_state_interval_s:g} s)"
+            )
+            out.send.append(Send(0, PeerState(msg.learner, self.learner, [], {})))
+            return
+        self._peer_requests.append(msg.learner)
 
     def _on_join_reply(self, shard: int, link: ShardLink, msg: JoinReply, now: float, out: LearnerOutput) -> None:
         if not msg.accepted and msg.retry_after_s > 0:

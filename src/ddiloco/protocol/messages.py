@@ -108,6 +108,9 @@ class SyncerHeartbeat:
     """Syncer incarnation."""
     shard: int = field(metadata={"min": 0, "max": 1023})
     """Which shard sent it."""
+    bound: bool = True
+    """False: the shard does not know the sender on this connection (it never registered on
+    it, or a newer registration took the id elsewhere): reconnect and register again."""
 
 
 @dataclass(frozen=True)

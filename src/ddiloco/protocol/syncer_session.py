@@ -6,9 +6,14 @@ It owns the algorithm's ``Syncer`` core and every protocol rule around it:
   bound to the peer that registered it (and, with keys, to its key), and the core's ``Join``
   follows; a refusal is answered with its reason;
 - who may say what: messages for learner m are taken only from the peer bound to m (with keys,
-  only from m's key; an observer key may only read);
-- the optimizer hand-off: a rejoining learner's request is relayed to one live peer, whose
-  state is relayed back;
+  only from m's key; an observer key may only read). A peer is a connection the driver names
+  (never a name the sender chose), so the route of learner m is bound to the connection with
+  m's key that registered it, and no other key can displace it; a peer that is not bound is
+  told so (``SyncerHeartbeat(bound=False)``) and registers again, on a fresh connection;
+- the optimizer hand-off: a rejoining learner's request is relayed to one live peer that is
+  not serving another, at most one outstanding per requester and one per
+  ``peer_state_interval_s``; only the chosen peer's answer is relayed back, once;
+- reads (``FetchGlobal``, ``StatusRequest``) at most ``max_fetches_per_s`` per key;
 - the learners' reported progress (``fleet.FleetBook``) and the run's budget: tokens processed
   by the fleet, tokens merged, the run's age;
 - the run's end, in stages: "stop" (the learners stop training; open rounds close), "final"
@@ -36,6 +41,7 @@ from ddiloco.core.tape import TapeRecord
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.fleet import FleetBook
 from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     FetchGlobal,
     GlobalState,
@@ -54,8 +60,12 @@ Peer = Hashable
 EndStage = Literal["stop", "final", "done"]
 CORE_MESSAGES = (Heartbeat, Contribution, Ack, Leave)
 RELAYED = (PeerStateRequest, PeerState)
-NOTE_KINDS = ("malformed", "unknown_sender", "impostor")
-"""What a ``Note`` counts (the driver counts decoding failures as "malformed" too)."""
+NOTE_KINDS = ("malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded")
+"""What a ``Note`` counts (the driver counts decoding failures as "malformed" too, and its own
+receipt-time limits as "rate_limited"): a message from a key that may not say it; one for a
+learner from a peer not bound to it; reads over ``max_fetches_per_s``; an optimizer hand-off
+message outside the rules (a repeated or too early request, a state nobody asked that peer
+for); a registration of a process that a newer one has replaced."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,20 @@ class Principal:
     """A learner's key, or an observer's (read-only)."""
     learner: int | None = None
     """The learner id the key belongs to (None for an observer)."""
+
+
+@dataclass
+class Handoff:
+    """One relayed optimizer-state request: who asked, whom the syncer chose, until when."""
+
+    requester: int
+    """The learner that asked."""
+    incarnation: int
+    """Its process."""
+    source: int
+    """The live peer chosen to answer (only its answer is relayed, once)."""
+    until: float
+    """When the request is forgotten (``peer_state_timeout_s`` after it was relayed)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +190,11 @@ class SyncerSession:
         self.fleet = FleetBook()
         self.identities: dict[int, Peer] = {}
         """Learner id -> the peer that registered it (messages for the id come only from there)."""
+        self.handoffs: dict[int, Handoff] = {}
+        """Requester -> its outstanding optimizer-state request (one at most)."""
+        self._asked_at: dict[int, float] = {}
+        """Requester -> when its last request was relayed (one per ``peer_state_interval_s``)."""
+        self._fetches: RateLimits[Hashable] = RateLimits(rt.max_fetches_per_s, 10.0, max_keys=4096)
         self._started, self._age_at_start = now, age_s
         self._hb_at: float | None = None
         self.end_stage: EndStage | None = None
@@ -223,16 +252,29 @@ class SyncerSession:
             return out
         if isinstance(msg, Register):
             self._on_register(peer, msg, now, out)
-        elif isinstance(msg, FetchGlobal):
-            out.send.append((peer, self.global_state()))
-        elif isinstance(msg, StatusRequest):
-            out.status_requests.append(peer)
+        elif isinstance(msg, (FetchGlobal, StatusRequest)):
+            # Per key (per connection without keys): each answer copies the model or the fleet view.
+            if not self._fetches.allow(principal if self.keyed else peer, now):
+                out.notes.append(
+                    Note(
+                        "rate_limited",
+                        f"{type(msg).__name__} from {peer!r} ({_who(principal)}): more than "
+                        f"runtime.max_fetches_per_s = {self.rt.max_fetches_per_s:g}",
+                    )
+                )
+                return out
+            if isinstance(msg, FetchGlobal):
+                out.send.append((peer, self.global_state()))
+            else:
+                out.status_requests.append(peer)
         elif isinstance(msg, CORE_MESSAGES + RELAYED):
             claimed = msg.source if isinstance(msg, PeerState) else msg.learner
             if self.identities.get(claimed) != peer:
-                # Unknown here (e.g. this shard restarted): a heartbeat with our epoch makes it register.
+                # Not bound here: this shard restarted, the learner's connection changed, or a newer
+                # registration took the id elsewhere. It is told, and registers again (on a fresh
+                # connection); nothing it sent is taken from this peer.
                 out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
-                out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard)))
+                out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
                 return out
             if isinstance(msg, RELAYED):
                 self._relay(msg, now, out)
@@ -300,11 +342,27 @@ class SyncerSession:
             reason = f"model does not match the syncer's fragment layout: {mismatch}"
             out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
             return
+        before = self.core.registered(msg.learner)
         core_out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
+        held = self.core.registered(msg.learner)
         if core_out.refused:  # only a Join is refused, and only the joiner: the id stays with its holder
             r = core_out.refused[0]
             out.send.append((peer, JoinReply(False, r.reason, self.epoch, 0, self.core.owned, r.retry_after_s)))
+        elif held != msg.incarnation:
+            # An older process than the id's holder (it was replaced while it was away): it must
+            # not take the id's route back. Final: it stops.
+            reason = (
+                f"learner {msg.learner} incarnation {msg.incarnation} is superseded by a newer process "
+                f"(incarnation {held}): this process must stop"
+            )
+            out.notes.append(Note("superseded", f"Register from {peer!r}: {reason}"))
+            out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
         else:
+            old = self.identities.get(msg.learner)
+            if old is not None and old != peer and before != msg.incarnation:
+                # The replaced process may still be running (a stopped one resumed): it is told.
+                reason = f"learner {msg.learner} was registered by a newer process (incarnation {msg.incarnation})"
+                out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
             self.identities[msg.learner] = peer
             self.fleet.restarted(msg.learner, msg.incarnation)
             reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
@@ -314,17 +372,43 @@ class SyncerSession:
         out.core(core_out, self.identities)
 
     def _relay(self, msg: PeerStateRequest | PeerState, now: float, out: SyncerOutput) -> None:
-        """Optimizer state for a rejoining learner goes from one live peer through the syncer."""
+        """Optimizer state for a rejoining learner goes from one live peer through the syncer,
+        only as asked: one outstanding request per requester, at most one per
+        ``peer_state_interval_s``, to a peer not serving another; only that peer's answer is
+        relayed, once. Anything else is refused with a note (a flood of requests costs no peer
+        a copy of its state, and no one can push a state nobody asked for)."""
+        for m in [m for m, h in self.handoffs.items() if now >= h.until]:
+            del self.handoffs[m]  # the chosen peer never answered: forget it
         if isinstance(msg, PeerStateRequest):
-            peers = [m for m in self.core.live(now) if m != msg.learner and m in self.identities]
+            m = msg.learner
+            problem = None
+            if self.core.registered(m) != msg.incarnation:
+                problem = f"incarnation {msg.incarnation} is not the registered one"
+            elif m in self.handoffs:
+                problem = f"its request to learner {self.handoffs[m].source} is still outstanding"
+            elif now < self._asked_at.get(m, -math.inf) + self.rt.peer_state_interval_s:
+                problem = f"one request per runtime.peer_state_interval_s = {self.rt.peer_state_interval_s:g} s"
+            if problem is not None:
+                out.notes.append(Note("refused_relay", f"PeerStateRequest of learner {m} refused: {problem}"))
+                return
+            self._asked_at[m] = now
+            serving = {h.source for h in self.handoffs.values()}
+            peers = [p for p in self.core.live(now) if p != m and p in self.identities and p not in serving]
             if peers:
+                self.handoffs[m] = Handoff(m, msg.incarnation, peers[0], now + self.rt.peer_state_timeout_s)
                 out.send.append((self.identities[peers[0]], msg))
             else:
-                out.send.append((self.identities[msg.learner], PeerState(msg.learner, -1, [], {})))
+                out.send.append((self.identities[m], PeerState(m, -1, [], {})))
         else:
+            h = self.handoffs.get(msg.learner)
             target = self.identities.get(msg.learner)
-            if target is not None:
-                out.send.append((target, msg))
+            if h is None or h.source != msg.source or target is None:
+                why = "nobody asked" if h is None else f"learner {h.source} was asked"
+                text = f"PeerState from learner {msg.source} for learner {msg.learner} refused: {why}"
+                out.notes.append(Note("refused_relay", text))
+                return
+            del self.handoffs[msg.learner]
+            out.send.append((target, msg))
 
     def _broadcast(self, msg: Any, out: SyncerOutput) -> None:
         out.send += [(peer, msg) for peer in self.identities.values()]
@@ -357,3 +441,9 @@ class SyncerSession:
         elif self.end_stage == "done" and now >= self._end_next:
             out.stop = True
             self._end_next = math.inf  # said once: nothing is left to time
+
+
+def _who(principal: Principal | None) -> str:
+    if principal is None:
+        return "no key"
+    return f"learner {principal.learner}'s key" if principal.role == "learner" else "an observer's key"

@@ -37,6 +37,9 @@ class LearnerComm:
         self.lock = threading.Lock()
         """Guards ``session``: held only for session calls, never across I/O."""
         self.outbox: queue.Queue[Send] = queue.Queue()
+        self._reconnects: queue.Queue[int] = queue.Queue()
+        self.reconnects = 0
+        """Links dropped and opened again on a fresh connection (the session asked)."""
         self.stop = threading.Event()
         self.arrived = threading.Event()
         """Set when a message was taken in: a training thread waiting for one wakes up."""
@@ -55,8 +58,10 @@ class LearnerComm:
     def post(self, out: LearnerOutput) -> None:
         """Queue what a session call returned and wake the comm thread (once for all of it)."""
         self.say(out.notes)
-        if not out.send:
+        if not out.send and not out.reconnect:
             return
+        for link in out.reconnect:  # the socket is the comm thread's: it reconnects
+            self._reconnects.put(link)
         for send in out.send:
             self.outbox.put(send)
         self.sock.wake()
@@ -127,6 +132,8 @@ class LearnerComm:
         self.arrived.set()
 
     def _drain(self) -> None:
+        while not self._reconnects.empty():
+            self._reconnect(self._reconnects.get_nowait())
         while True:
             try:
                 send = self.outbox.get_nowait()
@@ -134,8 +141,15 @@ class LearnerComm:
                 return
             self._send_one(send)
 
+    def _reconnect(self, link: int) -> None:
+        log.info("learner %d: reconnecting to %s on a fresh connection", self.session.learner, self.addresses[link])
+        self.reconnects += 1
+        self.sock.reconnect(link)
+
     def _send(self, out: LearnerOutput) -> None:
         self.say(out.notes)
+        for link in out.reconnect:
+            self._reconnect(link)
         for send in out.send:
             self._send_one(send)
 

@@ -27,7 +27,9 @@ Frames = list[Any]
 
 
 def learner_identity(learner: int) -> bytes:
-    """The transport identity of a learner (a restarted process takes over the same one)."""
+    """A learner's name on the in-process network (``InProcessNetwork.cut`` kills it by this
+    name). It is never a route: the syncer's ROUTER names each connection itself, so no peer
+    can choose a route and take over another's (a restarted process registers again)."""
     return b"learner-%d" % learner
 
 
@@ -35,7 +37,8 @@ class Received(NamedTuple):
     """One message at the syncer."""
 
     identity: bytes
-    """The sender's transport identity (replies go to it)."""
+    """The sender's connection, as the syncer's end named it (replies go to it): never chosen
+    by the peer, and a new connection gets a new one."""
     frames: Frames
     """The message."""
     key: bytes | None
@@ -65,6 +68,11 @@ class LearnerSocket(Protocol):
 
     def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
         """Messages as (link, frames), waiting at most ``timeout_s`` or until ``wake``."""
+        ...
+
+    def reconnect(self, link: int) -> None:
+        """Drop link ``link``'s connection and open a fresh one (the syncer sees a new peer:
+        what it still had queued for the old one is lost, and the learner registers again)."""
         ...
 
     def wake(self) -> None:
@@ -100,7 +108,10 @@ class ZmqSyncerSocket:
             self.sock.curve_publickey = keys.public
             self.sock.curve_server = True
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted learner takes over its identity
+        # No ROUTER_HANDOVER, and peers' routing ids are ignored: the ROUTER names every
+        # connection itself, so a peer (whatever its key) cannot take over another's route.
+        # The session binds learner m to the connection whose key is m's and that registered.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         try:
             self.sock.bind(address)
@@ -117,7 +128,7 @@ class ZmqSyncerSocket:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            key = frames[-1].get("User-Id").encode() if self.keys is not None else None
+            key = str(frames[-1].get("User-Id")).encode() if self.keys is not None else None
             out.append(Received(frames[0].bytes, frames[1:], key))
         return out
 
@@ -157,20 +168,11 @@ class ZmqLearnerSocket:
         reconnect_max_s: float,
         keys: ClientKeys | None = None,
     ) -> None:
+        """``identity`` is only a name for logs: the syncer routes by connection, not by it."""
         ctx = zmq.Context.instance()
-        self.socks = []
-        for addr in addresses:
-            s = ctx.socket(zmq.DEALER)
-            if keys is not None:
-                keys.apply(s)
-            s.setsockopt(zmq.IDENTITY, identity)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
-            s.setsockopt(zmq.SNDHWM, 64)
-            s.setsockopt(zmq.RECONNECT_IVL, int(reconnect_s * 1000))
-            s.setsockopt(zmq.RECONNECT_IVL_MAX, int(reconnect_max_s * 1000))
-            s.connect(addr)
-            self.socks.append(s)
+        self.addresses, self.keys, self.name = list(addresses), keys, identity
+        self._reconnect = (reconnect_s, reconnect_max_s)
+        self.socks = [self._dealer(addr) for addr in addresses]
         name = f"inproc://ddiloco-wake-{id(self)}"
         self._wake_rx = ctx.socket(zmq.PAIR)
         self._wake_rx.bind(name)
@@ -182,6 +184,25 @@ class ZmqLearnerSocket:
         for s in self.socks:
             self.poller.register(s, zmq.POLLIN)
         self.poller.register(self._wake_rx, zmq.POLLIN)
+
+    def _dealer(self, addr: str) -> zmq.Socket[Any]:
+        s: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+        if self.keys is not None:
+            self.keys.apply(s)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)  # do not queue for a syncer that is not connected
+        s.setsockopt(zmq.SNDHWM, 64)
+        s.setsockopt(zmq.RECONNECT_IVL, int(self._reconnect[0] * 1000))
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._reconnect[1] * 1000))
+        s.connect(addr)
+        return s
+
+    def reconnect(self, link: int) -> None:
+        old = self.socks[link]
+        self.poller.unregister(old)
+        old.close(linger=0)
+        self.socks[link] = self._dealer(self.addresses[link])
+        self.poller.register(self.socks[link], zmq.POLLIN)
 
     def send(self, link: int, frames: Frames) -> bool:
         try:
@@ -281,7 +302,9 @@ class InProcessNetwork:
         self.cv = threading.Condition()
         self._seq = itertools.count()
         self._servers: dict[str, _Inbox] = {}
-        self._clients: dict[bytes, tuple[_Inbox, list[str]]] = {}
+        self._clients: dict[bytes, list[_HubLearner]] = {}
+        self._routes: dict[bytes, tuple[_HubLearner, int]] = {}
+        """Route (what the syncer sees as the sender) -> the learner end and its link."""
 
     def _post(self, inbox: _Inbox, item: Any) -> None:
         now = time.monotonic()
@@ -294,7 +317,7 @@ class InProcessNetwork:
         with self.cv:
             while True:
                 now = time.monotonic()
-                out = []
+                out: list[Any] = []
                 while inbox.heap and inbox.heap[0][0] <= now and len(out) < limit:
                     out.append(heapq.heappop(inbox.heap)[2])
                 woken, inbox.woken = inbox.woken, False
@@ -311,21 +334,35 @@ class InProcessNetwork:
         return _HubSyncer(self, address, inbox)
 
     def learner(self, addresses: list[str], identity: bytes, key: bytes | None = None) -> LearnerSocket:
+        """A learner's end, named ``identity`` (``cut`` kills by name). Each of its links gets a
+        route of the network's choosing, as a ROUTER names a connection: a second process with
+        the same name connects beside the first, and takes nothing over."""
         with self.cv:
-            old = self._clients.get(identity)
-            if old is not None:
-                old[0].closed = True  # the new process takes over the identity (ROUTER_HANDOVER)
-            inbox = _Inbox()
-            self._clients[identity] = (inbox, list(addresses))
+            client = _HubLearner(self, list(addresses), identity, _Inbox(), key)
+            self._clients.setdefault(identity, []).append(client)
+            for link in range(len(addresses)):
+                self._new_route(client, link)
             self.cv.notify_all()
-        return _HubLearner(self, addresses, identity, inbox, key)
+        return client
+
+    def _new_route(self, client: _HubLearner, link: int) -> None:
+        """Give ``client``'s link a fresh route (the old one, if any, leads nowhere now)."""
+        if link < len(client.routes):
+            self._routes.pop(client.routes[link], None)
+        route = b"%s#%d" % (client.identity, next(self._seq))
+        self._routes[route] = (client, link)
+        if link < len(client.routes):
+            client.routes[link] = route
+        else:
+            client.routes.append(route)
 
     def cut(self, identity: bytes) -> None:
         """The process behind ``identity`` died: nothing reaches it any more."""
         with self.cv:
-            entry = self._clients.pop(identity, None)
-            if entry is not None:
-                entry[0].closed = True
+            for client in self._clients.pop(identity, []):
+                client.inbox.closed = True
+                for route in client.routes:
+                    self._routes.pop(route, None)
             self.cv.notify_all()
 
 
@@ -342,10 +379,10 @@ class _HubSyncer:
 
     def send(self, identity: bytes, frames: Frames) -> bool:
         with self.net.cv:
-            entry = self.net._clients.get(identity)
-            if entry is None or self.address not in entry[1]:
+            entry = self.net._routes.get(identity)
+            if entry is None or entry[0].inbox.closed or entry[0].addresses[entry[1]] != self.address:
                 return True  # like a ROUTER: a message to an unknown peer vanishes
-            self.net._post(entry[0], (entry[1].index(self.address), _copy(frames)))
+            self.net._post(entry[0].inbox, (entry[1], _copy(frames)))
         return True
 
     def close(self) -> None:
@@ -359,6 +396,8 @@ class _HubLearner:
         self, net: InProcessNetwork, addresses: list[str], identity: bytes, inbox: _Inbox, key: bytes | None
     ) -> None:
         self.net, self.addresses, self.identity, self.inbox, self.key = net, addresses, identity, inbox, key
+        self.routes: list[bytes] = []
+        """Each link's current route (``InProcessNetwork._new_route``)."""
 
     def send(self, link: int, frames: Frames) -> bool:
         with self.net.cv:
@@ -367,8 +406,13 @@ class _HubLearner:
             server = self.net._servers.get(self.addresses[link])
             if server is None or server.closed:
                 return False  # not connected: like IMMEDIATE on a DEALER
-            self.net._post(server, Received(self.identity, _copy(frames), self.key))
+            self.net._post(server, Received(self.routes[link], _copy(frames), self.key))
         return True
+
+    def reconnect(self, link: int) -> None:
+        with self.net.cv:
+            if not self.inbox.closed:
+                self.net._new_route(self, link)
 
     def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
         return self.net._take(self.inbox, timeout_s, 1 << 30)
@@ -381,4 +425,6 @@ class _HubLearner:
     def close(self, linger_s: float = 0.0) -> None:
         with self.net.cv:
             self.inbox.closed = True
+            for route in self.routes:
+                self.net._routes.pop(route, None)
             self.net.cv.notify_all()

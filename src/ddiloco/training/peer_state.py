@@ -2,13 +2,25 @@
 
 The state travels as tensors named 'INDEX.KEY' (e.g. '3.exp_avg') plus the param_groups, over
 the wire format (no pickle), from a live peer through the syncer.
+
+What a peer sends is data, never settings: ``load_state`` takes only the state tensors (the
+moments and the step count) and keeps the receiver's own hyper-parameters (lr, weight decay,
+betas, eps, ...), and it refuses, leaving the optimizer as it was, a state that does not fit
+the receiver's parameters or holds values no honest optimizer could reach.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ddiloco.protocol.messages import PeerState
+
+MAX_STEP = 2**53
+"""Largest step count taken (a float64 still counts it exactly)."""
+MOMENT_SLACK = 1.1
+"""Rounding room on the Adam bound |exp_avg| <= c * sqrt(exp_avg_sq) (``_moment_bound``)."""
 
 
 def state_message(opt: torch.optim.Optimizer, to: int, source: int) -> PeerState:
@@ -23,16 +35,70 @@ def state_message(opt: torch.optim.Optimizer, to: int, source: int) -> PeerState
     return PeerState(to, source, sd["param_groups"], tensors)
 
 
-def load_state(opt: torch.optim.Optimizer, msg: PeerState, device: torch.device) -> str | None:
-    """Load a peer's state into ``opt``; the reason when it does not fit (then ``opt`` is unchanged)."""
+def _moment_bound(group: dict[str, object]) -> float | None:
+    """For Adam-like betas: the most |exp_avg| can exceed sqrt(exp_avg_sq) by, whatever the
+    gradients (Cauchy-Schwarz on the two moving averages: (1-b1) / sqrt((1-b2)(1-b1^2/b2)),
+    about 7.3 for the defaults). None when the group has no such betas."""
+    betas = group.get("betas")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        return None
+    b1, b2 = (float(b) for b in betas)
+    if not (0.0 <= b1 < 1.0 and 0.0 < b2 < 1.0) or b1 * b1 >= b2:
+        return None
+    return (1.0 - b1) / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
+
+
+def check_state(opt: torch.optim.Optimizer, msg: PeerState) -> tuple[dict[int, dict[str, torch.Tensor]], str | None]:
+    """The state of ``msg`` by parameter index, and why it cannot be loaded into ``opt`` (None:
+    it can): every key names one of ``opt``'s parameters; every parameter's tensors have one
+    set of names; moments have the parameter's shape, a floating dtype and finite values
+    (second moments non-negative, first moments within the Adam bound of the second); a step
+    count is one finite, whole, non-negative number."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    groups = [g for g in opt.param_groups for _ in g["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in msg.tensors.items():
         idx, _, name = key.partition(".")
-        if not idx.isdigit() or not name:
-            return f"bad state key {key!r}"
-        state.setdefault(int(idx), {})[name] = t.to(device) if name != "step" else t
+        if not idx.isdigit() or not name or int(idx) >= len(params):
+            return {}, f"state key {key!r} names no parameter of this optimizer ({len(params)} parameters)"
+        state.setdefault(int(idx), {})[name] = t
+    names = {frozenset(st) for st in state.values()}
+    if len(names) > 1:
+        return {}, f"parameters carry different state names: {sorted(sorted(n) for n in names)}"
+    for i, st in state.items():
+        p = params[i]
+        for name, t in st.items():
+            if not t.dtype.is_floating_point:
+                return {}, f"state {i}.{name} has dtype {t.dtype}, not a floating-point one"
+            if not bool(torch.isfinite(t).all()):
+                return {}, f"state {i}.{name} holds non-finite values"
+            if name == "step":
+                if t.numel() != 1 or not 0 <= float(t) <= MAX_STEP or float(t) != math.floor(float(t)):
+                    return {}, f"state {i}.step is not one whole number in [0, 2^53]"
+            elif tuple(t.shape) != tuple(p.shape):
+                return {}, f"state {i}.{name} has shape {tuple(t.shape)}, the parameter {tuple(p.shape)}"
+            elif name.endswith("_sq") and bool((t < 0).any()):
+                return {}, f"state {i}.{name} holds negative values (a second moment cannot)"
+        bound = _moment_bound(groups[i])
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        if bound is not None and m is not None and v is not None:
+            limit = MOMENT_SLACK * bound * v.double().sqrt() + 1e-30
+            if bool((m.double().abs() > limit).any()):
+                return {}, f"state {i}.exp_avg exceeds {bound:.3g} x sqrt(exp_avg_sq): no gradients give that"
+    return state, None
+
+
+def load_state(opt: torch.optim.Optimizer, msg: PeerState, device: torch.device) -> str | None:
+    """Load a peer's state tensors into ``opt``, keeping ``opt``'s own hyper-parameters; the
+    reason when it is refused (then ``opt`` is unchanged)."""
+    state, problem = check_state(opt, msg)
+    if problem is not None:
+        return problem
+    moved = {i: {k: t.to(device) if k != "step" else t for k, t in st.items()} for i, st in state.items()}
+    # Our own param_groups: a peer may hand over what it learned, never how we learn.
+    own = opt.state_dict()["param_groups"]
     try:
-        opt.load_state_dict({"state": state, "param_groups": msg.param_groups})
+        opt.load_state_dict({"state": moved, "param_groups": own})
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
         return str(e)
     return None
