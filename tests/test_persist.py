@@ -29,6 +29,13 @@ CFG = DiLoCoConfig(
 SPECS = [TensorSpec("w", (6, 4)), TensorSpec("b", (5,))]
 
 
+def unmark_last(run_dir) -> None:
+    """What a crash before the newest version's marks leaves: neither mark file has it."""
+    for name in (persist.MARKS, persist.MIRROR):
+        marks = run_dir / "state" / name
+        os.truncate(marks, marks.stat().st_size - persist.MARK_SIZE)
+
+
 def restore_into(store: SyncerStore, core: Syncer) -> bool:
     """What a syncer does at start: take back what its store made durable (True: found some)."""
     found = store.restore(core.layout, core.owned)
@@ -160,8 +167,7 @@ def test_torn_tail_is_cut_and_the_previous_version_restored(tmp_path):
     save(store, s, 0)
     store.close()
     # crash mid-write of version 3: its record was never fsynced, so it has no durable mark
-    marks = tmp_path / "state" / "durable.log"
-    os.truncate(marks, marks.stat().st_size - persist.MARK_SIZE)
+    unmark_last(tmp_path)
     with open(log, "r+b") as f:
         f.truncate(log.stat().st_size - 7)
     s2, store2, ok = restored(tmp_path)
@@ -193,8 +199,7 @@ def test_zero_filled_tail_is_torn_but_corruption_in_the_middle_is_an_error(tmp_p
     # its mark, so version 2 was never acknowledged and its record may be cut.
     data[-1] ^= 0xFF
     log.write_bytes(bytes(data))
-    marks = tmp_path / "state" / "durable.log"
-    os.truncate(marks, marks.stat().st_size - persist.MARK_SIZE)
+    unmark_last(tmp_path)
     s3, store3, _ = restored(tmp_path)
     assert s3.versions()[0] == 1 and log.stat().st_size < size
     merge(s3, 0, 0, 2)
@@ -284,8 +289,11 @@ def test_shards_have_separate_dirs_and_cannot_be_mixed_up(tmp_path):
 def test_empty_dir_restores_nothing_and_writes_need_restore_first(tmp_path):
     s, store, ok = restored(tmp_path)
     assert ok is False and s.versions() == [0, 0] and store.durable_versions() == {0: 0, 1: 0}
-    # restore creates nothing but the lock that keeps a second syncer out
-    assert [p.name for p in (tmp_path / "state").iterdir()] == ["syncer.lock"]
+    # restore creates the lock that keeps a second syncer out, FORMAT and empty mark files: from
+    # now on a deleted state folder is told from a fresh one
+    names = sorted(p.name for p in (tmp_path / "state").iterdir())
+    assert names == ["FORMAT", "durable.log", "durable.mirror.log", "syncer.lock"]
+    assert all((tmp_path / "state" / n).stat().st_size == 0 for n in ("durable.log", "durable.mirror.log"))
     store.close()
     with pytest.raises(RuntimeError, match="restore"):
         save(SyncerStore(tmp_path), s, 0)
@@ -345,8 +353,15 @@ def test_state_of_another_format_is_refused_with_what_to_do(tmp_path):
     persist_new(store, s)
     assert (tmp_path / "state" / "FORMAT").read_text() == f'{{"format": {FORMAT}}}'
     store.close()
-    (tmp_path / "state" / "FORMAT").unlink()  # what a store of format 1 looks like
+    (tmp_path / "state" / "FORMAT").unlink()  # next to mark files: damage, not format 1
+    with pytest.raises(StateError, match="FORMAT is missing but .* holds durable marks.*backup"):
+        restored(tmp_path)
+    for name in ("durable.log", "durable.mirror.log"):
+        (tmp_path / "state" / name).unlink()  # what a store of format 1 looks like
     with pytest.raises(StateError, match="format 1.*fresh --run-dir"):
+        restored(tmp_path)
+    (tmp_path / "state" / "FORMAT").write_text('{"format": 3}')  # the format before the mirror
+    with pytest.raises(StateError, match=r"format 3 \(one durable.log, before durable.mirror.log\).*format 4"):
         restored(tmp_path)
     (tmp_path / "state" / "FORMAT").write_text('{"format": 99}')
     with pytest.raises(StateError, match="format 99"):

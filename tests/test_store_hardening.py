@@ -129,8 +129,15 @@ def test_damaged_or_missing_marks(tmp_path):
     data[5] ^= 0x01  # the first of several marks
     marks.write_bytes(bytes(data))
     restore_fails(tmp_path, "durable.log is corrupt at byte 0")
-    # Deleting durable.log is the documented way to accept what is readable; it is written anew.
+    # One lost mark file: the mirror still holds every mark, and both are written anew.
     marks.unlink()
+    store, found = opened(tmp_path)
+    assert versions(found) == {0: 3, 1: 1} and marks.stat().st_size == 2 * MARK_SIZE
+    assert (tmp_path / "state" / "durable.mirror.log").read_bytes() == marks.read_bytes()
+    store.close()
+    # Deleting both is the documented way to accept what is readable; they are written anew.
+    marks.unlink()
+    (tmp_path / "state" / "durable.mirror.log").unlink()
     store, found = opened(tmp_path)
     assert versions(found) == {0: 3, 1: 1} and marks.stat().st_size == 2 * MARK_SIZE
     store.close()
@@ -221,6 +228,27 @@ def test_full_disk_on_append_raises_store_full_and_marks_nothing(tmp_path, monke
     assert str(tmp_path / "state") in str(e.value) and "free space" in str(e.value)
     assert (log.read_bytes(), marks.read_bytes()) == before  # no half record, no mark
     assert store.durable_versions()[0] == 2
+    store.close()
+    store, found = opened(tmp_path)
+    assert versions(found) == {0: 2, 1: 1}
+    store.close()
+
+
+def test_full_disk_on_the_mirror_mark_undoes_the_record_and_its_mark(tmp_path, monkeypatch):
+    log = written(tmp_path, upto=2)
+    state = tmp_path / "state"
+    before = [(state / n).read_bytes() for n in ("frag-0.log", "durable.log", "durable.mirror.log")]
+    store, _ = opened(tmp_path, fsync=True)
+
+    def full(mark: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_append_mirror", full)
+    with pytest.raises(StoreFull, match="free space"):
+        store.append(record(0, 3), META)
+    monkeypatch.undo()
+    assert [(state / n).read_bytes() for n in ("frag-0.log", "durable.log", "durable.mirror.log")] == before
+    assert store.durable_versions()[0] == 2 and log.exists()
     store.close()
     store, found = opened(tmp_path)
     assert versions(found) == {0: 2, 1: 1}
@@ -357,14 +385,18 @@ def test_tape_lines_are_written_at_once_but_fsynced_in_batches(tmp_path, monkeyp
 
 
 def test_two_fsyncs_per_merged_version(tmp_path, monkeypatch):
-    store, _ = opened(tmp_path, fsync=True)
+    store, _ = opened(tmp_path, fsync=True, tape_sync_s=3600)
     store.append(record(0, 1), META)  # the first record also syncs the new log's directory
     syncs = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real(fd))[1])
     store.append(record(0, 2), META)
     store.append_tape([{"event": "round"}])
-    assert len(syncs) == 2  # the record, then its mark
+    assert len(syncs) == 2  # the record, then its mark; the mirror's copy is written through
+    mirror = tmp_path / "state" / "durable.mirror.log"
+    assert mirror.read_bytes() == (tmp_path / "state" / "durable.log").read_bytes()
+    store.flush_tape()
+    assert len(syncs) == 4  # ... and fsynced with the tape
     store.close()
 
 

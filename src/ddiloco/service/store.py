@@ -12,14 +12,31 @@ Layout of ``RUN_DIR/state/`` (``RUN_DIR/state/shard-{i}/`` when there are severa
   the version acknowledged. A restore that cannot reach a marked version, or finds damaged bytes
   below a marked end (bytes that were fsynced), is a hard error: a deleted, zeroed, truncated or
   bit-flipped log can no longer roll a fragment back silently. Only an unmarked tail is cut.
+- ``durable.mirror.log``: the same marks again, so that every durable version is written down in
+  three files (its record, durable.log, the mirror): damage to any two of the state's files either
+  leaves every durable version restorable or is a one-line StateError, never a silent rollback.
+  The mirror's marks are written through at once (a killed process loses none) and fsynced with
+  the tape (``tape_sync_s``, ``snapshot``, ``close``): only an OS crash inside that window, followed
+  by damage to two more files, could go unnoticed. A restore that finds the two mark files
+  different (a crash between them, one of them lost) writes both anew from what it restored;
+  deleting *both* is how to accept the versions still readable after real damage.
 - ``syncer.lock``: ``flock``ed from ``restore`` to ``close`` (holds the owner's pid), so a second
   syncer on the same folder is refused instead of mixing its history into ours.
 - ``tape.jsonl``: the event tape, one JSON object a line; written through at once (a killed process
   loses nothing), fsynced at most every ``tape_sync_s`` and on ``flush_tape``/``snapshot``/``close``.
-- ``FORMAT``: ``{"format": 3}``; a folder of another format is refused, never guessed at.
+- ``FORMAT``: ``{"format": 4}``; a folder of another format is refused, never guessed at. It is
+  written (with empty mark files) when a fresh folder is first restored, so a state folder that
+  was deleted can be told from one that never held anything.
+
+A run folder whose syncer state is missing or empty but which holds a run (its run log, a
+sibling shard's marks, a summary or a final model) is refused at restore: starting again at
+version 0 would silently throw the run away and write the initial weights as its final model.
+``start_over`` (``--start-over``, ``start_over=True``) is the explicit way to do that.
 
 Records and snapshots share one framing: ``magic(4) | body length (u64) | crc32(body) (u32)``,
-then the body ``json length (u32) | JSON header | raw little-endian tensor bytes``. No pickle.
+then the body ``json length (u32) | JSON header | raw little-endian tensor bytes``. No pickle. A
+header is checked for its shape after its checksum (a CRC is no signature): a body whose header
+is not the JSON object we write is corruption, said in one line.
 A disk that fills up raises ``StoreFull`` and leaves no half record and no mark behind.
 """
 
@@ -31,11 +48,12 @@ import fcntl
 import json
 import logging
 import os
+import re
 import struct
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -56,10 +74,12 @@ _MARK = struct.Struct("<4sIQQ")  # magic, fragment, version, end of its record i
 _MARK_CRC = struct.Struct("<I")
 _MARK_MAGIC = b"DDLM"
 MARK_SIZE = _MARK.size + _MARK_CRC.size
-MARKS, LOCK = "durable.log", "syncer.lock"
-FORMAT = 3
+MARKS, MIRROR, LOCK = "durable.log", "durable.mirror.log", "syncer.lock"
+FORMAT = 4
 """Version of the files in ``state/`` (2: records carry incarnations and sequence numbers, the
-folder has a FORMAT file; 3: durable.log marks and syncer.lock). Another version is refused at restore."""
+folder has a FORMAT file; 3: durable.log marks and syncer.lock; 4: durable.mirror.log, and FORMAT
+with empty mark files from the first restore). Another version is refused at restore."""
+_MAX_INT = 2**53  # versions, counters and sequence numbers in a header (JSON numbers past it lose bits)
 # Only these dtypes may be named in a file; the name is never eval'd or used to import anything.
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -147,7 +167,7 @@ def _frame(magic: bytes, header: dict[str, Any], tensors: Tensors) -> list[Any]:
         bufs.append(t.reshape(-1).view(torch.uint8).numpy())  # raw bytes, little-endian hosts only
         entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()])
     js = json.dumps({**header, "format": FORMAT, "tensors": entries}).encode()
-    body = [_JLEN.pack(len(js)), js, *bufs]
+    body: list[Any] = [_JLEN.pack(len(js)), js, *bufs]
     crc = 0
     for b in body:
         crc = zlib.crc32(b, crc)
@@ -155,7 +175,9 @@ def _frame(magic: bytes, header: dict[str, Any], tensors: Tensors) -> list[Any]:
 
 
 def _parse(buf: bytearray, pos: int, magic: bytes) -> tuple[int, dict[str, Any]] | str:
-    """Verify the frame at ``pos``: (end offset, JSON header), or why it is not valid."""
+    """Verify the frame at ``pos``: (end offset, JSON header), or why it is not valid. A frame
+    whose checksum holds but whose header is not ours says so ("bad header: ..."): that is never
+    a torn append, and it must never surface as a traceback."""
     if len(buf) - pos < _FRAME.size:
         return "truncated header"
     m, n, crc = _FRAME.unpack_from(buf, pos)
@@ -166,10 +188,87 @@ def _parse(buf: bytearray, pos: int, magic: bytes) -> tuple[int, dict[str, Any]]
         return "truncated body"
     if zlib.crc32(memoryview(buf)[start : start + n]) != crc:
         return "checksum mismatch"
+    end = start + n
+    if n < _JLEN.size:
+        return "bad header: the body is shorter than its length field"
     (jn,) = _JLEN.unpack_from(buf, start)
-    header = json.loads(bytes(buf[start + _JLEN.size : start + _JLEN.size + jn]))
-    header["_data"] = start + _JLEN.size + jn  # where the tensor bytes begin
-    return start + n, header
+    data = start + _JLEN.size + jn
+    if data > end:
+        return f"bad header: a {jn}-byte header in a {n}-byte body"
+    try:
+        header = json.loads(bytes(buf[start + _JLEN.size : data]))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return f"bad header: not JSON ({type(e).__name__})"
+    if not isinstance(header, dict):
+        return f"bad header: a JSON {type(header).__name__}, not an object"
+    why = _check_tensors(header.get("tensors"), end - data)
+    if why is not None:
+        return f"bad header: {why}"
+    header["_data"] = data  # where the tensor bytes begin
+    return end, header
+
+
+def _is_int(x: object, lo: int = 0, hi: int = _MAX_INT) -> bool:
+    return type(x) is int and lo <= x <= hi
+
+
+def _check_tensors(entries: object, nbytes: int) -> str | None:
+    """Why the header's tensor list cannot describe the ``nbytes`` that follow it, or None."""
+    if not isinstance(entries, list):
+        return "no tensor list"
+    total = 0
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and e[1] in _DTYPES):
+            return f"tensor entry {str(e)[:80]} is not [name, dtype, shape, bytes]"
+        shape, size = e[2], e[3]
+        if not (isinstance(shape, list) and len(shape) <= 8 and all(_is_int(d, 0, 2**31) for d in shape)):
+            return f"tensor {e[0][:80]!r} has the shape {str(shape)[:80]}"
+        numel = 1
+        for d in shape:
+            numel *= d
+        if size != numel * _DTYPES[e[1]].itemsize:
+            return f"tensor {e[0][:80]!r} of shape {shape} claims {str(size)[:40]} bytes"
+        total += size
+    if total != nbytes:
+        return f"its tensors need {total} bytes, the body holds {nbytes}"
+    return None
+
+
+def _check_meta(meta: object) -> str | None:
+    if not isinstance(meta, dict):
+        return "fragment meta is not an object"
+    for key in ("fragment", "version", "tokens_merged"):
+        if not _is_int(meta.get(key)):
+            return f"fragment meta {key} = {str(meta.get(key))[:40]} is not an integer in 0..2^53"
+    return None
+
+
+def _check_record(header: dict[str, Any]) -> str | None:
+    """Why a fragment log record's header is not the shape ``append`` writes, or None."""
+    if not _is_int(header.get("seq")):
+        return "bad header: no sequence number"
+    if not isinstance(header.get("syncer"), dict) or not isinstance(header.get("pieces"), list):
+        return "bad header: no syncer state or pieces"
+    why = _check_meta(header.get("meta"))
+    return None if why is None else f"bad header: {why}"
+
+
+def _check_snapshot(header: dict[str, Any]) -> str | None:
+    """Why a snapshot's header is not the shape ``snapshot`` writes, or None."""
+    if not (_is_int(header.get("seq")) and _is_int(header.get("snapshot"))):
+        return "bad header: no sequence or snapshot number"
+    if not isinstance(header.get("syncer"), dict) or not isinstance(header.get("signature"), list):
+        return "bad header: no syncer state or layout signature"
+    owned, frags = header.get("owned"), header.get("fragments")
+    if not (isinstance(owned, list) and all(_is_int(p, 0, 65535) for p in owned)):
+        return "bad header: no owned fragment list"
+    if not isinstance(frags, list):
+        return "bad header: no fragment list"
+    for meta in frags:
+        why = _check_meta(meta)
+        if why is not None:
+            return f"bad header: {why}"
+    return None
 
 
 def _describe(piece: list[Any] | None) -> str:
@@ -201,10 +300,24 @@ def _encode(rec: FragmentRecord) -> tuple[Tensors, dict[str, int]]:
     return tensors, {"fragment": rec.fragment, "version": rec.version, "tokens_merged": rec.tokens_merged}
 
 
-def _decode(tensors: Tensors, meta: dict[str, Any], num_pieces: int) -> FragmentRecord:
-    values = [tensors[f"v{i}"] for i in range(num_pieces)]
-    momentum = [tensors[f"m{i}"] for i in range(num_pieces)] if "m0" in tensors else None
-    return FragmentRecord(int(meta["fragment"]), int(meta["version"]), int(meta["tokens_merged"]), values, momentum)
+def _decode(tensors: Tensors, meta: dict[str, Any], pieces: Sequence[Any], where: str) -> FragmentRecord:
+    """The record of one fragment; StateError (one line) when its tensors do not fit the layout
+    (a checksum proves no more than that the bytes are the ones written)."""
+    p = meta["fragment"]
+    momentum = "m0" in tensors
+    for i, pc in enumerate(pieces):
+        for kind in ("v", "m") if momentum else ("v",):
+            t = tensors.get(f"{kind}{i}")
+            if t is None or tuple(t.shape) != tuple(pc.shape) or not t.is_floating_point():
+                got = "nothing" if t is None else f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                raise StateError(
+                    f"{where} holds {got} as {kind}{i} of fragment {p}, whose layout wants a float tensor of "
+                    f"shape {tuple(pc.shape)}: the file is damaged; restore the run dir from a backup or use a "
+                    "fresh --run-dir"
+                )
+    values = [tensors[f"v{i}"] for i in range(len(pieces))]
+    moms = [tensors[f"m{i}"] for i in range(len(pieces))] if momentum else None
+    return FragmentRecord(int(p), int(meta["version"]), int(meta["tokens_merged"]), values, moms)
 
 
 @dataclass
@@ -251,6 +364,8 @@ class SyncerStore:
         self._final_bad = False  # snapshot.bin failed to verify at restore: never rotate it into prev
         self._tape_fd: int | None = None
         self._tape_dirty = False
+        self._mirror_fd: int | None = None  # durable.mirror.log, open for appends; fsynced with the tape
+        self._mirror_dirty = False
         self._tape_synced = time.monotonic()
         self._dir_ready = False
         self.signature: list[list[list[Any]]] = []  # per fragment, set by restore
@@ -338,8 +453,9 @@ class SyncerStore:
 
     def append(self, rec: FragmentRecord, syncer_meta: dict[str, Any]) -> None:
         """Make a fragment's new version durable before returning: its record in frag-{p}.log is
-        fsynced, then its mark in durable.log is (2 fsyncs). A version that is already durable
-        is not written again. A full disk raises StoreFull and leaves neither record nor mark."""
+        fsynced, then its mark in durable.log is (2 fsyncs), then the mark is written through to
+        durable.mirror.log (fsynced with the tape). A version that is already durable is not
+        written again. A full disk raises StoreFull and leaves neither record nor mark."""
         self._need_restore()
         p = rec.fragment
         if p not in self.owned:
@@ -358,7 +474,14 @@ class SyncerStore:
                 if new:
                     self._fsync_dir()  # the new file's directory entry must survive a crash too
                 # Only now, with the record on disk, may the mark say so.
-                self._append_bytes(self.dir / MARKS, [_pack_mark(p, rec.version, end)])
+                mark = _pack_mark(p, rec.version, end)
+                marks = self.dir / MARKS
+                mark_at, _ = self._append_bytes(marks, [mark])
+                try:
+                    self._append_mirror(mark)
+                except BaseException:
+                    self._undo(lambda: self._cut(marks, mark_at), marks)
+                    raise
             except BaseException:
                 self._undo(lambda: self._cut(path, start), path)  # never acknowledged: a restore must not bring it back
                 raise
@@ -366,7 +489,7 @@ class SyncerStore:
         self._last[p] = (start, end)
         self._durable[p] = rec.version
 
-    def append_tape(self, records: list[dict]) -> None:
+    def append_tape(self, records: list[dict[str, Any]]) -> None:
         """Append JSON lines to tape.jsonl. They reach the OS at once (a killed syncer loses none);
         the fsync waits for ``tape_sync_s``, ``flush_tape``, ``snapshot`` or ``close``: the tape is
         for people and reports, versions are what must be durable, and a rejection is no reason
@@ -389,6 +512,25 @@ class SyncerStore:
             if time.monotonic() - self._tape_synced >= self.tape_sync_s:
                 self.flush_tape()
 
+    def _append_mirror(self, mark: bytes) -> None:
+        """Write ``mark`` through to durable.mirror.log (no fsync here: see ``flush_tape``); on a
+        failure the file is cut back, so no half mark is left before the next one."""
+        if self._mirror_fd is None:
+            self._mirror_fd = os.open(self.dir / MIRROR, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self._mirror_fd
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            _write_all(fd, [mark])
+        except BaseException:
+            self._undo(lambda: os.ftruncate(fd, start), self.dir / MIRROR)
+            raise
+        self._mirror_dirty = True
+
+    def _close_mirror(self) -> None:
+        if self._mirror_fd is not None:
+            os.close(self._mirror_fd)
+            self._mirror_fd = None
+
     def _open_tape(self) -> int:
         if self._tape_fd is not None:
             return self._tape_fd
@@ -402,11 +544,15 @@ class SyncerStore:
         return self._tape_fd
 
     def flush_tape(self) -> None:
-        """Make every tape line appended so far durable (one fsync, none if nothing is new)."""
+        """Make every tape line and mirror mark appended so far durable (an fsync each, none if
+        nothing is new)."""
         if self._tape_fd is not None and self._tape_dirty:
             with self._disk("syncing the event tape"):
                 self._sync_fd(self._tape_fd)
-        self._tape_dirty = False
+        if self._mirror_fd is not None and self._mirror_dirty:
+            with self._disk(f"syncing {MIRROR}"):
+                self._sync_fd(self._mirror_fd)
+        self._tape_dirty = self._mirror_dirty = False
         self._tape_synced = time.monotonic()
 
     def read_tape(self) -> list[dict[str, Any]]:
@@ -457,12 +603,17 @@ class SyncerStore:
         return final
 
     def _rewrite_marks(self, ends: dict[int, int]) -> None:
-        """Replace durable.log with one mark per fragment: its durable version and how many bytes
-        of its log are fsynced records."""
+        """Replace durable.log, then durable.mirror.log, with one mark per fragment: its durable
+        version and how many bytes of its log are fsynced records. A crash between the two
+        renames leaves the mirror with the old, longer ends, which the logs (compacted only after
+        both) still have; a restore takes the larger end and writes both anew."""
         marks = [_pack_mark(p, v, ends.get(p, 0)) for p, v in sorted(self._durable.items()) if v > 0]
-        tmp = self.dir / f"{MARKS}.tmp"
-        self._write_new(tmp, marks)
-        os.replace(tmp, self.dir / MARKS)
+        self._close_mirror()  # its file is replaced: appends must go to the new one
+        for name in (MARKS, MIRROR):
+            tmp = self.dir / f"{name}.tmp"
+            self._write_new(tmp, marks)
+            os.replace(tmp, self.dir / name)
+        self._mirror_dirty = False
         self._fsync_dir()
 
     def _compact(self) -> None:
@@ -486,12 +637,13 @@ class SyncerStore:
             return
         self._closed = True
         try:
-            if self._tape_fd is not None:
-                try:
-                    self.flush_tape()
-                finally:
+            try:
+                self.flush_tape()
+            finally:
+                if self._tape_fd is not None:
                     os.close(self._tape_fd)
                     self._tape_fd = None
+                self._close_mirror()
         finally:
             if self._lock is not None:
                 self._lock.close()  # closing the file releases the flock
@@ -537,11 +689,22 @@ class SyncerStore:
         """Files of another format are refused with what to do, never read as if they were ours."""
         path = self.dir / "FORMAT"
         try:
-            found = json.loads(path.read_text()).get("format")
+            found = json.loads(path.read_bytes()[:256]).get("format")
         except FileNotFoundError:
+            if (self.dir / MARKS).exists() or (self.dir / MIRROR).exists():  # formats 3+ always have FORMAT
+                raise StateError(
+                    f"{path} is missing but {self.dir} holds durable marks: the folder is damaged; restore it from a "
+                    f'backup, or write {{"format": {FORMAT}}} into {path} if you know it is this format'
+                ) from None
             found = 1  # format 1 had no FORMAT file
         except (OSError, ValueError, AttributeError):
             found = "unreadable"
+        if found == 3:
+            raise StateError(
+                f"{self.dir} holds syncer state of format 3 (one durable.log, before durable.mirror.log), this "
+                f"ddiloco reads format {FORMAT}; finish that run with the ddiloco that wrote it, or start this one "
+                "in a fresh --run-dir"
+            )
         if found != FORMAT:
             raise StateError(
                 f"{self.dir} holds syncer state of format {found}, this ddiloco reads format {FORMAT}; "
@@ -559,6 +722,7 @@ class SyncerStore:
             tmp.write_text(json.dumps({"format": FORMAT}))
             os.replace(tmp, path)
             (self.dir / MARKS).touch()
+            (self.dir / MIRROR).touch()
             self._fsync_dir()
         self._dir_ready = True
 
@@ -592,8 +756,9 @@ class SyncerStore:
                 continue
             buf = bytearray(path.read_bytes())
             got = _parse(buf, 0, _SNAPSHOT)
-            if isinstance(got, str) or got[0] != len(buf):
-                log.warning("ignoring %s: %s", path, got if isinstance(got, str) else "trailing bytes")
+            why = got if isinstance(got, str) else "trailing bytes" if got[0] != len(buf) else _check_snapshot(got[1])
+            if isinstance(got, str) or why is not None:
+                log.warning("ignoring %s: %s", path, why)  # the marks say whether anything is lost
                 self._final_bad |= name == "snapshot.bin"
                 continue
             header = got[1]
@@ -612,9 +777,11 @@ class SyncerStore:
             tensors = _tensors(buf, header)
             for meta in header["fragments"]:
                 p = meta["fragment"]
+                if p not in self.owned:
+                    raise self._damaged(f"{path} holds fragment {p}, which its own owned list {self.owned} lacks")
                 prefix = f"{p}/"
                 mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-                found.fragments[p] = _decode(mine, meta, len(layout.fragments[p]))
+                found.fragments[p] = _decode(mine, meta, layout.fragments[p], str(path))
             self._snap_no = header["snapshot"]
             found.syncer_meta = header["syncer"]
             return int(header["seq"])
@@ -624,13 +791,14 @@ class SyncerStore:
         return StateError(
             f"{what}; it was made durable, so this is damage, not a crash: restore {self.dir} from a backup or "
             f"use a fresh --run-dir; to go on from the versions still readable (learners rebase onto them), "
-            f"delete {self.dir / MARKS}"
+            f"delete both {self.dir / MARKS} and {self.dir / MIRROR}"
         )
 
-    def _read_marks(self) -> dict[int, tuple[int, int]] | None:
-        """The newest mark per fragment: (durable version, fsynced bytes of its log); None when
-        durable.log is missing. Only a damaged last mark (a crash mid-append) is cut."""
-        path = self.dir / MARKS
+    def _read_marks(self, name: str) -> tuple[dict[int, tuple[int, int]], bytes] | None:
+        """The newest mark per fragment in ``name``: {p: (durable version, fsynced bytes of its
+        log)} and the file's bytes; None when the file is missing. Only a torn tail is cut: a
+        partial last mark (a crash mid-append) or, in the mirror (fsynced lazily), zeros to the end."""
+        path = self.dir / name
         if not path.exists():
             return None
         buf = path.read_bytes()
@@ -638,10 +806,12 @@ class SyncerStore:
         for pos in range(0, len(buf), MARK_SIZE):
             got = _unpack_mark(buf, pos)
             if got is None:
-                if len(buf) - pos > MARK_SIZE:
+                torn = len(buf) - pos <= MARK_SIZE or (name == MIRROR and not any(buf[pos:]))
+                if not torn:
                     raise self._damaged(f"{path} is corrupt at byte {pos}")
                 log.warning("cutting a torn mark off %s at byte %d", path, pos)
                 self._cut(path, pos)
+                buf = buf[:pos]
                 break
             p, version, end = got
             if p not in self.owned:
@@ -649,8 +819,32 @@ class SyncerStore:
                     f"{path} marks fragment {p}, which this syncer shard does not own {self.owned}; use the same "
                     "shards or a fresh --run-dir"
                 )
-            marks[p] = (max(version, marks.get(p, (0, 0))[0]), end)
-        return marks
+            old_version, old_end = marks.get(p, (0, 0))
+            marks[p] = (version, end) if version >= old_version else (old_version, old_end)
+        return marks, buf
+
+    def _all_marks(self) -> tuple[dict[int, tuple[int, int]] | None, bool]:
+        """Both mark files merged: per fragment the highest version, and for it the larger end
+        (see ``_rewrite_marks``); None when both are missing. True when they differ (one lost,
+        damaged or behind): the restore then writes both anew."""
+        got = [self._read_marks(name) for name in (MARKS, MIRROR)]
+        if got[0] is None and got[1] is None:
+            return None, True
+        merged: dict[int, tuple[int, int]] = {}
+        for one in got:
+            for p, (version, end) in (one[0] if one is not None else {}).items():
+                old_version, old_end = merged.get(p, (0, 0))
+                if version > old_version or (version == old_version and end > old_end):
+                    merged[p] = (version, end)
+        differ = got[0] is None or got[1] is None or got[0][1] != got[1][1]
+        if differ:
+            lost = [name for name, one in zip((MARKS, MIRROR), got) if one is None]
+            log.warning(
+                "%s: %s; restoring against the marks still there and writing both mark files anew",
+                self.dir,
+                f"{lost[0]} is missing" if lost else f"{MARKS} and {MIRROR} differ (a crash between them, or damage)",
+            )
+        return merged, differ
 
     def _scan_log(self, p: int, fsynced: int) -> tuple[bytearray, dict[str, Any]] | None:
         """Verify every record of frag-p.log, cut a torn tail; the newest record (buffer, header).
@@ -659,9 +853,15 @@ class SyncerStore:
         buf = bytearray(path.read_bytes()) if path.exists() else bytearray()
         if len(buf) < fsynced:
             raise self._damaged(f"{path} has {len(buf)} bytes but {fsynced} were fsynced: it was truncated or deleted")
-        pos, newest = 0, None
+        pos = 0
+        newest_: tuple[bytearray, dict[str, Any]] | None = None
         while pos < len(buf):
             got = _parse(buf, pos, _RECORD)
+            if not isinstance(got, str):  # its checksum holds: a bad header is what was written, never torn
+                why = _check_record(got[1])
+                if why is None and got[1]["meta"]["fragment"] != p:
+                    why = f"bad header: a record of fragment {got[1]['meta']['fragment']}"
+                got = why if why is not None else got
             if isinstance(got, str):
                 # A crash mid-append leaves a prefix of the last record (or zeros after it on some
                 # file systems), always past the marked end: anything else is corruption.
@@ -677,11 +877,11 @@ class SyncerStore:
                 break
             end, header = got
             self._check_layout([header["pieces"]], [p], f"log {path.name}")
-            if newest is None or header["meta"]["version"] > newest[1]["meta"]["version"]:
-                newest = (buf, header)
+            if newest_ is None or header["meta"]["version"] > newest_[1]["meta"]["version"]:
+                newest_ = (buf, header)
                 self._last[p] = (pos, end)
             pos = end
-        return newest
+        return newest_
 
     def _check_marks(self, marks: dict[int, tuple[int, int]], found: Restored) -> None:
         """No fragment may restore below its mark: that would hand out a version number twice."""
@@ -715,18 +915,36 @@ class SyncerStore:
     def _restore(self, layout: FragmentLayout) -> Restored | None:
         self._durable = {p: 0 for p in self.owned}
         if not _has_state(self.dir):
+            history = run_history(self.root.parent, self.dir)
+            if history is not None:
+                raise StateError(
+                    f"{self.root.parent} holds a run ({history}) but its syncer state {self.dir} is missing or "
+                    "empty: starting at version 0 would throw the run away; restore that folder from a backup, or "
+                    "start the run over from its initial model with --start-over (start_over=True in Python)"
+                )
+            # Written now, not at the first merge: from here on a deleted folder is told from a fresh one.
+            with self._disk("creating the syncer state folder"):
+                self._init_dir()
             return None
         self._check_format()
         self._dir_ready = True
-        marks = self._read_marks()
+        marks, differ = self._all_marks()
         if marks is None and (any(self.dir.glob("frag-*.log")) or any(self.dir.glob("snapshot*.bin"))):
-            log.warning("%s is missing: restoring what %s holds, unchecked, and marking that durable", MARKS, self.dir)
+            log.warning(
+                "%s and %s are both missing: restoring what %s holds, unchecked, and marking that durable",
+                MARKS, MIRROR, self.dir,
+            )  # fmt: skip
         found = Restored()
         seqs: list[tuple[int, dict[str, Any]]] = []
         snap_seq = self._load_snapshot(layout, found)
         if snap_seq is not None and found.syncer_meta is not None:
             seqs.append((snap_seq, found.syncer_meta))
-        logs = {int(path.stem.removeprefix("frag-")) for path in self.dir.glob("frag-*.log")}
+        logs = set()
+        for path in self.dir.glob("frag-*.log"):
+            m = _LOG_NAME.match(path.name)
+            if m is None:
+                raise StateError(f"{path} is not a fragment log of ours; move it out of {self.dir}")
+            logs.add(int(m.group(1)))
         for p in sorted(logs | set(marks or {})):
             if p not in self.owned:
                 raise StateError(
@@ -740,17 +958,85 @@ class SyncerStore:
             seqs.append((header["seq"], header["syncer"]))
             have = found.fragments.get(p)
             if have is None or header["meta"]["version"] > have.version:
-                found.fragments[p] = _decode(_tensors(buf, header), header["meta"], len(layout.fragments[p]))
+                found.fragments[p] = _decode(
+                    _tensors(buf, header), header["meta"], layout.fragments[p], str(self.dir / f"frag-{p}.log")
+                )
         self._check_marks(marks or {}, found)
         self._durable.update({p: rec.version for p, rec in found.fragments.items()})
-        if marks is None:
-            with self._disk(f"recreating {MARKS}"):
+        if differ:  # one lost or behind: both again, so that a later loss of one is still caught
+            with self._disk(f"writing {MARKS} and {MIRROR} anew"):
                 self._rewrite_marks({p: end for p, (_, end) in self._last.items()})
         if not seqs and not found.fragments:
             return None
         if seqs:
             self._seq, found.syncer_meta = max(seqs, key=lambda x: x[0])
         return found
+
+
+_LOG_NAME = re.compile(r"^frag-(\d{1,5})\.log$")
+_HISTORY_RECORDS = 100_000  # lines of metrics/run.jsonl looked at (it holds a few per session)
+
+
+def run_history(run_dir: Path, state_dir: Path) -> str | None:
+    """What in ``run_dir`` shows that a run went on there, for a syncer whose state folder
+    ``state_dir`` is missing or empty; None for a run folder that never got that far.
+
+    Evidence: another shard's (or the flat folder's) durable marks, a summary, a final model, and
+    for the only or first shard the run log (only shard 0 writes it, after its own restore, so a
+    second shard starting beside a fresh first one never sees it too early)."""
+    root = run_dir / "state"
+    for d in [root, *sorted(root.glob("shard-*"))] if root.is_dir() else []:
+        if d != state_dir and any((d / name).is_file() and (d / name).stat().st_size > 0 for name in (MARKS, MIRROR)):
+            return f"durable marks in {d}"
+    for name in ("summary.json", "tape.jsonl"):
+        if (run_dir / name).is_file():
+            return name
+    final = run_dir / "final"
+    if final.is_dir() and any(final.glob("*.safetensors")):
+        return "a final model"
+    if state_dir in (root, root / "shard-0"):
+        runlog = run_dir / "metrics" / "run.jsonl"
+        try:
+            with open(runlog, "rb") as f:
+                lines = sum(1 for _, line in zip(range(_HISTORY_RECORDS), f) if line.strip())
+        except OSError:
+            lines = 0
+        if lines:
+            return f"{lines} records in metrics/run.jsonl"
+    return None
+
+
+def start_over(run_dir: str | Path, shard: int = 0, num_shards: int = 1, by: str = "--start-over") -> None:
+    """Start a run over from its initial model in ``run_dir``, whose syncer state is missing or
+    empty (``--start-over``): the state folder is made anew (FORMAT, empty marks) and the run log
+    says so, so that the syncer's restore starts at version 0 instead of refusing. A state folder
+    that still holds anything is refused (this never deletes a version): resume it without the flag."""
+    store = SyncerStore(run_dir, shard, num_shards, fsync=True)
+    d = store.dir
+    with store._disk("taking the syncer lock"):
+        store._take_lock()
+    try:
+        if _has_state(d):
+            raise StateError(
+                f"{by}: {d} holds syncer state; a start resumes from it without {by}: drop it (to train from "
+                "scratch, use a fresh run folder)"
+            )
+        history = run_history(store.root.parent, d)
+        with store._disk("creating the syncer state folder"):
+            store._init_dir()
+        log.warning(
+            "%s: %s starts over from its initial model at version 0 (%s)", by, store.root.parent,
+            f"its state was missing; the run had {history}" if history else "nothing was there",
+        )  # fmt: skip
+        if shard == 0:  # the run log is the run's own record of what happened to it
+            from ddiloco.report.summary import run_started_at
+            from ddiloco.report.tape import append_run_event
+
+            started = run_started_at(store.root.parent)
+            age = max(0.0, time.time() - started) if started is not None else 0.0
+            append_run_event(store.root.parent, age, "start_over", f"{by}: the syncer state was missing ({history})")
+    finally:
+        store.close()
 
 
 def _has_state(d: Path) -> bool:
