@@ -11,7 +11,6 @@ read (another ddiloco version), since that is a different fix from a syncer that
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,8 +51,7 @@ def ask(address: str, request: Any, reply_type: type[R], timeout_s: float, keys:
         # A DEALER without a peer blocks in send forever; a refused CURVE handshake (a wrong
         # key) can leave it so: the send is bounded like the answer.
         sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-        # a fresh identity per request: the syncer routes the reply to this socket, never an older one
-        sock.setsockopt(zmq.IDENTITY, f"observer-{os.getpid()}-{time.monotonic_ns()}".encode())
+        # No routing id of our own: the syncer's ROUTER names this connection, and replies to it
         sock.connect(address)
         deadline = time.monotonic() + timeout_s
         try:

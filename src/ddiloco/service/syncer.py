@@ -1,12 +1,14 @@
 """``ddiloco syncer``: a syncer shard's session pumped by network messages and the monotonic clock.
 
-The session (``ddiloco.protocol.syncer_session``) holds every rule. This driver adds what a
-real process needs: the transport (decoding is total: malformed messages are counted and
-dropped, rate limits apply per sender before any decoding), CURVE keys (each message's key
-becomes the session's ``Principal``), the durable store (every merged version is appended to
-its fragment's log and fsynced *before* it is sent to anyone; periodic snapshots make restarts
-fast), the run folder (status file, metrics, run log, final model, summary), an optional flight
-recorder, and the clock. One CPU-only process (or thread, in tests) per shard.
+The session (``ddiloco.protocol.syncer_session``) holds every rule. This driver adds what a real
+process needs: the transport (decoding is total: malformed messages are counted and dropped;
+rate limits apply per key, the authenticated principal, or per connection without keys, on
+receipt, before any decoding), CURVE keys (each message's key becomes the session's
+``Principal``; the peer is the connection the ROUTER named, never a name the sender chose), the
+durable store (every merged version is appended to its fragment's log and fsynced *before* it is
+sent to anyone; periodic snapshots make restarts fast), the run folder (status file, metrics,
+run log, final model, summary), an optional flight recorder, and the clock. One CPU-only process
+(or thread, in tests) per shard.
 """
 
 from __future__ import annotations
@@ -127,8 +129,12 @@ class SyncerService:
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "rejections_unlogged": 0,
             "merges": 0, "messages": 0, "bytes_in": 0,
         }  # fmt: skip
+        # Receipt-time limits, per key (per connection without keys): counted before decoding.
         self._join_rate: RateLimits[bytes] = RateLimits(rt.max_joins_per_s, 10.0)
         self._message_rate: RateLimits[bytes] = RateLimits(rt.max_messages_per_s, 2 * rt.max_messages_per_s)
+        self._busy: RateLimits[bytes] | None = RateLimits(rt.max_busy_share, 1.0) if rt.max_busy_share > 0 else None
+        self.work_clock: Callable[[], float] = time.perf_counter
+        """What the syncer's work per key is measured with (tests replace it)."""
         self._rejection_rate: RateLimits[tuple[int, str]] = RateLimits(rt.max_rejections_logged_per_s, 20.0)
         self.sock = sock
         self.keys = keys
@@ -208,10 +214,26 @@ class SyncerService:
     # -- receiving -------------------------------------------------------------------------
 
     def handle(self, identity: bytes, frames: Frames, key: bytes | None = None) -> None:
-        """One message from ``identity``, authenticated as ``key`` when CURVE is on."""
-        if not self._message_rate.allow(identity, self.clock.monotonic()):
-            self.counts["rate_limited"] += 1
+        """One message from ``identity`` (the connection), authenticated as ``key`` when CURVE is on.
+
+        Limits are charged per key (per connection without keys) before anything is decoded:
+        messages per second, and the share of the syncer's time its messages took (a flood of
+        costly requests from one key cannot take the syncer from the others)."""
+        who = key if self.keys is not None and key is not None else identity
+        arrived = self.clock.monotonic()
+        if not self._message_rate.allow(who, arrived) or (self._busy is not None and not self._busy.has(who, arrived)):
+            self._count_bad("rate_limited", f"messages from {identity!r} over their key's rate or work share")
             return
+        started = self.work_clock()
+        merges = self.counts["merges"]
+        try:
+            self._handle(identity, frames, key, who)
+        finally:
+            # A merge is the fleet's work, not the sender's: the call that closed a round is free.
+            if self._busy is not None and self.counts["merges"] == merges:
+                self._busy.charge(who, self.clock.monotonic(), self.work_clock() - started)
+
+    def _handle(self, identity: bytes, frames: Frames, key: bytes | None, who: bytes) -> None:
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
@@ -220,7 +242,7 @@ class SyncerService:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
         now = self.clock.monotonic()
-        if isinstance(msg, Register) and not self._join_rate.allow(identity, now):
+        if isinstance(msg, Register) and not self._join_rate.allow(who, now):
             self.counts["rate_limited"] += 1
             return
         principal = None

@@ -9,6 +9,7 @@ bit for bit. Times are virtual seconds since the run started.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -81,5 +82,57 @@ class SlowLink:
     """When it ends."""
 
 
-Fault = KillLearner | RestartSyncer | Partition | Slow | SlowLink
+@dataclass(frozen=True)
+class Inject:
+    """An insider: ``count`` copies of ``msg`` arrive at shard ``shard`` at ``at_s`` from
+    learner ``learner``'s peer, as if that learner's process (its key, its connection) sent them:
+    the attacker's side of a protocol rule (a flood of requests, a state nobody asked for)."""
+
+    learner: int
+    """Whose peer sends it (the syncer session sees that learner's bound peer)."""
+    msg: Any
+    """The message (``core.messages`` or ``protocol.messages``)."""
+    at_s: float
+    """When it arrives."""
+    count: int = 1
+    """How many copies arrive at that instant."""
+    shard: int = 0
+    """Which syncer shard receives it."""
+
+
+@dataclass(frozen=True)
+class HostilePeerState:
+    """Learner ``learner`` serves a poisoned optimizer state whenever it is asked for its own:
+    ``kind`` "nan" (every moment NaN), "weight_decay" (its param_groups ask for a weight decay
+    of 1e6), "huge" (first moments 1e30, second moments 0) or "shape" (one moment misshapen)."""
+
+    learner: int
+    """The hostile learner."""
+    kind: str = "nan"
+    """What it poisons."""
+
+
+def poisoned_state(ps: Any, kind: str) -> Any:
+    """``ps`` (a ``PeerState``) as a ``HostilePeerState`` of ``kind`` serves it."""
+    import dataclasses
+    import math
+
+    tensors = dict(ps.tensors)
+    groups = [dict(g) for g in ps.param_groups]
+    if kind == "nan":
+        tensors = {k: t.clone().fill_(math.nan) if not k.endswith(".step") else t for k, t in tensors.items()}
+    elif kind == "weight_decay":
+        groups = [{**g, "weight_decay": 1e6, "lr": 1e3} for g in groups]
+    elif kind == "huge":
+        tensors = {
+            k: t.clone().fill_(1e30 if k.endswith("exp_avg") else 0.0) if not k.endswith(".step") else t
+            for k, t in tensors.items()
+        }
+    elif kind == "shape":
+        first = next(k for k in tensors if not k.endswith(".step"))
+        tensors[first] = tensors[first].reshape(-1)[:1].clone()
+    return dataclasses.replace(ps, param_groups=groups, tensors=tensors)
+
+
+Fault = KillLearner | RestartSyncer | Partition | Slow | SlowLink | Inject | HostilePeerState
 """Any fault the harness can place."""

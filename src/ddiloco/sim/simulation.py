@@ -38,7 +38,17 @@ from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
 from ddiloco.report.accounting import State, TimeAccount, fleet_goodput, uptime
 from ddiloco.report.invariants import Incarnation, Restore, Violation, check_run
 from ddiloco.report.result import RunResult, summarise_tape
-from ddiloco.sim.faults import Fault, KillLearner, Partition, RestartSyncer, Slow, SlowLink
+from ddiloco.sim.faults import (
+    Fault,
+    HostilePeerState,
+    Inject,
+    KillLearner,
+    Partition,
+    RestartSyncer,
+    Slow,
+    SlowLink,
+    poisoned_state,
+)
 from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
@@ -307,6 +317,9 @@ class Simulation:
                 {"event": "peer_state", "learner": ln.id, "time": self.now, "peer": ps.source, "problem": problem}
             )
         states = [state_message(ln.opt, who, ln.id) for who in plan.serve]
+        hostile = next((f for f in self.faults if isinstance(f, HostilePeerState) and f.learner == ln.id), None)
+        if hostile is not None:
+            states = [poisoned_state(ps, hostile.kind) for ps in states]
         values = {p: read_fragment(ln.params, self.layout.fragments[p]) for p in plan.read}
         self._learner_out(ln, session.complete(plan, values, states))
 
@@ -441,6 +454,7 @@ class Simulation:
             for rec in session.records(out.persist):
                 sh.store.append(rec, meta)
         self.tape += out.tape
+        self.log += [{"event": "syncer_note", "time": self.now, "kind": n.kind, "text": n.text} for n in out.notes]
         if out.final_model:
             sh.done = True
         if session.end_stage is not None and self.end_time is None:
@@ -562,6 +576,8 @@ class Simulation:
         for f in self.faults:
             if isinstance(f, RestartSyncer) and f.at_s is not None:
                 self._at(f.at_s, SYNCER + f.shard, "shard_kill", f)
+            elif isinstance(f, Inject):
+                self._at(f.at_s, SYNCER + f.shard, "inject", f)
         if self.cfg.run.budget == "time":  # else evaluations follow the tokens (_observe_tokens)
             for k in range(1, self.cfg.run.eval_points + 1):
                 self._at(self.horizon * k / (self.cfg.run.eval_points + 1), SYNCER + len(self.shards), "eval")
@@ -592,6 +608,7 @@ class Simulation:
             "shard_kill": lambda a, f: self._kill_shard(self.shards[a - SYNCER], f.down_s),
             "shard_up": lambda a, k: self._start_shard(self.shards[k]),
             "eval": lambda a, d: self._timed_eval(),
+            "inject": self._on_inject,
         }
         while self.events and not all(sh.done for sh in self.shards):
             if self.should_stop is not None and self.should_stop():
@@ -614,6 +631,10 @@ class Simulation:
         self._wakes.discard((actor, data[1]))
         if data[0] == sh.epoch:
             self._syncer_tick(sh)
+
+    def _on_inject(self, actor: int, f: Inject) -> None:
+        for _ in range(f.count):  # an insider's messages, as its bound peer sends them
+            self._on_syncer_message(self.shards[actor - SYNCER], f.learner, f.msg)
 
     def _on_restart_begin(self, actor: int, gen: int) -> None:
         if gen == self.learners[actor].gen:

@@ -1,0 +1,553 @@
+"""What one valid key can do, tried from the attacker's side (issue 18, items 2, 3 and 5).
+
+- A key routes as itself: a connection with another key (an observer's, another learner's) that
+  claims learner m's name neither registers as m nor takes m's route; an older process cannot
+  take its id's route back; a learner the syncer does not know on its connection is told so and
+  reconnects on a fresh connection.
+- The optimizer hand-off only as asked: requests deduplicated and paced per requester, served
+  one at a time, only the chosen peer's answer relayed; a learner loads only validated state
+  tensors and keeps its own hyper-parameters.
+- Limits per key, charged on receipt before decoding.
+
+Pure session tests and virtual-time runs (``sim.faults.Inject``, ``HostilePeerState``) are
+deterministic; the transport tests use real ZeroMQ sockets on loopback with bounded waits and
+no timing assertions.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from helpers import wait_for
+
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import TensorSpec, balanced_layout
+from ddiloco.core.messages import Heartbeat
+from ddiloco.core.syncer import Syncer
+from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.learner_session import LearnerSession, Registration
+from ddiloco.protocol.messages import (
+    FetchGlobal,
+    GlobalState,
+    JoinReply,
+    PeerState,
+    PeerStateRequest,
+    Register,
+    SyncerHeartbeat,
+)
+from ddiloco.protocol.syncer_session import Budget, Principal, SyncerSession
+from ddiloco.training.peer_state import load_state, state_message
+
+SPECS = [TensorSpec("w", (3, 2)), TensorSpec("b", (2,))]
+LAYOUT = balanced_layout(SPECS, 2)
+PARAMS = [[s.name, list(s.shape)] for s in SPECS]
+REGISTRATION = Registration(PARAMS, LAYOUT.digest())
+CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1, liveness_timeout_s=2.0, takeover_after_s=1.0)
+RT = RuntimeConfig(heartbeat_interval_s=0.5, syncer_liveness_s=2.0, backoff_initial_s=0.1, backoff_max_s=1.0)
+
+
+def syncer(keyed: bool = False) -> SyncerSession:
+    core = Syncer(
+        CFG, LAYOUT, {"w": torch.zeros(3, 2), "b": torch.zeros(2)}, [False] * sum(len(f) for f in LAYOUT.fragments)
+    )
+    return SyncerSession(core, RT, Budget(), REGISTRATION, 0.0, keyed=keyed)
+
+
+def register(s: SyncerSession, m: int, peer: object, now: float = 0.0, incarnation: int = 1, key: bool = False):
+    principal = Principal("learner", m) if key else None
+    return s.receive(peer, Register(m, incarnation, PARAMS, REGISTRATION.layout), now, principal)
+
+
+def replies(out, peer) -> list:
+    return [msg for p, msg in out.send if p == peer]
+
+
+# -- (2) a key routes as itself -------------------------------------------------------------
+
+
+def test_another_key_claiming_a_learner_neither_registers_nor_takes_its_route():
+    s = syncer(keyed=True)
+    register(s, 0, "conn-a", key=True)
+    assert s.identities[0] == "conn-a"
+    for principal in (Principal("observer"), Principal("learner", 1)):
+        out = s.receive("conn-x", Register(0, 2, PARAMS, REGISTRATION.layout), 5.0, principal)
+        assert [n.kind for n in out.notes] == ["impostor"]
+        reply = replies(out, "conn-x")[0]
+        assert isinstance(reply, JoinReply) and not reply.accepted
+        out = s.receive("conn-x", Heartbeat(0, 1, 1, 0.1, 8, 0.1), 5.0, principal)
+        assert [n.kind for n in out.notes] == ["impostor"] and not out.send
+    assert s.identities[0] == "conn-a"  # the route is untouched
+    assert all(p == "conn-a" for p, _ in s.tick(10.0).send)  # heartbeats still go to learner 0's connection
+
+
+def test_a_peer_not_bound_to_the_learner_it_claims_is_told_and_nothing_it_sends_is_taken():
+    s = syncer()
+    register(s, 0, "conn-a")
+    out = s.receive("conn-b", Heartbeat(0, 1, 1, 0.1, 8, 0.1), 1.0)
+    assert [n.kind for n in out.notes] == ["unknown_sender"]
+    assert replies(out, "conn-b") == [SyncerHeartbeat(s.epoch, 0, bound=False)]
+    assert s.identities[0] == "conn-a"
+
+
+def test_an_older_process_cannot_take_its_ids_route_back_and_is_told_it_is_superseded():
+    s = syncer()
+    register(s, 0, "old", incarnation=1)
+    out = register(s, 0, "new", now=5.0, incarnation=2)  # the holder was silent past takeover_after_s
+    assert s.identities[0] == "new"
+    told = replies(out, "old")
+    assert len(told) == 1 and not told[0].accepted and "newer process" in told[0].reason
+    out = register(s, 0, "old", now=6.0, incarnation=1)  # the old process resumes and registers again
+    reply = replies(out, "old")[0]
+    assert not reply.accepted and reply.retry_after_s == 0 and "superseded" in reply.reason
+    assert [n.kind for n in out.notes] == ["superseded"] and s.identities[0] == "new"
+
+
+def joined_learner(m: int = 0) -> tuple[LearnerSession, float]:
+    ln = LearnerSession(CFG, RT, m, 1, LAYOUT, REGISTRATION, 0.0, wants_peer_state=True)
+    ln.tick(0.0)
+    ln.receive(0, JoinReply(True, "", 7, 0, [0, 1]), 0.1)
+    assert ln.joined
+    return ln, 0.1
+
+
+def test_a_learner_told_its_connection_is_not_bound_reconnects_and_registers_again():
+    ln, now = joined_learner()
+    out = ln.receive(0, SyncerHeartbeat(7, 0, bound=False), now + 0.1)
+    assert out.reconnect == [0] and not ln.joined
+    sent = ln.tick(now + 0.1).send
+    assert any(isinstance(s.msg, Register) for s in sent)
+
+
+def test_a_learner_that_hears_nothing_reconnects_on_a_fresh_connection():
+    ln, now = joined_learner()
+    out = ln.tick(now + RT.syncer_liveness_s + 0.5)
+    assert out.reconnect == [0] and any(isinstance(s.msg, Register) for s in out.send)
+    assert any("reconnecting" in n for n in out.notes)
+
+
+# -- (3) the optimizer hand-off only as asked -------------------------------------------------
+
+
+def two_live_learners(s: SyncerSession) -> None:
+    for m, peer in ((0, "a"), (1, "b"), (2, "c")):
+        register(s, m, peer)
+
+
+def test_a_flood_of_state_requests_is_deduplicated_and_paced_per_requester():
+    s = syncer()
+    two_live_learners(s)
+    relayed = []
+    for i in range(100):
+        out = s.receive("c", PeerStateRequest(2, 1), 1.0 + i * 0.01)
+        relayed += [(p, m) for p, m in out.send if isinstance(m, PeerStateRequest)]
+    assert relayed == [("a", PeerStateRequest(2, 1))]  # one peer asked once
+    assert s.handoffs[2].source == 0
+    # answered: the next request is still paced by peer_state_interval_s
+    s.receive("a", PeerState(2, 0, [], {}), 2.0)
+    out = s.receive("c", PeerStateRequest(2, 1), 2.5)
+    assert not out.send and out.notes[0].kind == "refused_relay" and "peer_state_interval_s" in out.notes[0].text
+    later = 1.0 + RT.peer_state_interval_s + 0.1
+    for m, peer in ((0, "a"), (1, "b"), (2, "c")):  # still live
+        s.receive(peer, Heartbeat(m, 1, 1, 0.1, 8, 0.1), later)
+    out = s.receive("c", PeerStateRequest(2, 1), later)
+    assert [m for _, m in out.send] == [PeerStateRequest(2, 1)] and not out.notes
+
+
+def test_a_request_of_another_incarnation_is_refused():
+    s = syncer()
+    two_live_learners(s)
+    out = s.receive("c", PeerStateRequest(2, 99), 1.0)
+    assert not out.send and out.notes[0].kind == "refused_relay"
+
+
+def test_only_the_chosen_peers_answer_is_relayed_once():
+    s = syncer()
+    two_live_learners(s)
+    state = PeerState(2, 1, [], {"0.exp_avg": torch.zeros(3, 2)})
+    out = s.receive("b", state, 1.0)  # nobody asked
+    assert not out.send and out.notes[0].kind == "refused_relay" and "nobody asked" in out.notes[0].text
+    s.receive("c", PeerStateRequest(2, 1), 1.0)  # relayed to learner 0
+    out = s.receive("b", state, 1.1)  # learner 1 was not asked
+    assert not out.send and "learner 0 was asked" in out.notes[0].text
+    answer = PeerState(2, 0, [], {})
+    assert replies(s.receive("a", answer, 1.2), "c") == [answer]
+    assert not s.receive("a", answer, 1.3).send  # a second copy is refused
+
+
+def test_two_rejoiners_are_served_by_different_peers():
+    s = syncer()
+    two_live_learners(s)
+    register(s, 3, "d")
+    first = s.receive("c", PeerStateRequest(2, 1), 1.0).send
+    second = s.receive("d", PeerStateRequest(3, 1), 1.0).send
+    assert first[0][0] != second[0][0]
+
+
+def test_a_learner_serves_one_request_at_a_time_and_refuses_the_rest_cheaply():
+    ln, now = joined_learner(0)
+    out = ln.receive(0, PeerStateRequest(5, 1), now)
+    assert not out.send
+    out = ln.receive(0, PeerStateRequest(6, 1), now)  # one is already queued
+    assert [s.msg for s in out.send] == [PeerState(6, 0, [], {})] and out.notes
+    assert ln.boundary(now).serve == [5]
+    ln.receive(0, PeerStateRequest(7, 1), now + 0.1)  # the burst of 2
+    assert ln.boundary(now + 0.1).serve == [7]
+    out = ln.receive(0, PeerStateRequest(8, 1), now + 0.2)  # then one per peer_state_interval_s
+    assert [s.msg for s in out.send] == [PeerState(8, 0, [], {})]
+    assert ln.boundary(now + 0.2).serve == []
+
+
+def test_a_learner_takes_only_the_answer_to_its_own_pending_request():
+    ln, now = joined_learner(0)
+    state = PeerState(0, 1, [], {"0.exp_avg": torch.zeros(3, 2)})
+    out = ln.receive(0, state, now)
+    assert out.notes and ln.boundary(now).peer_state is None  # unsolicited
+    ln._awaiting_peer_state = True  # as after its request (complete() sends it once the join is whole)
+    assert ln.receive(1, state, now).notes  # not through shard 0
+    assert ln.receive(0, PeerState(0, 0, [], {}), now).notes  # from itself
+    ln.receive(0, state, now)
+    assert ln.boundary(now).peer_state == state
+    ln.receive(0, state, now)  # once
+    assert ln.boundary(now).peer_state is None
+
+
+def adamw(steps: int = 3, **kw) -> tuple[torch.nn.Linear, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **kw)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+    return model, opt
+
+
+def test_an_honest_state_loads_and_the_receivers_hyper_parameters_stay():
+    _, giver = adamw(5, weight_decay=0.0)
+    _, taker = adamw(0, weight_decay=0.01)
+    msg = state_message(giver, 1, 0)
+    hostile = PeerState(
+        1, 0, [{**g, "weight_decay": 1e6, "lr": 1e3, "eps": 0.0} for g in msg.param_groups], msg.tensors
+    )
+    assert load_state(taker, hostile, torch.device("cpu")) is None
+    group = taker.param_groups[0]
+    assert group["weight_decay"] == 0.01 and group["lr"] == 1e-3 and group["eps"] == 1e-8
+    got = taker.state_dict()["state"][0]
+    assert torch.equal(got["exp_avg"], giver.state_dict()["state"][0]["exp_avg"]) and float(got["step"]) == 5
+
+
+@pytest.mark.parametrize(
+    "poison, why",
+    [
+        (lambda t: {**t, "0.exp_avg": torch.full_like(t["0.exp_avg"], math.nan)}, "non-finite"),
+        (lambda t: {**t, "0.exp_avg_sq": torch.full_like(t["0.exp_avg_sq"], math.inf)}, "non-finite"),
+        (lambda t: {**t, "0.exp_avg_sq": -t["0.exp_avg_sq"] - 1}, "negative"),
+        (lambda t: {**t, "0.exp_avg": t["0.exp_avg"] + 1e30}, "exp_avg exceeds"),
+        (lambda t: {**t, "0.exp_avg": torch.zeros(7)}, "shape"),
+        (lambda t: {**t, "0.step": torch.tensor(-3.0)}, "step"),
+        (lambda t: {**t, "0.step": torch.tensor(2.5)}, "step"),
+        (lambda t: {**t, "9.exp_avg": torch.zeros(2)}, "names no parameter"),
+        (lambda t: {**t, "x.exp_avg": torch.zeros(2)}, "names no parameter"),
+        (lambda t: {**t, "0.evil": torch.zeros(2, 3)}, "different state names"),
+        (lambda t: {**t, "0.exp_avg": torch.zeros(2, 3, dtype=torch.int64)}, "dtype"),
+    ],
+)
+def test_a_poisoned_state_is_refused_and_the_optimizer_is_unchanged(poison, why):
+    _, giver = adamw(5)
+    _, taker = adamw(2)
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in taker.state_dict()["state"].items()}
+    msg = state_message(giver, 1, 0)
+    problem = load_state(taker, PeerState(1, 0, msg.param_groups, poison(dict(msg.tensors))), torch.device("cpu"))
+    assert problem is not None and why in problem
+    after = taker.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, st in before.items() for k, v in st.items())
+
+
+# -- the attacker's side in virtual time -------------------------------------------------------
+
+SMALL = [
+    "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "workload.options={hidden = 16}",
+    "workload.batch_size=8",
+    "run.eval_points=1",
+    "run.num_learners=3",
+    "run.processed_tokens=2400",
+    "algo.sync_every=8",
+    "algo.num_fragments=4",
+]
+
+
+def simulate(faults):
+    from ddiloco.config import load_config
+    from ddiloco.methods import PRESETS
+    from ddiloco.sim.simulation import Simulation
+    from ddiloco.workloads.config import load_workload
+
+    cfg = load_config(None, [*SMALL, "run.method=decoupled"], base=PRESETS["decoupled"])
+    sim = Simulation(cfg, load_workload(cfg.workload), faults=faults)
+    return sim, sim.run()
+
+
+def finite(sim) -> bool:
+    return all(bool(torch.isfinite(p).all()) for ln in sim.learners for p in ln.params.values())
+
+
+def test_in_virtual_time_a_request_flood_and_unsolicited_states_cost_the_honest_learners_nothing():
+    from ddiloco.sim.faults import Inject
+
+    nan_state = PeerState(0, 2, [{"weight_decay": 1e6}], {"0.exp_avg": torch.full((16, 4), math.nan)})
+    sim, _ = simulate(
+        [
+            Inject(2, PeerStateRequest(2, 0), at_s=5.0, count=500),  # learner 2's key floods requests
+            Inject(2, nan_state, at_s=6.0, count=50),  # and pushes a NaN state at learner 0
+        ]
+    )
+    assert sim.invariants() == [] and finite(sim)
+    notes = [e for e in sim.log if e["event"] == "syncer_note" and e["kind"] == "refused_relay"]
+    assert len(notes) >= 549  # every extra request and every pushed state, with its reason
+    served = [e for e in sim.log if e["event"] == "note" and "optimizer state" in e["text"]]
+    assert not any("learner 0" in e["text"] and e["learner"] == 0 for e in served if "ignored" in e["text"])
+    assert not any(e["event"] == "peer_state" and e["learner"] == 0 for e in sim.log)
+
+
+@pytest.mark.parametrize("kind", ["nan", "weight_decay", "huge", "shape"])
+def test_in_virtual_time_a_rejoiner_refuses_a_hostile_peers_state(kind):
+    from ddiloco.sim.faults import HostilePeerState, KillLearner
+
+    # learner 1 dies and rejoins; learners 0 and 2 both serve poison
+    sim, _ = simulate(
+        [KillLearner(1, at_step=20, restart_after_s=6.0), HostilePeerState(0, kind), HostilePeerState(2, kind)]
+    )
+    assert sim.invariants() == [] and finite(sim)
+    loads = [e for e in sim.log if e["event"] == "peer_state" and e["learner"] == 1]
+    assert loads, "the rejoiner was handed a state"
+    if kind == "weight_decay":  # the tensors are honest: taken, the hyper-parameters are its own
+        assert loads[0]["problem"] is None
+        assert sim.learners[1].opt.param_groups[0]["weight_decay"] != 1e6
+    else:
+        assert all(e["problem"] for e in loads)
+
+
+# -- real ZeroMQ sockets on loopback, with keys --------------------------------------------------
+
+SETTINGS = [
+    "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "workload.options={hidden = 16}",
+    "run.num_learners=2",
+    "algo.sync_every=8",
+    "algo.liveness_timeout_s=2.0",
+    "runtime.heartbeat_interval_s=0.1",
+    "runtime.syncer_liveness_s=2.0",
+    "runtime.status_interval_s=0.5",
+    "runtime.backoff_max_s=0.3",
+    "runtime.join_timeout_s=5.0",
+    "runtime.step_sleep_s=0.01",
+]
+HOST = "127.0.0.9"
+
+
+@pytest.fixture()
+def keyed_fleet(tmp_path):
+    """A keyed syncer on loopback and two keyed learners, as threads."""
+    from ddiloco.config import load_config
+    from ddiloco.service.keys import ClientKeys, ServerKeys, make_keys
+    from ddiloco.service.launcher import free_port
+    from ddiloco.service.learner import LearnerProcess
+    from ddiloco.service.syncer import SyncerService
+    from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket
+
+    torch.set_num_threads(1)
+    keys = tmp_path / "keys"
+    make_keys(keys, learners=2)
+    cfg = load_config(None, SETTINGS)
+    addr = f"tcp://{HOST}:{free_port(HOST)}"
+    service = SyncerService(cfg, ZmqSyncerSocket(addr, keys=ServerKeys.load(keys)), tmp_path / "run",
+                            fsync=False, keys=ServerKeys.load(keys))  # fmt: skip
+    threads = [threading.Thread(target=service.serve, daemon=True)]
+    learners = []
+    for m in range(2):
+        k = ClientKeys.load(keys, f"learner-{m}")
+        learners.append(LearnerProcess(cfg, [addr], m, tmp_path / "run",
+                                       connect=lambda a, i, k=k: ZmqLearnerSocket(a, i, 0.1, 0.3, k)))  # fmt: skip
+        threads.append(threading.Thread(target=learners[-1].run, daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        yield cfg, addr, keys, service, learners
+    finally:
+        for ln in learners:
+            ln.stop = True
+        service.stop()
+        for t in threads:
+            t.join(timeout=30)
+
+
+def merged_of(service, m: int) -> int:
+    """Contributions of learner m merged so far (from the syncer's tape)."""
+    from helpers import merges
+
+    return sum(1 for r in merges(service.run_dir) for e in r.merged if e.learner == m and e.was_merged)
+
+
+def dealer(addr: str, keys, identity: bytes | None = None):
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 2000)
+    if identity is not None:
+        s.setsockopt(zmq.IDENTITY, identity)
+    keys.apply(s)
+    s.connect(addr)
+    return s
+
+
+def test_over_curve_no_other_key_takes_a_learners_route_even_with_its_old_name(keyed_fleet):
+    """The attack of the issue: a connection with the observer's key (and one with learner 1's)
+    using learner 0's old transport identity, registering and heartbeating as learner 0. Learner
+    0 keeps merging; every such message is refused as an impostor; nothing is accepted."""
+    from ddiloco.service.keys import ClientKeys
+    from ddiloco.service.transport import learner_identity
+    from ddiloco.service.wire import decode, encode
+    from ddiloco.training.layout import layout_for, param_spec
+    from ddiloco.workloads.config import load_workload
+
+    cfg, addr, keys, service, _ = keyed_fleet
+    wait_for(lambda: merged_of(service, 0) >= 2, 120, "learner 0's first merges")
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(cfg.run.seed)
+    reg = Register(0, 2**40, param_spec(model), layout_for(model, wl, cfg.algo).digest)
+    # learner 0's old transport identity (one connection may hold a chosen name at a time)
+    attackers = [dealer(addr, ClientKeys.load(keys, "observer"), learner_identity(0))]
+    attackers.append(dealer(addr, ClientKeys.load(keys, "learner-1")))
+    before = merged_of(service, 0)
+    replies = []
+    try:
+        for _ in range(20):
+            for s in attackers:
+                s.send_multipart(encode(reg))
+                s.send_multipart(encode(Heartbeat(0, 2**40, 1, 0.1, 8, 0.1)))
+                while s.poll(50):
+                    replies.append(decode(s.recv_multipart()))
+        wait_for(lambda: merged_of(service, 0) >= before + 3, 120, "learner 0 merging on after the attack")
+    finally:
+        for s in attackers:
+            s.close(0)
+    # every message refused and counted: as an impostor, or before decoding by its key's join rate
+    assert service.counts["impostor"] >= 20 and service.counts["impostor"] + service.counts["rate_limited"] >= 80
+    assert not any(isinstance(r, JoinReply) and r.accepted for r in replies)
+    assert not any(isinstance(r, GlobalState) for r in replies)  # and nothing of learner 0's reached them
+
+
+def test_over_curve_a_learner_whose_connection_changes_under_it_reconnects_and_merges_on(keyed_fleet):
+    """A confused learner: its connection is replaced under it (what a dropped TCP connection
+    does), so the syncer's route for it leads nowhere and it hears nothing addressed to it. It is
+    told (or notices the silence), reconnects on a fresh connection, registers again, merges on."""
+    _, _, _, service, learners = keyed_fleet
+    wait_for(lambda: merged_of(service, 0) >= 2 and learners[0].learner is not None, 120, "learner 0 merging")
+    comm = learners[0].learner.comm
+    old_route = service.session.identities[0]
+    comm._reconnects.put(0)  # the comm thread drops the connection and opens another
+    comm.sock.wake()
+    wait_for(lambda: service.session.identities.get(0) not in (None, old_route), 120, "a new route for learner 0")
+    before = merged_of(service, 0)
+    wait_for(lambda: merged_of(service, 0) >= before + 2, 120, "learner 0 merging on its new connection")
+    assert service.counts.get("unknown_sender", 0) >= 1 or comm.reconnects >= 2
+
+
+def test_over_curve_a_fetch_flood_from_the_observer_key_is_limited_per_key(keyed_fleet):
+    """FetchGlobal from one observer key over many connections: the key's limit holds whatever
+    connection it uses; refusals are counted."""
+    from ddiloco.service.keys import ClientKeys
+    from ddiloco.service.wire import encode
+
+    _, addr, keys, service, _ = keyed_fleet
+    wait_for(lambda: merged_of(service, 0) >= 1, 120, "the first merges")
+    observer = ClientKeys.load(keys, "observer")
+    socks = [dealer(addr, observer) for _ in range(4)]
+    try:
+        for _ in range(50):
+            for s in socks:
+                s.send_multipart(encode(FetchGlobal("flood")))
+        wait_for(lambda: service.counts.get("rate_limited", 0) >= 100, 60, "the flood refused")
+        before = merged_of(service, 0)
+        wait_for(lambda: merged_of(service, 0) >= before + 2, 120, "learner 0 merging on during the flood")
+    finally:
+        for s in socks:
+            s.close(0)
+
+
+# -- (5) limits per key, charged on receipt before decoding (deterministic) ---------------------
+
+
+class FrozenClock:
+    """A flood arrives within one instant, however busy the machine is."""
+
+    def monotonic(self) -> float:
+        return 100.0
+
+    def wall(self) -> float:
+        return 1e9
+
+
+@pytest.fixture()
+def keyed_service(tmp_path, monkeypatch):
+    """A keyed SyncerService fed by hand (``handle``), its clock frozen and its work clock stepped."""
+    from ddiloco.config import load_config
+    from ddiloco.service import syncer as syncer_module
+    from ddiloco.service.keys import ClientKeys, ServerKeys, make_keys
+    from ddiloco.service.syncer import SyncerService
+    from ddiloco.service.transport import InProcessNetwork
+
+    keys = tmp_path / "keys"
+    make_keys(keys, learners=2)
+    cfg = load_config(None, SETTINGS)
+    service = SyncerService(cfg, InProcessNetwork().syncer("inproc://s"), tmp_path / "run", fsync=False,
+                            clock=FrozenClock(), keys=ServerKeys.load(keys))  # fmt: skip
+    decoded = []
+    real_decode = syncer_module.decode
+    monkeypatch.setattr(syncer_module, "decode", lambda frames: decoded.append(1) or real_decode(frames))
+    work = [0.0]
+
+    def work_clock() -> float:  # read twice a message: each "takes" 0.05 s of the syncer's time
+        work[0] += 0.05
+        return work[0]
+
+    service.work_clock = work_clock
+    pub = {name: ClientKeys.load(keys, name).public for name in ("observer", "learner-0", "learner-1")}
+    yield service, pub, decoded
+    service.stop()
+    service.shutdown()
+
+
+def test_a_flood_from_one_key_over_many_connections_is_cut_by_its_keys_work_share(keyed_service):
+    from ddiloco.service.wire import encode
+
+    service, pub, decoded = keyed_service
+    frames = encode(FetchGlobal("flood"))
+    for i in range(500):  # 500 connections of one observer key
+        service.handle(b"conn-%d" % i, frames, pub["observer"])
+    # a burst of 1 s of work at 0.05 s a message, then nothing: the rest dropped before decoding
+    assert len(decoded) <= 21 and service.counts["rate_limited"] >= 479
+    # another key is untouched by the flood
+    n = len(decoded)
+    service.handle(b"other", encode(FetchGlobal("evaluator")), pub["learner-1"])
+    assert len(decoded) == n + 1
+
+
+def test_the_message_rate_is_per_key_and_a_fetch_burst_is_refused_with_a_reason(keyed_service):
+    from ddiloco.service.wire import encode
+
+    service, pub, decoded = keyed_service
+    service._busy = None  # only the session's read limit: 10 answered, the rest refused with a note
+    frames = encode(FetchGlobal("flood"))
+    for i in range(30):
+        service.handle(b"conn-%d" % i, frames, pub["observer"])
+    assert service.counts["rate_limited"] == 20 and len(decoded) == 30
+    for _ in range(5000):  # the per-key message rate (2000/s, bursts of 4000): charged before decoding
+        service.handle(b"c", [b"x"], pub["learner-0"])
+    assert len(decoded) == 30 + 4000 and service.counts["rate_limited"] == 20 + 1000
+    assert service.counts["malformed"] == 4000
