@@ -551,11 +551,12 @@ def test_train_passes_host_and_port_to_the_launcher(tmp_path, monkeypatch):
     seen: dict = {}
 
     class Recording:
-        def __init__(self, cfg, run_dir, host="127.0.0.1", on_status=None, port=None):
-            seen.update(run_dir=run_dir, host=host, port=port)
+        def __init__(self, cfg, run_dir, host="127.0.0.1", on_status=None, port=None, insecure=False, start_over=False):
+            seen.update(run_dir=run_dir, host=host, port=port, insecure=insecure, start_over=start_over)
             raise Stop("stopped by the test")
 
     monkeypatch.setattr(launcher, "Launcher", Recording)
     assert main(["train", "--host", "127.0.0.3", "--port", "48911"]) == 2
     assert (seen["host"], seen["port"]) == ("127.0.0.3", 48911)
+    assert (seen["insecure"], seen["start_over"]) == (False, False)  # keys by default
     assert seen["run_dir"].parent == Path("runs") and seen["run_dir"].name.startswith("decoupled-")

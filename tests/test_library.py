@@ -198,8 +198,11 @@ def test_misuse_gives_one_clear_error(fleet, tmp_path):
     # no key off this machine
     with pytest.raises(ddiloco.DDiLoCoError, match="is not on this machine: pass the keys folder"):
         ddiloco.Learner(DictNet(), "tcp://10.9.8.7:5555", learner_id=3, config=cfg())
-    with pytest.raises(ddiloco.DDiLoCoError, match="without keys lets anyone"):
+    # a syncer makes its own keys by default (so it is never keyless off this machine); an address
+    # it cannot bind is one line
+    with pytest.raises(ddiloco.DDiLoCoError, match="cannot bind the syncer to tcp://10.9.8.7:5555"):
         ddiloco.SyncerServer(DictNet(), "tcp://10.9.8.7:5555", tmp_path / "s", config=cfg())
+    assert (tmp_path / "s" / "keys" / "syncer.key_secret").is_file()
     for kwargs, text in (
         ({"learner_id": -1}, "learner_id = -1 is out of range"),
         ({"config": {"sync_every": 3}}, "config must be a ddiloco Config"),

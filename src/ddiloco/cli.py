@@ -141,6 +141,10 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     _check_run_dir(args.run_dir, cfg, f"ddiloco syncer (shard {args.shard})")
+    if args.start_over:
+        from ddiloco.service.store import start_over
+
+        start_over(args.run_dir, args.shard, args.num_shards)
     service, _ = open_syncer(
         cfg, args.bind, args.run_dir, shard=args.shard, num_shards=args.num_shards, keys_dir=args.keys,
         insecure=args.insecure,
@@ -239,8 +243,13 @@ def progress_line(st: dict) -> str:
 
 
 def _launcher_options(args: argparse.Namespace) -> dict:
-    """``--host`` and ``--port`` for the launcher."""
-    return {"host": args.host, "port": args.port}
+    """``--host``, ``--port``, ``--insecure`` and ``--start-over`` for the launcher."""
+    if args.start_over and not args.resume:
+        raise DDiLoCoError(
+            "--start-over starts a run over whose syncer state is gone: use it with --resume RUN_DIR (a new run "
+            "starts at version 0 anyway)"
+        )
+    return {"host": args.host, "port": args.port, "insecure": args.insecure, "start_over": args.start_over}
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -356,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard", type=int_range(0), default=0, help="this shard's index (fragments p with p %% num_shards == shard)"
     )
     sy.add_argument("--num-shards", type=int_range(1), default=1, help="number of syncer shards (default: 1)")
+    _start_over_arg(sy)
     _key_args(sy, "the syncer's key pair and every allowed public key (from `ddiloco keys`)")
     sy.set_defaults(func=cmd_syncer)
     le = sub.add_parser("learner", help="run one learner process")
@@ -408,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address the local syncer binds and its processes use (default: 127.0.0.1)"
     )
     tr.add_argument("--port", type=int_range(1, 65535), help="the syncer's TCP port (default: a free one)")
+    tr.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without CURVE keys (default: the run's own keys in RUN_DIR/keys, also on loopback, so that no "
+        "other local process can take a learner id or pose as the syncer)",
+    )
+    _start_over_arg(tr)
     tr.set_defaults(func=cmd_train)
     st = sub.add_parser("status", help="the fleet at a glance: learners and fragments, from a syncer or a run folder")
     st.add_argument(
@@ -516,6 +533,15 @@ def _run_dir_args(parser: argparse.ArgumentParser, resume: bool) -> None:
             metavar="RUN_DIR",
             help="continue that run with its saved config (only runtime.* and run.threads may be --set)",
         )
+
+
+def _start_over_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--start-over",
+        action="store_true",
+        help="the run folder's syncer state (RUN_DIR/state) is gone: start the run over from its initial model at "
+        "version 0 instead of refusing (it never deletes state that is there)",
+    )
 
 
 def _key_args(parser: argparse.ArgumentParser, what: str) -> None:

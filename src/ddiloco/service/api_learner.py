@@ -33,7 +33,7 @@ from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.keys import ClientKeys, is_local
+from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
 from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.training.layout import layout_of, param_spec
@@ -111,16 +111,21 @@ def client_keys(
     syncers: list[str], key: str | Path | ClientKeys | None, name: str, insecure: bool
 ) -> ClientKeys | None:
     """The keys to talk to ``syncers`` as ``name``: ``key`` is a folder from ``ddiloco keys`` (or
-    the ``NAME.key_secret`` file in it, next to ``syncer.key``); none on this machine, or with
-    ``insecure`` (which is said once)."""
+    the ``NAME.key_secret`` file in it, next to ``syncer.key``). Without one: the keys of a
+    ``SyncerServer`` serving one of ``syncers`` in this process (it makes them by default); else
+    none on this machine, or with ``insecure`` (which is said once)."""
     if isinstance(key, ClientKeys):
         return key
+    if key is None and not insecure:
+        key = local_keys(syncers)
     if key is not None:
         path = Path(key)
         if path.is_file():
             if path.name != f"{name}.key_secret":
                 raise UsageError(f"key file {path} is not {name}.key_secret; pass that file or the folder holding it")
             path = path.parent
+        if not (path / f"{name}.key_secret").exists() and (path / RUN_KEYS / f"{name}.key_secret").is_file():
+            path = path / RUN_KEYS  # a run folder given for its keys (ddiloco train, SyncerServer make them there)
         return ClientKeys.load(path, name)
     remote = [a for a in syncers if not is_local(a)]
     if remote and not insecure:
@@ -505,7 +510,9 @@ class Learner:
             # (once joined, a lost syncer is different: the learner trains on and rejoins).
             raise CommError(
                 f"learner {self.id}: no answer from the syncer at {', '.join(comm.addresses)} within "
-                f"{timeout_s:.0f} s (runtime.join_timeout_s): is it running, and are the host and port right?"
+                f"{timeout_s:.0f} s (runtime.join_timeout_s): is it running, are the host and port right, and "
+                "does it take this learner's key (ddiloco train and SyncerServer make keys in RUN_DIR/keys: pass "
+                "key=RUN_DIR/keys, --keys RUN_DIR/keys)?"
             )
         if session.data_position:
             self._position = self._plausible_position(session.data_position)

@@ -4,6 +4,11 @@ a config's workload), in the foreground or on a background thread.
 The syncer holds the global model: it starts from the model it is given (learners overwrite
 their own initialisation with it when they join), so build it the way the learners build
 theirs. It is CPU-only and never computes a forward pass.
+
+It uses CURVE keys by default, also on loopback: without ``keys`` it makes the run's own in
+``run_dir/keys`` (learners 0 .. ``run.num_learners`` - 1 and an observer); learners in other
+processes pass ``key=run_dir/keys``, those in this process find them by themselves.
+``insecure=True`` turns that off.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from torch import nn
 
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
+from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.api_learner import ConfigLike, as_config
+from ddiloco.service.keys import forget_local_keys, is_local, remember_local_keys, run_keys
+from ddiloco.service.store import start_over as start_store_over
 from ddiloco.service.syncer import open_syncer
 from ddiloco.service.transport import SyncerSocket
 
@@ -47,6 +55,7 @@ class SyncerServer:
         num_shards: int = 1,
         transport: SyncerSocket | None = None,
         fsync: bool = True,
+        start_over: bool = False,
     ) -> None:
         """
         Args:
@@ -55,22 +64,38 @@ class SyncerServer:
             run_dir: the syncer's folder: durable versions, tape, status, final model. A restart
                 on the same folder resumes from the last durable version.
             config: the run's Config (or DiLoCoConfig, or TOML file), as the learners use.
-            keys: the ``ddiloco keys`` folder; required to bind anything but loopback.
-            insecure: bind off loopback without keys (trusted networks only).
+            keys: the ``ddiloco keys`` folder (default: ``run_dir/keys``, made if missing, for
+                learner ids 0 .. ``run.num_learners`` - 1; ``self.keys`` says where).
+            insecure: no keys at all, on loopback or off it (trusted networks only): any local
+                process may then take a learner id or pose as this syncer.
             embedding_like: which tensors are merged by weighted mean (default: the
                 parameters of ``nn.Embedding`` modules).
             shard, num_shards: this shard of a syncer sharded by fragment.
             transport: an in-process socket (tests); default a ZeroMQ socket bound to ``bind``.
             fsync: make every version durable on disk before sending it (off only in tests).
+            start_over: ``run_dir`` holds a run whose syncer state is missing (deleted, lost):
+                start it over from ``model`` at version 0 instead of refusing to start.
         """
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
         if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
+        cfg = as_config(config)
+        prepare_run_dir(run_dir, f"ddiloco.SyncerServer (shard {shard})")  # a foreign folder: refused before any write
+        if start_over:
+            start_store_over(run_dir, shard, num_shards, by="start_over=True")
+        self.keys: Path | None = Path(keys) if keys is not None else None
+        """The keys folder this syncer uses (None: insecure, or an in-process transport)."""
+        if keys is None and not insecure and transport is None and not bind.startswith("inproc://"):
+            self.keys = run_keys(run_dir, cfg.run.num_learners)
+        elif keys is None and insecure and is_local(bind):
+            log.warning("INSECURE: %s takes any local process as a learner or an observer (insecure=True)", bind)
         self.service, self.address = open_syncer(
-            as_config(config), bind, run_dir, model=model, embedding_like=embedding_like, shard=shard,
-            num_shards=num_shards, keys_dir=keys, insecure=insecure, transport=transport, fsync=fsync,
+            cfg, bind, run_dir, model=model, embedding_like=embedding_like, shard=shard, num_shards=num_shards,
+            keys_dir=self.keys, insecure=insecure, transport=transport, fsync=fsync,
         )  # fmt: skip
+        if self.keys is not None:
+            remember_local_keys(self.address, self.keys)
         self.model = model
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -85,11 +110,14 @@ class SyncerServer:
         """Serve in the foreground until the run's end (its token or time budget: run.processed_tokens,
         runtime.duration_s; the final sync included), ``stop()``, SIGTERM/SIGINT or
         ``max_seconds``; then write the final model and return its path."""
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            with StopSignals("ddiloco syncer", on_stop=self.service.stop):
+        try:
+            if handle_signals and threading.current_thread() is threading.main_thread():
+                with StopSignals("ddiloco syncer", on_stop=self.service.stop):
+                    self.service.serve(max_seconds)
+            else:
                 self.service.serve(max_seconds)
-        else:
-            self.service.serve(max_seconds)
+        finally:
+            forget_local_keys(self.address)
         return self.final_model_path
 
     def start(self) -> SyncerServer:
@@ -110,6 +138,7 @@ class SyncerServer:
     def stop(self, timeout_s: float = 60.0) -> Path:
         """Ask it to stop; when it runs on a thread, wait for the final model to be written."""
         self.service.stop()
+        forget_local_keys(self.address)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             if self._thread.is_alive():

@@ -12,12 +12,20 @@ files (``NAME.key`` public, ``NAME.key_secret`` secret):
 A learner machine needs ``syncer.key`` and its own ``learner-m.key_secret``; the syncer needs
 ``syncer.key_secret`` and every public ``*.key``. Every message is then authenticated and
 encrypted; an unknown key gets nothing (the handshake fails before any message is read).
+
+Keys by default: ``ddiloco train`` and ``ddiloco.SyncerServer`` make a run's keys in
+``RUN_DIR/keys/`` (``run_keys``: the folder mode 0700, secrets 0600, existing pairs never
+overwritten) unless told ``--insecure`` / ``insecure=True``, so that on loopback too a local
+process can neither take a learner id nor pose as the syncer. A ``SyncerServer`` also notes its
+address and keys folder in this process (``local_keys``): a ``Learner``, ``fetch_state`` or
+``ddiloco status`` in the same process that is given no key finds them there.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -107,7 +115,9 @@ def make_keys(folder: str | Path, learners: int, observers: int = 1) -> list[Pat
     if not zmq.has("curve"):
         raise DDiLoCoError("this ZeroMQ build has no CURVE support; install pyzmq from PyPI (it bundles one)")
     d = Path(folder)
-    d.mkdir(parents=True, exist_ok=True)
+    if not d.exists():  # only we can list it: a secret is never readable, not even before its chmod
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, exist_ok=True)
     names = ["syncer", *(f"learner-{m}" for m in range(learners))]
     names += ["observer"] if observers == 1 else [f"observer-{i}" for i in range(observers)]
     made = []
@@ -118,6 +128,45 @@ def make_keys(folder: str | Path, learners: int, observers: int = 1) -> list[Pat
         (d / f"{name}.key_secret").chmod(0o600)
         made.append(d / f"{name}.key_secret")
     return made
+
+
+RUN_KEYS = "keys"
+"""The folder of a run's own keys, inside its run folder."""
+
+
+def run_keys(run_dir: str | Path, learners: int) -> Path:
+    """The run's keys folder ``RUN_DIR/keys``, with pairs for the syncer, learners 0..learners-1
+    and an observer (missing ones made, existing ones kept: a resumed run keeps its keys)."""
+    d = Path(run_dir) / RUN_KEYS
+    if d.is_symlink() or (d.exists() and not d.is_dir()):
+        raise DDiLoCoError(f"{d} is not a folder of keys; move it away (ddiloco makes the run's keys there)")
+    make_keys(d, learners)
+    if d.stat().st_mode & 0o077:  # an older or hand-made folder: say so, keep going (the secrets are 0600)
+        import logging
+
+        logging.getLogger(__name__).warning("%s is readable by other users; chmod 700 it", d)
+    return d
+
+
+_local: dict[str, Path] = {}
+_local_lock = threading.Lock()
+
+
+def remember_local_keys(address: str, folder: Path) -> None:
+    """Note that the syncer serving ``address`` in this process uses the keys in ``folder``."""
+    with _local_lock:
+        _local[address] = folder
+
+
+def forget_local_keys(address: str) -> None:
+    with _local_lock:
+        _local.pop(address, None)
+
+
+def local_keys(addresses: list[str]) -> Path | None:
+    """The keys folder of a syncer serving one of ``addresses`` in this process, if any."""
+    with _local_lock:
+        return next((_local[a] for a in addresses if a in _local), None)
 
 
 def is_local(address: str) -> bool:

@@ -8,11 +8,17 @@ combined progress view. Asked to stop (``request_stop``, from a signal), it stop
 then the syncer (which keeps what was merged and marks the run interrupted). Every child runs
 in its own process group, and every group it ever started is killed before ``run`` returns:
 no path leaves an orphan. The summary comes from the run folder, as for every other command.
+
+Keys by default: the run's CURVE keys live in ``RUN_DIR/keys`` (made at the first start, kept on
+``--resume``) and every child gets them, so that on loopback too a local process can neither take
+a learner id nor pose as the syncer; ``insecure`` turns that off. A resumed run whose syncer
+state is gone is refused here, in one line, before anything starts (``start_over`` starts it over).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -33,9 +39,14 @@ from ddiloco.report.accounting import STATES, uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
+from ddiloco.service.keys import run_keys
 from ddiloco.service.learner import EXIT_REFUSED
 from ddiloco.service.learner_book import LearnerBook
 from ddiloco.service.status import read_status
+from ddiloco.service.store import check_state
+from ddiloco.service.store import start_over as start_over_state
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -132,8 +143,16 @@ class Launcher:
         host: str = "127.0.0.1",
         on_status: Callable[[dict], None] | None = None,
         port: int | None = None,
+        insecure: bool = False,
+        start_over: bool = False,
     ) -> None:
+        """``insecure``: no CURVE keys (any local process may join or pose as the syncer);
+        ``start_over``: the run folder's syncer state is missing: start it over at version 0."""
         self.cfg, self.run_dir = cfg, prepare_run_dir(run_dir, "ddiloco train")
+        if start_over:
+            start_over_state(self.run_dir, by="--start-over")
+        else:  # the syncer would refuse it too, but only into its log: say it here, in one line
+            check_state(self.run_dir)
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         (self.run_dir / "metrics").mkdir(exist_ok=True)
@@ -144,16 +163,24 @@ class Launcher:
         self.on_status = on_status
         py = [sys.executable, "-m", "ddiloco"]
         rd = str(self.run_dir)
-        self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, str(self.cfg_path)])
+        self.keys: Path | None = None
+        """The run's keys folder (None: --insecure)."""
+        if insecure:
+            log.warning("INSECURE: the run's processes talk without keys: any local process may join or pose as them")
+            secure = ["--insecure"]
+        else:
+            self.keys = run_keys(self.run_dir, cfg.run.num_learners)
+            secure = ["--keys", str(self.keys)]
+        self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)])
         self.learners = [
             Proc(
                 f"learner-{m}",
-                [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, str(self.cfg_path)],
+                [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, *secure, str(self.cfg_path)],
             )
             for m in range(cfg.run.num_learners)
         ]
         self.evaluator = Proc(
-            "evaluator", [*py, "evaluator", "--syncer", self.addr, "--run-dir", rd, str(self.cfg_path)]
+            "evaluator", [*py, "evaluator", "--syncer", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)]
         )
         self.books = [LearnerBook() for _ in self.learners]
         self.faults: list[dict] = []
@@ -184,7 +211,7 @@ class Launcher:
         deadline = time.time() + timeout
         while time.time() < deadline and not self.stop_requested:
             if not self.syncer.alive():
-                raise DDiLoCoError(f"the syncer exited at start; see {self.logs / 'syncer.log'}")
+                raise DDiLoCoError(f"the syncer exited at start{_last_error(self.logs / 'syncer.log')}; see its log")
             st = read_status(status)
             if st and st.get("pid") == self.syncer.popen.pid:
                 return
@@ -425,6 +452,18 @@ class Launcher:
 
     def _run_event(self, what: str, reason: str) -> None:
         append_run_event(self.run_dir, time.time() - self._t0, what, reason)
+
+
+def _last_error(path: Path) -> str:
+    """``: LINE`` for the last ``error: ...`` line of a child's log (its one-line reason), or ``''``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in tail if line.startswith("error: ")]
+    return f": {errors[-1].removeprefix('error: ')[:2000]} ({path})" if errors else f" ({path})"
 
 
 SUMMED = ("horizon_s", "tokens", "compute_s", "blocked_s", "down_s", "restarting_s", "starting_s", "lost_steps")

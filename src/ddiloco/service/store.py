@@ -915,13 +915,7 @@ class SyncerStore:
     def _restore(self, layout: FragmentLayout) -> Restored | None:
         self._durable = {p: 0 for p in self.owned}
         if not _has_state(self.dir):
-            history = run_history(self.root.parent, self.dir)
-            if history is not None:
-                raise StateError(
-                    f"{self.root.parent} holds a run ({history}) but its syncer state {self.dir} is missing or "
-                    "empty: starting at version 0 would throw the run away; restore that folder from a backup, or "
-                    "start the run over from its initial model with --start-over (start_over=True in Python)"
-                )
+            check_state(self.root.parent, self.dir)
             # Written now, not at the first merge: from here on a deleted folder is told from a fresh one.
             with self._disk("creating the syncer state folder"):
                 self._init_dir()
@@ -1004,6 +998,23 @@ def run_history(run_dir: Path, state_dir: Path) -> str | None:
         if lines:
             return f"{lines} records in metrics/run.jsonl"
     return None
+
+
+def check_state(run_dir: str | Path, state_dir: Path | None = None, shard: int = 0, num_shards: int = 1) -> None:
+    """StateError (one line) when ``run_dir`` holds a run but this shard's syncer state is missing
+    or empty (``state_dir``, default that of ``shard`` of ``num_shards``): a start would silently
+    begin at version 0 and write the initial weights as the run's final model."""
+    root = Path(run_dir) / "state"
+    d = state_dir if state_dir is not None else root if num_shards == 1 else root / f"shard-{shard}"
+    if _has_state(d):
+        return
+    history = run_history(Path(run_dir), d)
+    if history is not None:
+        raise StateError(
+            f"{run_dir} holds a run ({history}) but its syncer state {d} is missing or empty: starting at "
+            "version 0 would throw the run away; restore that folder from a backup, or start the run over from "
+            "its initial model with --start-over (start_over=True in Python)"
+        )
 
 
 def start_over(run_dir: str | Path, shard: int = 0, num_shards: int = 1, by: str = "--start-over") -> None:
