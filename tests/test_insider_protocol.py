@@ -551,3 +551,46 @@ def test_the_message_rate_is_per_key_and_a_fetch_burst_is_refused_with_a_reason(
         service.handle(b"c", [b"x"], pub["learner-0"])
     assert len(decoded) == 30 + 4000 and service.counts["rate_limited"] == 20 + 1000
     assert service.counts["malformed"] == 4000
+
+
+def test_without_keys_a_restarted_learner_connects_beside_its_predecessor_and_rejoins(tmp_path):
+    """No handover any more: a new process of learner 1 gets a connection of its own (its
+    predecessor's may still be open) and registers; the syncer routes learner 1 to it."""
+    from ddiloco.config import load_config
+    from ddiloco.service.launcher import free_port
+    from ddiloco.service.learner import LearnerProcess
+    from ddiloco.service.syncer import SyncerService
+    from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, SETTINGS)
+    addr = f"tcp://{HOST}:{free_port(HOST)}"
+    service = SyncerService(cfg, ZmqSyncerSocket(addr), tmp_path / "run", fsync=False)
+    connect = lambda a, i: ZmqLearnerSocket(a, i, 0.1, 0.3)  # noqa: E731
+    learners = [LearnerProcess(cfg, [addr], m, tmp_path / "run", connect=connect) for m in (0, 1)]
+    threads = [threading.Thread(target=t, daemon=True) for t in (service.serve, *(ln.run for ln in learners))]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: merged_of(service, 1) >= 1, 120, "learner 1's first merge")
+        learners[1].stop = True
+        threads[2].join(timeout=60)
+        new = LearnerProcess(cfg, [addr], 1, tmp_path / "run", connect=connect, incarnation=learners[1].incarnation + 1)
+        learners.append(new)
+        threads.append(threading.Thread(target=new.run, daemon=True))
+        threads[-1].start()
+
+        def merged_new() -> bool:
+            from helpers import merges
+
+            return any(
+                e.learner == 1 and e.incarnation == new.incarnation for r in merges(service.run_dir) for e in r.merged
+            )
+
+        wait_for(merged_new, 120, "the new process of learner 1 merged")
+    finally:
+        for ln in learners:
+            ln.stop = True
+        service.stop()
+        for t in threads:
+            t.join(timeout=30)
