@@ -290,7 +290,10 @@ def test_a_two_rank_torchrun_learner_with_ddp_or_fsdp2(tmp_path, mode):
     torch.manual_seed(0)
     initial = DictNet()
     expected = {k: v.detach().clone() for k, v in initial.state_dict().items()}
-    server = ddiloco.SyncerServer(initial, "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False)
+    # insecure: library_ddp_worker.py's Learner takes no key argument (it is given the address only)
+    server = ddiloco.SyncerServer(
+        initial, "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False, insecure=True
+    )
     server.start()
     try:
         out = subprocess.run(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,16 @@ def test_ctrl_c_on_train_stops_cleanly_writes_partial_results_and_leaves_no_proc
         assert (run_dir / name).is_file(), name
     assert lines(run_dir / "metrics" / "run.jsonl")[-1]["what"] == "interrupted"
     wait_for(lambda: not survivors(str(run_dir)), 10, "every process of the run to be gone")
+    # keys by default: the run's own, in its folder, and every child ran with them
+    assert (run_dir / "keys" / "syncer.key_secret").is_file() and (run_dir / "keys" / "learner-1.key_secret").is_file()
+    assert not any("INSECURE" in (run_dir / "logs" / f"{n}.log").read_text() for n in ("syncer", "learner-0"))
+    # the run folder is the truth: its state deleted, a resume is refused in one line, nothing started
+    shutil.rmtree(run_dir / "state")
+    out = subprocess.run(
+        [*CLI, "train", "--resume", str(run_dir)], capture_output=True, text=True, env=ENV, timeout=120
+    )
+    assert out.returncode == 2 and "is missing or empty" in out.stderr and "--start-over" in out.stderr, out.stderr
+    assert not (run_dir / "state").exists()
 
 
 @pytest.mark.slow  # spawns processes
