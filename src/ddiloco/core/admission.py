@@ -22,7 +22,7 @@ from ddiloco.core.tape import RejectReason
 from ddiloco.core.validation import Problem, check_counters, check_payload
 
 STRIKES: frozenset[RejectReason] = frozenset(
-    {"bad_counters", "bad_payload", "bad_norm", "outlier", "implausible", "bad_version", "bad_fragment"}
+    {"bad_counters", "bad_payload", "bad_norm", "outlier", "misaligned", "implausible", "bad_version", "bad_fragment"}
 )
 """Refusals that count towards quarantine: what the contribution carried was wrong. Arriving
 late, twice, from an old base or an old process is what honest learners do too."""
@@ -102,15 +102,26 @@ def check_relative_norm(norms: Sequence[float], fragment_norm: float, numel: int
     return None
 
 
-def weight_cap(recent_weights: Iterable[float], cfg: DiLoCoConfig) -> float | None:
-    """weight_cap x the median of the live learners' recent accepted weights (None: no cap
-    yet, or disabled). A share cap would fire on every honest round with one contributor."""
+def weight_cap(recent_weights: Iterable[Sequence[float]], cfg: DiLoCoConfig) -> float | None:
+    """weight_cap x the fleet's typical weight (None: no weights yet, or disabled), from each
+    live learner's recent accepted weights (one sequence per learner).
+
+    The typical weight is the median over learners of each one's own median, each counted at
+    most weight_cap x the lowest of them. A learner's own weights are recorded after clipping,
+    so without that bound one learner could lift the median round after round (with one honest
+    peer: the cap ratchets, 2x per round); with it, the cap stays within a fixed multiple of
+    the honest learners' weights, and per learner, not per answer, a majority of honest
+    learners sets it. Honest fleets whose learners' weights differ by less than weight_cap
+    are not touched. A share cap would fire on every honest round with one contributor."""
     if cfg.weight_cap <= 0:
         return None
     # Only positive weights are kept: a zero-step answer says nothing of a learner's pace,
     # and a median of zeros would clip every later contribution to nothing.
-    recent = list(recent_weights)
-    return cfg.weight_cap * statistics.median(recent) if recent else None
+    medians = [statistics.median(ws) for ws in recent_weights if ws]
+    if not medians:
+        return None
+    ceiling = cfg.weight_cap * min(medians)
+    return cfg.weight_cap * statistics.median(min(m, ceiling) for m in medians)
 
 
 def screened(norms: Sequence[float], steps: int) -> float:
@@ -119,6 +130,22 @@ def screened(norms: Sequence[float], steps: int) -> float:
     at most about linearly with them; the step count it may claim is bounded by the time since
     its base version (``max_speedup``)."""
     return math.sqrt(sum(n * n for n in norms)) / max(steps, 1)
+
+
+def history_reference(recent: Sequence[float], merged_rounds: int, cfg: DiLoCoConfig) -> float | None:
+    """The fragment's own reference |delta| per step: the 75th percentile of its recent merged
+    answers, once it has SCREEN_ROUNDS merged rounds and ``norm_screen_min`` answers (None
+    before: the first rounds of the LR warm-up move far less than later ones)."""
+    ordered = sorted(recent)
+    armed = merged_rounds >= SCREEN_ROUNDS and len(ordered) >= cfg.norm_screen_min
+    return ordered[(3 * (len(ordered) - 1)) // 4] if armed else None
+
+
+def misaligned_detail(cosine: float, alignment: float, cfg: DiLoCoConfig) -> str:
+    return (
+        f"direction: cosine {cosine:.3g} with the round's centre is {alignment:.3g} x the round's median "
+        f"cosine, below algo.robust_min_alignment = {cfg.robust_min_alignment:g}"
+    )
 
 
 def out_of_line(
@@ -133,9 +160,7 @@ def out_of_line(
     everyone moves more than before is not an attack."""
     if cfg.norm_screen_factor <= 0:
         return []
-    ordered = sorted(recent)
-    armed = merged_rounds >= SCREEN_ROUNDS and len(ordered) >= cfg.norm_screen_min
-    history = ordered[(3 * (len(ordered) - 1)) // 4] if armed else None  # the 75th percentile
+    history = history_reference(recent, merged_rounds, cfg)
     found = []
     for m, x in stats.items():
         others = [y for o, y in stats.items() if o != m]

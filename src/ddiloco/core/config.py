@@ -101,8 +101,32 @@ class DiLoCoConfig:
     """Accepted contributions (with steps) a fragment needs before screening starts: one
     round of four learners. The history survives syncer restarts."""
     weight_cap: float = 4.0
-    """No learner's weight exceeds this multiple of the median of the live learners' recent
-    accepted weights: a larger one is clipped (and its tokens with it); 0 disables."""
+    """No learner's weight exceeds this multiple of the fleet's typical weight (the median over
+    live learners of each one's recent median, each counted at most weight_cap x the lowest):
+    a larger one is clipped (and its tokens with it); 0 disables."""
+    robust: bool = True
+    """Robust merging (``core/robust.py``): each round of 3 or more answers is judged against
+    the coordinate-wise median of its answers' directions; misaligned answers are refused,
+    oversized ones clipped (instead of refused by ``norm_screen_factor``), and a learner's
+    weight follows its trust over rounds. Tolerates fewer than half of a round's answers."""
+    robust_min_alignment: float = 0.0
+    """A full-length answer (at least half the round's median steps) whose cosine with the
+    round's centre is below this multiple of the round's median cosine is refused
+    ("misaligned"): it moves against the fleet. Shorter answers are noisier (on the chaos
+    arm, honest answers of 1 to 5 steps went as low as -0.3) and only lose their weight."""
+    robust_full_alignment: float = 0.5
+    """Below this alignment an answer's weight is scaled by alignment / robust_full_alignment
+    (0 at 0). Full-length honest answers measured 0.78 or more on the healthy arm; a stale
+    straggler's 0.4 to 0.7."""
+    robust_clip: float = 3.0
+    """An answer's |delta| per step is clipped to this multiple of the round's median (or of
+    the fragment's history, when the round has fewer than 3 answers)."""
+    robust_trust_decay: float = 0.8
+    """Per judged answer, a learner's trust keeps this much of its old value (an exponential
+    average of its alignments over about 1 / (1 - decay) answers)."""
+    robust_trust_full: float = 0.6
+    """A learner of this trust or more keeps its full weight; below, its weight falls linearly
+    to 0 at robust_min_alignment. Trust follows full-length answers only."""
     max_speedup: float = 8.0
     """A contribution may not claim more steps than elapsed time allows at max_speedup x the
     fleet's median step time (plus one period of H steps)."""
@@ -166,6 +190,21 @@ class DiLoCoConfig:
         )  # fmt: skip
         _check(self.norm_screen_min >= 1, "norm_screen_min", self.norm_screen_min, ">= 1")
         _check(self.weight_cap == 0 or self.weight_cap >= 1, "weight_cap", self.weight_cap, ">= 1, or 0 to disable")
+        _check(0 <= self.robust_min_alignment < 1, "robust_min_alignment", self.robust_min_alignment, "in [0, 1)")
+        _check(
+            self.robust_min_alignment < self.robust_full_alignment <= 1,
+            "robust_full_alignment",
+            self.robust_full_alignment,
+            f"in (robust_min_alignment = {self.robust_min_alignment}, 1]",
+        )
+        _check(self.robust_clip == 0 or self.robust_clip >= 1, "robust_clip", self.robust_clip, ">= 1, or 0 to disable")
+        _check(0 <= self.robust_trust_decay < 1, "robust_trust_decay", self.robust_trust_decay, "in [0, 1)")
+        _check(
+            self.robust_min_alignment < self.robust_trust_full <= 1,
+            "robust_trust_full",
+            self.robust_trust_full,
+            f"in (robust_min_alignment = {self.robust_min_alignment}, 1]",
+        )
         _check(self.max_speedup >= 1, "max_speedup", self.max_speedup, ">= 1")
         _check(self.quarantine_after >= 0, "quarantine_after", self.quarantine_after, ">= 0 (0 disables)")
         _check(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.core import admission
+from ddiloco.core import admission, robust
 from ddiloco.core.admission import STRIKES, screened
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
@@ -49,6 +49,10 @@ from ddiloco.core.tape import (
     TapeRecord,
 )
 from ddiloco.core.validation import check_norm
+
+STEP_CONSENSUS = 4.0
+"""Step-time EMAs more than this factor from the live fleet's lower median do not drive the
+step clock (honest fleets differ by less; ``max_speedup`` bounds claims at 8x)."""
 
 
 @dataclass
@@ -128,6 +132,11 @@ class LearnerInfo:
     """When its last contribution was accepted into a round (-inf: none yet)."""
     held: dict[int, int] = field(default_factory=dict)
     """Per owned fragment, the newest version it is known to hold (its join, acks, answers)."""
+    trust: float = 1.0
+    """The robust merge's trust in this id: an average of its answers' alignments over rounds.
+    Kept across incarnations and restarts: re-registering does not reset it."""
+    stale_served: dict[int, int] = field(default_factory=dict)
+    """Per fragment, the version last sent in answer to a stale contribution (at most once each)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,8 @@ class Pending:
     clipped: bool = False
     scale: float = 1.0
     """Staleness discount of its outer gradient (1 unless ``staleness = "scaled"``)."""
+    shrunk: float = 1.0
+    """The robust merge's size clipping, already applied to ``deltas`` and ``norms``."""
 
 
 def _norm(values: Sequence[torch.Tensor]) -> float:
@@ -424,8 +435,12 @@ class Syncer:
         if base is None:
             detail = f"stale base version {c.base_version} (current {frag.version}, keeping {self.cfg.keep_versions})"
             self._reject(c, "stale_base", detail, now, out)
-            # Send the current value so the learner rebases instead of retrying forever.
-            out.messages.append(self._update(c.learner, c.fragment, "stale", now))
+            # Send the current value so the learner rebases instead of retrying forever; once
+            # per version, so stale answers cannot turn the syncer into an amplifier.
+            info = self.learners[c.learner]
+            if info.stale_served.get(c.fragment) != frag.version:
+                info.stale_served[c.fragment] = frag.version
+                out.messages.append(self._update(c.learner, c.fragment, "stale", now))
             return
         # The fragment only changes when its round closes, so the anchor chosen now is the one
         # the merge would use at the close. The payload becomes the delta in place: the syncer
@@ -483,7 +498,7 @@ class Syncer:
     def weight_cap(self, now: float) -> float | None:
         """The cap on one contribution's weight now (``admission.weight_cap`` over the live
         learners' recent accepted weights)."""
-        return admission.weight_cap((w for m in self.live(now) for w in self.learners[m].recent_weights), self.cfg)
+        return admission.weight_cap((list(self.learners[m].recent_weights) for m in self.live(now)), self.cfg)
 
     def _admission(self, c: Contribution, now: float) -> tuple[RejectReason, str] | None:
         """Why ``c`` may not enter a round before its payload is touched (``core/admission.py``)."""
@@ -537,10 +552,15 @@ class Syncer:
         return sorted(m for m, i in self.learners.items() if not i.left and now - i.last_heard <= timeout)
 
     def t_step(self, now: float) -> float | None:
-        """Median over live learners of their step-time EMAs (None before any is known)."""
+        """Median over live learners of their step-time EMAs (None before any is known), over
+        those within ``STEP_CONSENSUS`` x of the fleet's lower median: half of the live
+        learners reporting the largest allowed step time cannot stop the clock."""
         times = [self.learners[m].step_time.value for m in self.live(now)]
         known = [t for t in times if t]
-        return statistics.median(known) if known else None
+        if not known:
+            return None
+        low = statistics.median_low(known)
+        return statistics.median(t for t in known if low / STEP_CONSENSUS <= t <= low * STEP_CONSENSUS)
 
     def data_position(self, learner: int) -> int:
         """Where the learner's data shard resumes (its last merged contribution's position)."""
@@ -584,6 +604,9 @@ class Syncer:
             self.next_tick_at = now + t_step
         if now - self.next_tick_at > self.cfg.sync_every * t_step:
             self.next_tick_at = now  # long absence: resume the schedule, don't replay it
+        # A tick scheduled by a far slower clock (a learner reporting absurd step times, since
+        # gone) comes within two of today's periods: the clock recovers at once.
+        self.next_tick_at = min(self.next_tick_at, now + 2 * t_step)
         # Bounded by construction: at most one period of ticks per call, whatever t_step is.
         for _ in range(self.cfg.sync_every + 1):
             if self.next_tick_at > now:
@@ -649,8 +672,11 @@ class Syncer:
 
     def _screen_round(self, rnd: Round, now: float, out: Output) -> None:
         """Take the answers ``admission.out_of_line`` finds out of the round, each refused with
-        a strike, and rebuild the merge without them."""
+        a strike, and rebuild the merge without them (``_judge_round`` when robust)."""
         frag = self.fragments[rnd.fragment]
+        if self.cfg.robust:
+            self._judge_round(rnd, now, out)
+            return
         stats = {
             m: screened(pd.norms, pd.contribution.steps) for m, pd in rnd.pending.items() if pd.contribution.steps > 0
         }
@@ -660,7 +686,52 @@ class Syncer:
         for m, x, ref in found:  # recorded with the round, each with a strike
             c = rnd.pending.pop(m).contribution
             self._reject(c, "outlier", admission.outlier_detail(x, ref, self.cfg), now, out)
-        # Rebuild the running sums from what remains (exact; a subtraction would leave residue).
+        self._rebuild(rnd)
+
+    def _judge_round(self, rnd: Round, now: float, out: Output) -> None:
+        """The robust merge (``core/robust.py``): refuse misaligned answers, clip oversized
+        ones, weigh each learner by its trust; rebuild the merge if anything changed."""
+        frag = self.fragments[rnd.fragment]
+        judged = {m: pd for m, pd in rnd.pending.items() if pd.contribution.steps > 0}
+        if not judged:
+            return
+        history = admission.history_reference(list(frag.recent_norms), frag.screen_rounds, self.cfg)
+        verdicts = robust.judge(
+            {m: pd.deltas for m, pd in judged.items()},
+            {m: math.sqrt(sum(n * n for n in pd.norms)) for m, pd in judged.items()},
+            {m: pd.contribution.steps for m, pd in judged.items()},
+            history,
+            self.cfg.robust_clip,
+        )
+        changed = False
+        full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
+        for m, v in verdicts.items():
+            pd, info, cfg = judged[m], self.learners[m], self.cfg
+            # Only full-length answers judge the learner: a few steps are mostly noise.
+            full = pd.contribution.steps >= full_length and not math.isnan(v.cosine)
+            if full:
+                info.trust = robust.trust_after(info.trust, v.alignment, cfg.robust_trust_decay)
+            if full and v.alignment < cfg.robust_min_alignment:
+                del rnd.pending[m]
+                self._reject(
+                    pd.contribution, "misaligned", admission.misaligned_detail(v.cosine, v.alignment, cfg), now, out
+                )
+                changed = True
+                continue
+            if v.clip < 1.0:
+                for d in pd.deltas:
+                    d.mul_(v.clip)
+                pd.norms, pd.shrunk, changed = [n * v.clip for n in pd.norms], v.clip, True
+            factor = robust.trust_factor(info.trust, cfg.robust_min_alignment, cfg.robust_trust_full)
+            factor *= min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
+            if factor < 1.0:
+                pd.weight *= factor
+                pd.clipped = changed = True
+        if changed:
+            self._rebuild(rnd)
+
+    def _rebuild(self, rnd: Round) -> None:
+        """Rebuild the running sums from what remains (exact; a subtraction would leave residue)."""
         rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
         for pd in rnd.pending.values():
             for acc, d, n in zip(rebuilt, pd.deltas, pd.norms):
@@ -725,6 +796,7 @@ class Syncer:
                     c.learner in rnd.in_grace,
                     pd.clipped,
                     math.sqrt(sum(n * n for n in pd.norms)),
+                    pd.shrunk,
                 )
             )
         out.tape.append(record)
@@ -874,6 +946,7 @@ class Syncer:
                     "incarnation": i.incarnation,
                     "last_seq": {str(p): s for p, s in i.last_seq.items()},
                     "recent_weights": list(i.recent_weights),
+                    "trust": i.trust,
                 }
                 for m, i in self.learners.items()
             },
@@ -896,6 +969,8 @@ class Syncer:
             # Replays of contributions merged before the restart stay refused after it.
             info.last_seq = {int(p): int(s) for p, s in rec["last_seq"].items()}
             info.recent_weights.extend(float(w) for w in rec.get("recent_weights", []))
+            trust = float(rec.get("trust", 1.0))
+            info.trust = min(max(trust, 0.0), 1.0) if math.isfinite(trust) else 0.0
         for p, norms in meta.get("recent_norms", {}).items():
             if int(p) in self.owned:
                 self.fragments[int(p)].recent_norms.extend(float(x) for x in norms)

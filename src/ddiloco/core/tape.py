@@ -26,6 +26,7 @@ RejectReason = Literal[
     "bad_payload",
     "bad_norm",
     "outlier",
+    "misaligned",
     "implausible",
     "quarantined",
 ]
@@ -185,7 +186,9 @@ class MergedEntry:
     clipped: bool = False
     """Whether its weight was clipped at weight_cap x the median (its tokens with it)."""
     norm: float = 0.0
-    """L2 norm of its outer gradient."""
+    """L2 norm of its outer gradient (as merged: after any size clipping)."""
+    scaled: float = 1.0
+    """The robust merge's size clipping of its outer gradient (1: merged at its own size)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,6 +203,7 @@ class MergedEntry:
             "in_grace": self.in_grace,
             "clipped": self.clipped,
             "norm": self.norm,
+            "scaled": self.scaled,
         }
 
     @property
@@ -229,8 +233,9 @@ class MergedEntry:
             tokens=_int(d, "tokens"),
             steps=_int(d, "steps"),
             in_grace=_bool(d, "in_grace"),
-            clipped=_bool(d, "clipped", False),  # older tapes lack the last two
+            clipped=_bool(d, "clipped", False),  # older tapes lack the last three
             norm=_float(d, "norm", 0.0),
+            scaled=_float(d, "scaled", 1.0),
         )
 
 

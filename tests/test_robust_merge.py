@@ -1,0 +1,244 @@
+"""The robust merge by hand (core/robust.py, Syncer._judge_round): a reversed delta, a drifting
+one, an inflated weight, an honest outlier that must still be merged, a cold restart, the step
+clock against absurd step times, and stale answers that cannot amplify."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddiloco.core import robust
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import TensorSpec, balanced_layout
+from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Join, Leave
+from ddiloco.core.syncer import Output, Syncer
+from ddiloco.core.tape import RoundRecord
+
+N = 2000
+SEQ = itertools.count(1)
+CFG = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=1, quorum="all", grace=False, liveness_timeout_s=5.0,
+                   takeover_after_s=1.0)  # fmt: skip
+
+
+class Fleet:
+    """A syncer whose honest learners descend one shared direction with their own noise (as
+    measured: cosines of 0.5 to 1 with the round's centre)."""
+
+    def __init__(self, learners: int = 4, cfg: DiLoCoConfig = CFG, seed: int = 0) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+        self.descent = torch.randn(N, generator=self.g)
+        self.descent /= self.descent.norm()
+        self.s = Syncer(
+            cfg, balanced_layout([TensorSpec("w", (N,))], 1), {"w": torch.randn(N, generator=self.g)}, [False]
+        )
+        self.learners = list(range(learners))
+        self.inc = dict.fromkeys(self.learners, 0)  # each learner's current incarnation
+        self.records: list[RoundRecord] = []
+        self.refusals: list[tuple[int, str]] = []
+        self.now = 0.0
+        for m in self.learners:
+            self.s.handle(Join(m, 0, [0]), 0.0)
+            self.s.handle(Heartbeat(m, 0, 0, 1.0), 0.0)
+
+    def keep(self, out: Output) -> Output:
+        for r in out.tape:
+            if isinstance(r, RoundRecord):
+                self.records.append(r)
+                self.refusals += [(x.learner, x.reason) for x in r.rejected]
+            elif getattr(r, "reason", None) is not None:
+                self.refusals.append((r.learner, r.reason))  # type: ignore[attr-defined]
+        return out
+
+    def honest_delta(self, size: float = 0.1) -> torch.Tensor:
+        noise = torch.randn(N, generator=self.g) / math.sqrt(N)
+        return size * (self.descent + 0.8 * noise)
+
+    def answer(self, m: int, delta: torch.Tensor, **kw: int) -> Contribution:
+        frag = self.s.fragments[0]
+        fields = dict(learner=m, incarnation=self.inc[m], fragment=0, base_version=frag.version, seq=next(SEQ),
+                      values=[frag.values[0] - delta], steps=4, tokens=400, data_position=0, step=0)  # fmt: skip
+        return Contribution(**{**fields, **kw})  # type: ignore[arg-type]
+
+    def round(self, answers: list[Contribution]) -> RoundRecord:
+        self.now += 4.0
+        for m in self.learners:
+            self.keep(self.s.handle(Heartbeat(m, self.inc[m], 0, 1.0), self.now))
+        for c in answers:
+            self.keep(self.s.handle(c, self.now + 0.1))
+        self.keep(self.s.flush(self.now + 0.2))
+        return self.records[-1]
+
+    def honest_round(self, attacker: Contribution | None = None) -> RoundRecord:
+        answers = [
+            self.answer(m, self.honest_delta()) for m in self.learners if attacker is None or m != attacker.learner
+        ]
+        return self.round(answers + ([attacker] if attacker is not None else []))
+
+    def restart(self, m: int) -> None:
+        """Learner m's process is replaced: a new incarnation joins (holding the current version)."""
+        self.inc[m] += 1
+        out = self.s.handle(Join(m, self.inc[m], [self.s.fragments[0].version]), self.now + 0.5)
+        assert not out.refused
+
+    def progress(self) -> float:
+        """How far the global fragment went along the descent direction (the honest goal)."""
+        return float((self.start - self.s.fragments[0].values[0]) @ self.descent)
+
+    def mark(self) -> None:
+        self.start = self.s.fragments[0].values[0].clone()
+
+
+def shares(rec: RoundRecord) -> dict[int, float]:
+    total = sum(e.weight for e in rec.merged)
+    return {e.learner: e.weight / total for e in rec.merged}
+
+
+def test_a_reversed_delta_with_a_cap_sized_weight_is_refused_and_the_fleet_keeps_descending():
+    f = Fleet()
+    for _ in range(3):
+        f.honest_round()
+    f.mark()
+    for _ in range(6):
+        # reversed, 5x the honest size, and tokens up to the weight cap
+        rec = f.honest_round(f.answer(3, -5 * f.honest_delta(), tokens=800))
+        assert [e.learner for e in rec.merged] == [0, 1, 2]
+    assert f.refusals == [(3, "misaligned")] * 6
+    assert f.progress() > 0.5 * 6 * 0.1  # the honest merges moved it forward (outer lr 0.7, momentum)
+
+
+def test_a_reversed_delta_at_an_honest_norm_is_refused():
+    f = Fleet()
+    f.honest_round()
+    f.honest_round(f.answer(3, -f.honest_delta()))
+    assert f.refusals == [(3, "misaligned")]
+
+
+def test_a_drifting_learner_above_the_refusal_bound_loses_its_weight_over_rounds():
+    """A bias orthogonal to the descent, 6x the honest size, every round: no single answer
+    moves against the fleet (none is refused), but its alignment, and over rounds its trust,
+    cut its weight. (The size clip bounds each answer at robust_clip x the round's median.)"""
+    f = Fleet()
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    bias -= (bias @ f.descent) * f.descent
+    bias *= 0.6 / bias.norm()
+    factors = []
+    for _ in range(12):
+        rec = f.honest_round(f.answer(3, f.honest_delta() + bias))
+        factors.append(shares(rec).get(3, 0.0))
+    assert f.refusals == []
+    assert f.s.learners[3].trust < CFG.robust_trust_full
+    assert factors[-1] < 0.75 * 0.25  # its share of the merge fell with its trust
+    assert factors[-1] < factors[0]
+    assert all(f.s.learners[m].trust > CFG.robust_trust_full for m in range(3))
+
+
+def test_the_weight_cap_does_not_ratchet_with_one_honest_peer():
+    """M = 2: an attacker inflating its tokens every round. Its clipped weights are its own
+    record, but each learner's median counts at most weight_cap x the lowest: the cap stays at a
+    fixed multiple of the honest learner's weight."""
+    f = Fleet(learners=2)
+    f.honest_round()
+    history = []
+    for _ in range(14):
+        rec = f.round([f.answer(0, f.honest_delta()), f.answer(1, f.honest_delta(), tokens=40_000)])
+        history.append(shares(rec)[1])
+    assert history[-1] == pytest.approx(history[4])  # no ratchet: constant after the windows fill
+    assert history[-1] <= 10 / 11 + 1e-9  # weight_cap x (h + weight_cap h) / 2 = 10 h at most
+    assert all(e.clipped for rec in f.records[-5:] for e in rec.merged if e.learner == 1)
+
+
+def test_an_honest_outlier_is_merged_at_a_bounded_size_not_refused():
+    f = Fleet()
+    for _ in range(4):
+        f.honest_round()
+    rec = f.honest_round(f.answer(3, 8 * f.honest_delta()))  # 8x its peers, same direction
+    assert f.refusals == []
+    entry = next(e for e in rec.merged if e.learner == 3)
+    assert entry.was_merged and entry.scaled == pytest.approx(CFG.robust_clip / 8, rel=0.2)
+
+
+def test_a_cold_restart_is_merged_but_restart_then_attack_is_refused_and_trust_survives():
+    cfg = DiLoCoConfig(**{**CFG.__dict__, "takeover_after_s": 0.01})
+    f = Fleet(cfg=cfg)
+    for _ in range(4):
+        f.honest_round()
+    f.restart(3)  # its cold optimizer's first answer is 10x larger than its peers'
+    rec = f.round([f.answer(m, f.honest_delta()) for m in range(3)] + [f.answer(3, 10 * f.honest_delta())])
+    assert f.refusals == [] and 3 in [e.learner for e in rec.merged if e.was_merged]
+    # the same id attacks, re-registers, attacks again: refused each time, and its trust is kept
+    f.round([f.answer(m, f.honest_delta()) for m in range(3)] + [f.answer(3, -f.honest_delta())])
+    low = f.s.learners[3].trust
+    f.restart(3)
+    assert f.s.learners[3].trust == low < 1.0
+    f.round([f.answer(m, f.honest_delta()) for m in range(3)] + [f.answer(3, -f.honest_delta())])
+    assert f.refusals == [(3, "misaligned"), (3, "misaligned")]
+
+
+def test_trust_survives_a_syncer_restart():
+    f = Fleet()
+    f.honest_round(f.answer(3, -f.honest_delta()))
+    meta = f.s.meta_state()
+    fresh = Fleet()
+    fresh.s.load_meta_state(meta)
+    assert fresh.s.learners[3].trust == f.s.learners[3].trust < 1.0
+
+
+def test_robust_off_keeps_the_norm_screen():
+    f = Fleet(cfg=DiLoCoConfig(**{**CFG.__dict__, "robust": False}))
+    f.honest_round(f.answer(3, -f.honest_delta()))
+    assert f.refusals == []  # without the direction check a reversed delta passes: why robust is on
+
+
+def test_unit_median_cosines_match_a_direct_computation_across_chunks():
+    g = torch.Generator().manual_seed(1)
+    n = robust.CHUNK * 2 + 17  # three chunks, the last one short
+    deltas = {m: [torch.randn(n, generator=g), torch.randn(5, generator=g)] for m in range(5)}
+    norms = {m: float(torch.cat(d).norm()) for m, d in deltas.items()}
+    got = robust.unit_median_cosines(deltas, norms)
+    units = torch.stack([torch.cat(deltas[m]) / norms[m] for m in range(5)])
+    centre = units.median(dim=0).values  # odd count: the middle value
+    for m in range(5):
+        assert got[m] == pytest.approx(float(units[m] @ centre / centre.norm()), rel=1e-5)
+
+
+def test_tolerance_says_what_holds_at_two_learners():
+    assert "no round has a majority" in robust.tolerance(2)
+    assert "tolerates 1 keyed attacker(s) among 4" in robust.tolerance(4)
+
+
+def test_half_the_fleet_reporting_the_largest_step_time_cannot_stop_the_clock_and_it_recovers():
+    cfg = DiLoCoConfig(num_fragments=1, sync_every=4, liveness_timeout_s=5.0)
+    s = Syncer(cfg, balanced_layout([TensorSpec("w", (10,))], 1), {"w": torch.zeros(10)}, [False])
+    for m in range(4):
+        s.handle(Join(m, 0, [0]), 0.0)
+    opened = []
+    now = 0.0
+    for i in range(200):
+        now = i * 0.1
+        for m in range(4):
+            slow = m >= 2 and i < 100  # learners 2 and 3 report an hour per step, then leave
+            if m >= 2 and i == 100:
+                s.handle(Leave(m, 0), now)
+            elif m < 2 or i < 100:
+                out = s.handle(Heartbeat(m, 0, i, cfg.max_step_time_s if slow else 0.1), now)
+                opened += [(now, r.fragment) for r in out.messages if isinstance(r, FragmentRequest)]
+        s.flush(now)
+    assert s.t_step(now) == pytest.approx(0.1, rel=0.2)
+    assert len([t for t, _ in opened if t < 10.0]) > 5  # rounds kept opening while they lied
+    assert len([t for t, _ in opened if t >= 10.0]) > 5  # and after they left
+
+
+def test_a_stale_answer_gets_the_fragment_once_per_version():
+    f = Fleet(cfg=DiLoCoConfig(**{**CFG.__dict__, "keep_versions": 1}))
+    for _ in range(4):
+        f.honest_round()
+    sent = []
+    for _ in range(5):
+        c = f.answer(3, f.honest_delta(), base_version=0)
+        out = f.keep(f.s.handle(c, f.now + 0.5))
+        sent += [u for u in out.messages if isinstance(u, FragmentUpdate) and u.reason == "stale"]
+    assert len(sent) == 1
+    assert [r for _, r in f.refusals].count("stale_base") == 5
