@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
+from ddiloco.core import robust
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
@@ -271,6 +272,9 @@ class SyncerService:
             len(self.core.owned),
             "restored" if self.restored else "fresh",
         )
+        if self.cfg.algo.robust:  # what a keyed attacker can and cannot do to this fleet's merges
+            n = self.cfg.run.num_learners
+            (log.warning if n < robust.MIN_ANSWERS else log.info)("%s", robust.tolerance(n))
         try:
             self._loop(rt, end)
         except StoreFull as e:
