@@ -540,6 +540,9 @@ def final_arms(base: list[str], best: dict[str, list[str]]) -> dict[str, tuple[s
         "diloco (RDA)": ("diloco", [*base, *dil, "algo.merge=rda"]),
         "decoupled (mean)": ("decoupled", [*base, *dec, "algo.merge=mean"]),
         "decoupled chaos": ("decoupled", [*base, *dec, *CHAOS]),
+        # The robust merge's cost to honest runs (issue 18): the same arms with it off.
+        "decoupled (robust off)": ("decoupled", [*base, *dec, "algo.robust=false"]),
+        "decoupled chaos (robust off)": ("decoupled", [*base, *dec, *CHAOS, "algo.robust=false"]),
         "hetero K=1": ("decoupled", [*base, *dec, *HETERO, *K1]),
         "hetero K=1 scaled": ("decoupled", [*base, *dec, *HETERO, *K1, "algo.staleness=scaled"]),
         # Every answer becomes a version of its own: the kept versions must cover two ticks' worth.
