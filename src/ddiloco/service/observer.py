@@ -2,11 +2,13 @@
 
 The evaluator (``FetchGlobal`` -> ``GlobalState``), ``ddiloco status`` (``StatusRequest`` ->
 ``StatusReply``) and ``ddiloco export`` from a live syncer all read the syncer through ``ask``:
-a short-lived ZeroMQ DEALER with a fresh identity (CURVE with the observer's keys when given),
-one request, and a wait of at most ``timeout_s`` for a reply of the expected type. Anything else
-that arrives meanwhile is skipped: a message of another type, or one ``wire.decode`` refuses. When
-no reply came in time, ``NoReply`` says so in one line, and says too if what came could not be
-read (another ddiloco version), since that is a different fix from a syncer that is not there.
+a short-lived ZeroMQ DEALER with a fresh identity (CURVE with the observer's keys when given,
+else with those of a ``SyncerServer`` serving that address in this process, which makes keys by
+default), one request, and a wait of at most ``timeout_s`` for a reply of the expected type.
+Anything else that arrives meanwhile is skipped: a message of another type, or one
+``wire.decode`` refuses. When no reply came in time, ``NoReply`` says so in one line, and says
+too if what came could not be read (another ddiloco version), since that is a different fix from
+a syncer that is not there.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import zmq
 
 from ddiloco.errors import DDiLoCoError
 from ddiloco.protocol.messages import FetchGlobal, GlobalState, StatusReply, StatusRequest
-from ddiloco.service.keys import ClientKeys
+from ddiloco.service.keys import ClientKeys, local_keys
 from ddiloco.service.wire import WireError, decode, encode
 
 R = TypeVar("R")
@@ -41,7 +43,10 @@ def observer_keys(addresses: list[str], keys: str | Path | ClientKeys | None, in
 
 def ask(address: str, request: Any, reply_type: type[R], timeout_s: float, keys: ClientKeys | None = None) -> R:
     """Send ``request`` to the syncer at ``address`` and return its reply of ``reply_type``;
-    ``NoReply`` when none arrives within ``timeout_s``."""
+    ``NoReply`` when none arrives within ``timeout_s``. Without ``keys``: the observer's keys of
+    a ``SyncerServer`` serving ``address`` in this process, if there is one (else none)."""
+    if keys is None and (folder := local_keys([address])) is not None:
+        keys = ClientKeys.load(folder, "observer")
     sock = zmq.Context.instance().socket(zmq.DEALER)
     unreadable = ""
     try:
