@@ -7,10 +7,12 @@ a learner. At the end the global model is evaluated and exported with ``save_pre
 
     python examples/hf_causal_lm.py --text corpus.txt              # syncer + 2 learners, locally
 
-Across machines, run the roles yourself (add --keys DIR off loopback, see docs/security.md):
+The syncer makes the run's CURVE keys in RUN_DIR/keys (unless given --keys DIR); a learner
+uses --keys DIR, or else RUN_DIR/keys. Across machines, run the roles yourself and copy the keys
+a learner needs (syncer.key, learner-ID.key_secret) to its machine (see docs/security.md):
 
     python examples/hf_causal_lm.py --text corpus.txt --role syncer --bind tcp://0.0.0.0:5555
-    python examples/hf_causal_lm.py --text corpus.txt --role learner --id 0 --syncer tcp://HOST:5555
+    python examples/hf_causal_lm.py --text corpus.txt --role learner --id 0 --syncer tcp://HOST:5555 --keys KEYS
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def run_learner(args: argparse.Namespace) -> None:
     model = build_model(args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     stream = text_workload(args).train_stream(args.id, LEARNERS, 0)
-    learner = ddiloco.Learner(model, args.syncer, learner_id=args.id, key=args.keys, config=config(args),
+    key = args.keys or Path(args.run_dir) / "keys"  # the syncer makes the run's keys there
+    learner = ddiloco.Learner(model, args.syncer, learner_id=args.id, key=key, config=config(args),
                               optimizer=optimizer)  # fmt: skip  # + joins, takes the global model
     stream.seek(learner.data_position)  # a restarted learner resumes its data where the run recorded it
     total = learner.cfg.run.processed_tokens
@@ -126,6 +129,7 @@ def run_all(args: argparse.Namespace) -> float:
     common = [sys.executable, __file__, "--text", str(args.text), "--run-dir", str(args.run_dir)]
     common += ["--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size)]
     common += ["--sync-every", str(args.sync_every), "--lr", str(args.lr)]
+    common += ["--keys", args.keys] if args.keys else []
     syncer = subprocess.Popen([*common, "--role", "syncer", "--bind", address])
     try:
         status = Path(args.run_dir) / "status" / "syncer-0.json"
@@ -158,7 +162,7 @@ def main() -> None:
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="syncer: the address to bind")
     ap.add_argument("--syncer", help="learner: the syncer's address")
     ap.add_argument("--id", type=int, default=0, help="learner: its id (0 .. 1), which also picks its data shard")
-    ap.add_argument("--keys", help="the `ddiloco keys` folder (required off loopback)")
+    ap.add_argument("--keys", help="the `ddiloco keys` folder (default: the syncer makes RUN_DIR/keys)")
     ap.add_argument("--steps", type=int, default=300, help="inner steps per learner in a healthy run")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8)

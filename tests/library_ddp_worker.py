@@ -1,7 +1,10 @@
 """One rank of a 2-rank torchrun learner for tests/test_library.py: the user's own loop with
 DDP or FSDP2 (``fully_shard``) inside and ``ddiloco.Learner`` around it.
 
-Usage: torchrun ... library_ddp_worker.py ADDRESS OUT_DIR ddp|fsdp SETTINGS..."""
+Usage: torchrun ... library_ddp_worker.py ADDRESS OUT_DIR ddp|fsdp KEYS SETTINGS...
+
+KEYS is the syncer's keys folder (a ``SyncerServer`` makes them in ``RUN_DIR/keys``): the
+learner passes it as ``key=``, as a learner in another process must."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    address, out, mode, settings = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    address, out, mode, keys, settings = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different inits per rank: the join must make them equal
@@ -43,7 +46,8 @@ def main() -> None:
         trained = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(10 + rank)
-    with ddiloco.Learner(trained, address, learner_id=0, config=load_config(None, settings), optimizer=opt) as learner:
+    cfg = load_config(None, settings)
+    with ddiloco.Learner(trained, address, learner_id=0, config=cfg, optimizer=opt, key=keys) as learner:
         joined = full(model)
         for _ in range(150):
             batch = make_batch(g)

@@ -20,7 +20,7 @@ import ddiloco
 from ddiloco.cli import main
 from ddiloco.config import load_config
 from ddiloco.errors import DDiLoCoError
-from ddiloco.service.keys import ClientKeys, local_keys, run_keys
+from ddiloco.service.keys import ClientKeys, forget_local_keys, local_keys, remember_local_keys, run_keys
 from ddiloco.service.launcher import Launcher
 from ddiloco.service.observer import NoReply, fetch_status
 
@@ -111,11 +111,17 @@ def test_a_library_syncer_is_keyed_on_loopback_and_its_process_finds_the_keys(tm
     server = ddiloco.SyncerServer(Net(), "tcp://127.0.0.1:*", tmp_path, config=cfg, fsync=False).start()
     try:
         assert server.keys == tmp_path / "keys" and local_keys([server.address]) == server.keys
-        # a local process without the keys (no registry in its process): nothing is answered
-        with pytest.raises(NoReply):
-            fetch_status(server.address, 0.5)
-        # the observer's key gets an answer; so does `ddiloco status` in this process, keyless
+        # a local process without the keys (no registry in its process, as if forgotten here):
+        # nothing is answered
+        forget_local_keys(server.address)
+        try:
+            with pytest.raises(NoReply):
+                fetch_status(server.address, 0.5)
+        finally:
+            remember_local_keys(server.address, server.keys)
+        # the observer's key gets an answer; so does a keyless fetch or `ddiloco status` in this process
         assert fetch_status(server.address, 5.0, ClientKeys.load(server.keys, "observer"))["shard"] == 0
+        assert fetch_status(server.address, 5.0)["shard"] == 0
         assert main(["status", server.address, "--json", "--timeout", "5"]) == 0
         assert json.loads(capsys.readouterr().out)["shard"] == 0
         # ... and with the run folder given as the keys

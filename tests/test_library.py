@@ -290,16 +290,16 @@ def test_a_two_rank_torchrun_learner_with_ddp_or_fsdp2(tmp_path, mode):
     torch.manual_seed(0)
     initial = DictNet()
     expected = {k: v.detach().clone() for k, v in initial.state_dict().items()}
-    # insecure: library_ddp_worker.py's Learner takes no key argument (it is given the address only)
-    server = ddiloco.SyncerServer(
-        initial, "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False, insecure=True
-    )
+    # keyed, as by default: the worker (another process) is given the syncer's keys folder
+    server = ddiloco.SyncerServer(initial, "tcp://127.0.0.1:*", tmp_path / "syncer", config=cfg(), fsync=False)
     server.start()
+    assert server.keys is not None
     try:
         out = subprocess.run(
             [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                str(ROOT / "tests" / "library_ddp_worker.py"), server.address, str(tmp_path), mode, *SETTINGS,
+                str(ROOT / "tests" / "library_ddp_worker.py"), server.address, str(tmp_path), mode,
+                str(server.keys), *SETTINGS,
             ],
             env=ENV,
             capture_output=True,
