@@ -2,6 +2,7 @@
 
     python bench/soak.py --minutes 10                  # the report: attack run + its baseline (~22 min)
     python bench/soak.py --minutes 0.8 --no-baseline   # the CI variant (invariants only, ~1 min)
+    python bench/soak.py --insider                     # the insider phase (bench/soak_insider.py, ~45 min)
 
 The attack run: the syncer, 3 honest learners (ids 0-2), an attacking learner (id 3, a process of
 this file holding learner-3's valid key, answering with corrupted contributions in rotation:
@@ -962,6 +963,10 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="the attack run only (CI)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="folder for reliability.md/.json")
     ap.add_argument("--work", help="work folder (default: a fresh temporary one)")
+    ap.add_argument("--insider", action="store_true", help="the insider phase (bench/soak_insider.py): 6 arms")
+    ap.add_argument("--insider-s", type=float, default=90.0, help="insider phase: seconds of training per run")
+    ap.add_argument("--reps", type=int, default=3, help="insider phase: repetitions per arm")
+    ap.add_argument("--insider-arms", default="", help="insider phase: only these arms (comma-separated; a look)")
     # internal roles
     ap.add_argument("--attacker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--intruder", action="store_true", help=argparse.SUPPRESS)
@@ -976,6 +981,16 @@ def main() -> int:
         return attacker_main(args)
     if args.intruder:
         return intruder_main(args)
+    if args.insider:
+        import soak_insider
+
+        cmd = f"python bench/soak.py --insider --insider-s {args.insider_s:g} --reps {args.reps}"
+        work = Path(args.work) if args.work else ROOT / "bench" / "cache" / "insider"
+        arms = tuple(a for a in args.insider_arms.split(",") if a) or soak_insider.ARMS
+        unknown = [a for a in arms if a not in soak_insider.ARMS]
+        if unknown or "baseline" not in arms:
+            ap.error(f"--insider-arms takes arms of {soak_insider.ARMS}, baseline among them; got {arms}")
+        return soak_insider.run_phase(work, args.insider_s, args.reps, Path(args.out), cmd, arms)
     started = time.time()
     duration = args.minutes * 60
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ddiloco-soak-"))

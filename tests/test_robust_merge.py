@@ -242,3 +242,71 @@ def test_a_stale_answer_gets_the_fragment_once_per_version():
         sent += [u for u in out.messages if isinstance(u, FragmentUpdate) and u.reason == "stale"]
     assert len(sent) == 1
     assert [r for _, r in f.refusals].count("stale_base") == 5
+
+
+def test_a_round_waits_for_a_majority_before_it_merges():
+    """K = 1 with 4 live learners: the first answer alone does not close the round (it would
+    be the whole merge, unjudged); the third does."""
+    cfg = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=1, quorum=1, grace=False, liveness_timeout_s=50.0)
+    f = Fleet(cfg=cfg)
+    f.now = 4.0
+    opened = [r for m in f.learners for r in f.s.handle(Heartbeat(m, 0, 0, 1.0), f.now).messages]
+    assert opened  # the step clock opened the round
+    for m, t in ((3, 4.1), (0, 4.2)):
+        out = f.keep(f.s.handle(f.answer(m, f.honest_delta()), t))
+        assert not any(isinstance(r, RoundRecord) for r in out.tape)
+    f.keep(f.s.handle(f.answer(1, f.honest_delta()), 4.3))
+    assert [e.learner for e in f.records[-1].merged] == [0, 1, 3]
+    # without the robust merge, K = 1 closes at the first answer
+    g = Fleet(cfg=DiLoCoConfig(**{**cfg.__dict__, "robust": False}))
+    for m in g.learners:
+        g.s.handle(Heartbeat(m, 0, 0, 1.0), 4.0)
+    g.keep(g.s.handle(g.answer(3, g.honest_delta()), 4.1))
+    assert [e.learner for e in g.records[-1].merged] == [3]
+
+
+def test_the_wait_for_a_majority_ends_after_one_period():
+    cfg = DiLoCoConfig(num_fragments=1, sync_every=4, overlap=1, quorum=1, grace=False, liveness_timeout_s=50.0)
+    f = Fleet(cfg=cfg)
+    for m in f.learners:
+        f.s.handle(Heartbeat(m, 0, 0, 1.0), 4.0)
+    f.keep(f.s.handle(f.answer(0, f.honest_delta()), 4.1))
+    assert not f.records
+    f.keep(f.s.poll(4.0 + cfg.sync_every * 1.0 + 0.01))  # one period of H steps later: it closes
+    assert [e.learner for e in f.records[-1].merged] == [0]
+
+
+def test_no_answer_outweighs_twice_the_rounds_median_weight():
+    f = Fleet()
+    for _ in range(8):  # the fleet-wide cap (4x) is armed by now
+        f.honest_round()
+    rec = f.honest_round(f.answer(3, f.honest_delta(), tokens=800))  # 4x the weight
+    entry = next(e for e in rec.merged if e.learner == 3)
+    assert entry.clipped and entry.weight == pytest.approx(CFG.robust_weight_cap * 400 * 400 / 4)
+    assert shares(rec)[3] == pytest.approx(2 / 5)
+
+
+def test_without_a_majority_an_untrusted_answer_moves_the_model_by_its_trust():
+    """A round of one (the others down): the answer is the whole merge whatever its weight, so
+    its size follows its learner's trust, which reversed answers have cut."""
+    f = Fleet()
+    for _ in range(3):
+        f.honest_round()
+    for _ in range(8):
+        f.honest_round(f.answer(3, -f.honest_delta()))
+    trust = f.s.learners[3].trust
+    assert trust < 0.2
+    f.now += 60.0  # learners 0-2 are gone (past the liveness timeout); 3 alone answers
+    f.learners = [3]
+    f.round([])  # the step clock resumes after the long silence
+    rec = f.round([f.answer(3, -f.honest_delta())])
+    entry = rec.merged[0]
+    expected = robust.trust_factor(trust, CFG.robust_min_alignment, CFG.robust_trust_full)
+    assert entry.scaled == pytest.approx(expected, abs=1e-6) and entry.scaled < 0.3
+
+
+def test_trust_falls_fast_and_recovers_slowly():
+    t = robust.trust_after(1.0, -1.0, 0.8)
+    assert t == pytest.approx(0.8)
+    up = robust.trust_after(t, 1.0, 0.8)
+    assert up == pytest.approx(0.8 + 0.2 * 0.05)  # a quarter of the fall's rate

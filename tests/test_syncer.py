@@ -13,8 +13,10 @@ from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUp
 from ddiloco.core.syncer import Output, Syncer
 
 # The scripted timelines below test quorum, grace, anchoring and validation on toy values far
-# from any model's scale: the merge-influence bounds (tested on their own at the end) are off.
+# from any model's scale: the merge-influence bounds (tested on their own at the end) and the
+# robust merge (tests/test_robust_merge.py; it waits for 3 answers) are off.
 BASE = DiLoCoConfig(
+    robust=False,
     max_delta_floor=1e6,
     weight_cap=0.0,
     norm_screen_factor=0.0,

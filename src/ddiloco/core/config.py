@@ -105,10 +105,12 @@ class DiLoCoConfig:
     live learners of each one's recent median, each counted at most weight_cap x the lowest):
     a larger one is clipped (and its tokens with it); 0 disables."""
     robust: bool = True
-    """Robust merging (``core/robust.py``): each round of 3 or more answers is judged against
-    the coordinate-wise median of its answers' directions; misaligned answers are refused,
-    oversized ones clipped (instead of refused by ``norm_screen_factor``), and a learner's
-    weight follows its trust over rounds. Tolerates fewer than half of a round's answers."""
+    """Robust merging (``core/robust.py``): a round waits for 3 answers when 3 learners are live
+    (at most one period of H steps) and is judged against the coordinate-wise median of its
+    answers' directions; misaligned answers are refused, oversized ones clipped (instead of
+    refused by ``norm_screen_factor``), no weight exceeds robust_weight_cap x the round's
+    median, and a learner's weight follows its trust over rounds. Tolerates fewer than half of
+    a round's answers."""
     robust_min_alignment: float = 0.0
     """A full-length answer (at least half the round's median steps) whose cosine with the
     round's centre is below this multiple of the round's median cosine is refused
@@ -121,6 +123,10 @@ class DiLoCoConfig:
     robust_clip: float = 3.0
     """An answer's |delta| per step is clipped to this multiple of the round's median (or of
     the fragment's history, when the round has fewer than 3 answers)."""
+    robust_weight_cap: float = 2.0
+    """In a round of 3 or more answers, no answer's weight exceeds this multiple of the round's
+    median weight (its tokens clipped with it): one learner claiming the fleet-wide cap cannot
+    hold half of a merge; 0 disables."""
     robust_trust_decay: float = 0.8
     """Per judged answer, a learner's trust keeps this much of its old value (an exponential
     average of its alignments over about 1 / (1 - decay) answers)."""
@@ -198,6 +204,12 @@ class DiLoCoConfig:
             f"in (robust_min_alignment = {self.robust_min_alignment}, 1]",
         )
         _check(self.robust_clip == 0 or self.robust_clip >= 1, "robust_clip", self.robust_clip, ">= 1, or 0 to disable")
+        _check(
+            self.robust_weight_cap == 0 or self.robust_weight_cap >= 1,
+            "robust_weight_cap",
+            self.robust_weight_cap,
+            ">= 1, or 0 to disable",
+        )
         _check(0 <= self.robust_trust_decay < 1, "robust_trust_decay", self.robust_trust_decay, "in [0, 1)")
         _check(
             self.robust_min_alignment < self.robust_trust_full <= 1,

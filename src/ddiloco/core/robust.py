@@ -114,8 +114,12 @@ def judge(
 
 def trust_after(trust: float, alignment: float, decay: float) -> float:
     """A learner's trust after one judged answer: an exponential average of its alignments,
-    each counted at most 1 (being more aligned than the median earns nothing) and at least 0."""
-    return decay * trust + (1.0 - decay) * min(max(alignment, 0.0), 1.0)
+    each counted at most 1 (being more aligned than the median earns nothing) and at least 0.
+    It falls at ``decay`` and recovers four times slower: a learner cannot buy back in one good
+    answer the trust it lost in a bad one."""
+    target = min(max(alignment, 0.0), 1.0)
+    keep = decay if target < trust else 1.0 - (1.0 - decay) / 4
+    return keep * trust + (1.0 - keep) * target
 
 
 def trust_factor(trust: float, low: float, full: float) -> float:

@@ -254,6 +254,9 @@ class Pending:
     """Staleness discount of its outer gradient (1 unless ``staleness = "scaled"``)."""
     shrunk: float = 1.0
     """The robust merge's size clipping, already applied to ``deltas`` and ``norms``."""
+    claimed: float = 0.0
+    """Its weight as its counters claim it, after the fleet's weight cap, before the robust
+    merge's judgement: what the weight cap's reference records (the judgement is not pace)."""
 
 
 def _norm(values: Sequence[torch.Tensor]) -> float:
@@ -486,7 +489,7 @@ class Syncer:
         if cap is not None and weight > cap:
             weight, clipped = cap, True
         scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
-        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale)
+        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale, claimed=weight)
         rnd.refused.discard(c.learner)
         for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
             acc.add(d, n, pending.weight, scale=pending.scale)
@@ -664,6 +667,12 @@ class Syncer:
             return "final" if rnd.final else "all_answered"
         if rnd.final:
             return None  # the final sync waits for every live learner (or its liveness timeout)
+        if self.cfg.robust and not rnd.late and len(answered) < min(robust.MIN_ANSWERS, len(live_asked)):
+            # The robust merge judges directions against a majority: a round waits for one (up
+            # to one period of H steps, by when every live learner has had its chance to answer).
+            t_step = self.t_step(now)
+            if t_step is not None and now < rnd.opened_at + self.cfg.sync_every * t_step:
+                return None
         if not self.cfg.grace:
             return "quorum"
         if rnd.grace_until is not None and now >= rnd.grace_until:
@@ -705,6 +714,11 @@ class Syncer:
         )
         changed = False
         full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
+        # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
+        weights = [pd.weight for pd in judged.values() if pd.weight > 0]
+        weight_cap = None
+        if self.cfg.robust_weight_cap > 0 and len(weights) >= robust.MIN_ANSWERS:
+            weight_cap = self.cfg.robust_weight_cap * statistics.median(weights)
         for m, v in verdicts.items():
             pd, info, cfg = judged[m], self.learners[m], self.cfg
             # Only full-length answers judge the learner: a few steps are mostly noise.
@@ -718,12 +732,17 @@ class Syncer:
                 )
                 changed = True
                 continue
-            if v.clip < 1.0:
+            trusted = robust.trust_factor(info.trust, cfg.robust_min_alignment, cfg.robust_trust_full)
+            # Without a majority to weigh it against (a round of one or two), an answer alone
+            # would be the whole merge whatever its weight: its size follows its trust.
+            shrink = v.clip * (trusted if math.isnan(v.cosine) else 1.0)
+            if shrink < 1.0:
                 for d in pd.deltas:
-                    d.mul_(v.clip)
-                pd.norms, pd.shrunk, changed = [n * v.clip for n in pd.norms], v.clip, True
-            factor = robust.trust_factor(info.trust, cfg.robust_min_alignment, cfg.robust_trust_full)
-            factor *= min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
+                    d.mul_(shrink)
+                pd.norms, pd.shrunk, changed = [n * shrink for n in pd.norms], shrink, True
+            if weight_cap is not None and pd.weight > weight_cap:
+                pd.weight, pd.clipped, changed = weight_cap, True, True
+            factor = trusted * min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
             if factor < 1.0:
                 pd.weight *= factor
                 pd.clipped = changed = True
@@ -780,7 +799,7 @@ class Syncer:
             if w > 0 and not rnd.final:
                 # The final sync's answers carry whatever is left, often a few steps: as the weight
                 # cap's reference they would clip the later final rounds' honest answers.
-                info.recent_weights.append(w)
+                info.recent_weights.append(pd.claimed)
             info.data_position = max(info.data_position, c.data_position)
             staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
             record.merged.append(

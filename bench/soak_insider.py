@@ -1,0 +1,561 @@
+"""The soak benchmark's insider phase (issue 18): one keyed attacker among 4 learners.
+
+    python bench/soak.py --insider                         # 6 arms x 3 repetitions (~45 min)
+    python bench/soak.py --insider --insider-s 60 --reps 1 # a first look (~15 min)
+
+Every run: a syncer and 4 learners over CURVE on loopback (the soak's synthetic settings), of
+equal length, with no kills; repetition r uses run.seed = r in every arm. Learners 0-2 are
+honest ``ddiloco learner`` processes. Learner 3 is, per arm:
+
+- ``baseline``: honest too;
+- ``reverse_capped``: a real learner whose contributions are rewritten on the wire: its delta
+  reversed, and its tokens doubled (4x its weight: the weight cap's size);
+- ``drift``: its delta plus a fixed direction of 2.5x the delta's norm, every round (just
+  under the robust merge's size bound of 3x the round's median);
+- ``reverse``: its delta reversed, at its own (honest) norm and weight;
+- ``inflate``: its tokens x10 every round (weight x100);
+- ``protocol``: learner 3's key is held by a protocol attacker (no training) that lies about
+  its step time (the largest allowed), floods PeerStateRequests (200/s), pushes unsolicited
+  PeerStates with NaN moments and absurd hyper-parameters to learners 0-2, answers rounds
+  from a stale base and floods stale contributions (20/s); an observer-key process floods
+  FetchGlobal (200/s) and tries to take learner 0's route (its transport name, Register as 0).
+
+Measured per run: the final global model's eval loss, honest merges per minute (learners 0-2
+only, so every arm counts the same learners), refusals by reason (tape) and the syncer's
+counts (impostor, unknown_sender, rate_limited, refused_relay...), NaN in any learner's
+loss, honest learners cut off (no merge in the run's second half), invariant violations
+(``report.invariants.check_run``). Each run's result is cached in WORK/<arm>-<rep>.json, so an
+interrupted benchmark resumes. Writes docs/results/insider.md and .json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import soak  # noqa: E402  (the soak's settings, cluster and tape reader)
+
+ARMS = ("baseline", "reverse_capped", "drift", "reverse", "inflate", "protocol")
+INFLUENCE = ("reverse_capped", "drift", "reverse", "inflate")
+TARGET_LOSS_RATIO = 1.05
+TARGET_FLOOD_RATE = 0.8
+FLOOD_PER_S = 200
+
+
+def settings(rep: int) -> list[str]:
+    return [*soak.SETTINGS, f"run.seed={rep}"]
+
+
+# -- the tampering learner (a real learner process whose contributions are rewritten) -------------
+
+
+def tampering_learner_main(kind: str, argv: list[str]) -> int:
+    """Run ``ddiloco learner`` in this process, rewriting its contributions as ``kind`` says
+    (the wire's encode and decode, as the comm thread uses them, are wrapped)."""
+    import torch
+
+    import ddiloco.service.learner_comm as comm
+    from ddiloco.cli import main as cli_main
+    from ddiloco.core.messages import Contribution, FragmentUpdate
+
+    bases: dict[tuple[int, int], list[torch.Tensor]] = {}
+    directions: dict[int, list[torch.Tensor]] = {}
+    decode, encode = comm.decode, comm.encode
+    counts = {"rewritten": 0, "untouched": 0}
+
+    def watch(frames: Any) -> Any:
+        msg = decode(frames)
+        if isinstance(msg, FragmentUpdate):  # the versions its answers will be anchored at
+            bases[(msg.fragment, msg.version)] = [v.detach().clone() for v in msg.values]
+            for key in [k for k in bases if k[0] == msg.fragment and k[1] < msg.version - 8]:
+                del bases[key]
+        return msg
+
+    def rewrite(msg: Any) -> Any:
+        if isinstance(msg, Contribution) and msg.steps > 0 and msg.kind == "values":
+            base = bases.get((msg.fragment, msg.base_version))
+            if base is None:
+                counts["untouched"] += 1
+            else:
+                counts["rewritten"] += 1
+                msg = tamper(kind, msg, base)
+                if counts["rewritten"] % 50 == 1:
+                    print(f"insider {kind}: {counts}", flush=True)
+        return encode(msg)
+
+    def tamper(kind: str, msg: Any, base: list[torch.Tensor]) -> Any:
+        delta = [b - v for b, v in zip(base, msg.values)]
+        if kind in ("reverse", "reverse_capped"):
+            values = [b + d for b, d in zip(base, delta)]
+            tokens = msg.tokens * 2 if kind == "reverse_capped" else msg.tokens
+            return dataclasses.replace(msg, values=values, tokens=tokens)
+        if kind == "drift":
+            if msg.fragment not in directions:
+                g = torch.Generator().manual_seed(1000 + msg.fragment)
+                rand = [torch.randn(v.shape, generator=g) for v in msg.values]
+                size = math.sqrt(sum(float(r.norm()) ** 2 for r in rand))
+                directions[msg.fragment] = [r / size for r in rand]
+            norm = math.sqrt(sum(float(d.norm()) ** 2 for d in delta))
+            values = [v - 2.5 * norm * u for v, u in zip(msg.values, directions[msg.fragment])]
+            return dataclasses.replace(msg, values=values)
+        if kind == "inflate":
+            return dataclasses.replace(msg, tokens=msg.tokens * 10)
+        raise ValueError(kind)
+
+    comm.decode, comm.encode = watch, rewrite
+    return cli_main(argv)
+
+
+# -- the protocol attackers ------------------------------------------------------------------------
+
+
+def protocol_attacker_main(addr: str, keys: str, until: float, run_dir: str) -> int:
+    """Learner 3's key, no training: step-time lies, request and stale floods, pushed states."""
+    import torch
+    import zmq
+
+    torch.set_num_threads(1)
+    from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
+    from ddiloco.protocol.messages import JoinReply, PeerState, PeerStateRequest, Register, SyncerHeartbeat
+    from ddiloco.service.keys import ClientKeys
+    from ddiloco.service.wire import WireError, decode, encode
+    from ddiloco.training.layout import layout_for, param_spec
+    from ddiloco.workloads.config import load_workload
+
+    cfg = soak.load_cfg()
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(0)
+    layout, spec = layout_for(model, wl, cfg.algo), param_spec(model)
+    me, inc = soak.ATTACKER, time.time_ns() // 1000
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    ClientKeys.load(keys, f"learner-{me}").apply(sock)
+    sock.connect(addr)
+    stale: dict[int, tuple[int, list[torch.Tensor]]] = {}  # the first version it got of each fragment
+    sent = {"heartbeat_lies": 0, "state_requests": 0, "pushed_states": 0, "stale_answers": 0, "stale_flood": 0}
+    got = {"stale_updates": 0, "join_replies": 0}
+    seq, last, registered_at = 0, dict.fromkeys(("hb", "flood", "push"), 0.0), 0.0
+    poison = {"0.exp_avg": torch.full((4,), float("nan")), "0.exp_avg_sq": torch.full((4,), 1e30)}
+    groups = [{"lr": 1e9, "weight_decay": 1e9, "betas": [0.0, 0.0], "eps": 0.0, "params": [0]}]
+
+    def register() -> None:
+        nonlocal registered_at
+        registered_at = time.monotonic()
+        sock.send_multipart(encode(Register(me, inc, spec, layout.digest, [], os.getpid())))
+
+    def stale_answer() -> None:
+        nonlocal seq
+        if not stale:
+            return
+        p = list(stale)[seq % len(stale)]
+        version, values = stale[p]
+        seq += 1
+        tokens = cfg.algo.sync_every * cfg.workload.batch_size
+        sock.send_multipart(encode(Contribution(me, inc, p, version, seq, values, cfg.algo.sync_every, tokens, 0, 0)))
+
+    register()
+    while time.time() < until:
+        now = time.monotonic()
+        while sock.poll(5):
+            try:
+                msg = decode(sock.recv_multipart())
+            except WireError:
+                continue
+            if isinstance(msg, JoinReply):
+                got["join_replies"] += 1
+            elif isinstance(msg, FragmentUpdate):
+                if msg.fragment in stale:
+                    got["stale_updates"] += msg.reason == "stale"
+                else:
+                    stale[msg.fragment] = (msg.version, [v.clone() for v in msg.values])
+            elif isinstance(msg, FragmentRequest):
+                stale_answer()
+                sent["stale_answers"] += 1
+            elif isinstance(msg, SyncerHeartbeat) and (not msg.bound) and now - registered_at > 2.0:
+                register()
+        if now - last["hb"] >= 0.25:  # the largest step time the syncer accepts
+            last["hb"] = now
+            sock.send_multipart(encode(Heartbeat(me, inc, 10**6, cfg.algo.max_step_time_s)))
+            sent["heartbeat_lies"] += 1
+        if now - last["flood"] >= 0.1:
+            last["flood"] = now
+            for _ in range(FLOOD_PER_S // 10):
+                sock.send_multipart(encode(PeerStateRequest(me, inc)))
+            sent["state_requests"] += FLOOD_PER_S // 10
+            for _ in range(2):
+                stale_answer()
+            sent["stale_flood"] += 2
+        if now - last["push"] >= 0.5:
+            last["push"] = now
+            for m in soak.HONEST:
+                sock.send_multipart(encode(PeerState(m, me, groups, poison)))
+            sent["pushed_states"] += len(soak.HONEST)
+    Path(run_dir, "protocol_attacker.json").write_text(json.dumps({"sent": sent, "got": got}))
+    sock.close(0)
+    return 0
+
+
+def observer_attacker_main(addr: str, keys: str, until: float, run_dir: str) -> int:
+    """The observer's key: a FetchGlobal flood, and a try at learner 0's route (its old
+    transport name, and Register as learner 0)."""
+    import torch
+    import zmq
+
+    torch.set_num_threads(1)
+    from ddiloco.protocol.messages import FetchGlobal, GlobalState, Register
+    from ddiloco.service.keys import ClientKeys
+    from ddiloco.service.transport import learner_identity
+    from ddiloco.service.wire import WireError, decode, encode
+    from ddiloco.training.layout import layout_for, param_spec
+    from ddiloco.workloads.config import load_workload
+
+    cfg = soak.load_cfg()
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(0)
+    layout, spec = layout_for(model, wl, cfg.algo), param_spec(model)
+    ctx = zmq.Context.instance()
+    flood = ctx.socket(zmq.DEALER)
+    thief = ctx.socket(zmq.DEALER)
+    thief.setsockopt(zmq.IDENTITY, learner_identity(0))  # learner 0's old transport name
+    for s in (flood, thief):
+        s.setsockopt(zmq.LINGER, 0)
+        ClientKeys.load(keys, "observer").apply(s)
+        s.connect(addr)
+    sent = {"fetches": 0, "takeovers": 0}
+    got = {"global_states": 0, "thief_replies": 0}
+    last_flood = last_take = 0.0
+    while time.time() < until:
+        now = time.monotonic()
+        if now - last_flood >= 0.05:
+            last_flood = now
+            for _ in range(FLOOD_PER_S // 20):
+                flood.send_multipart(encode(FetchGlobal("insider")), flags=zmq.NOBLOCK)
+            sent["fetches"] += FLOOD_PER_S // 20
+        if now - last_take >= 1.0:
+            last_take = now
+            thief.send_multipart(encode(Register(0, time.time_ns() // 1000, spec, layout.digest, [], os.getpid())))
+            sent["takeovers"] += 1
+        for s, key in ((flood, "global_states"), (thief, "thief_replies")):
+            while s.poll(1):
+                try:
+                    msg = decode(s.recv_multipart())
+                except WireError:
+                    continue
+                got[key] += 1 if key == "thief_replies" or isinstance(msg, GlobalState) else 0
+        time.sleep(0.005)
+    Path(run_dir, "observer_attacker.json").write_text(json.dumps({"sent": sent, "got": got}))
+    for s in (flood, thief):
+        s.close(0)
+    return 0
+
+
+# -- one run -------------------------------------------------------------------------------------
+
+
+def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]:
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
+    from ddiloco.report.invariants import check_run
+    from ddiloco.service.keys import make_keys
+
+    run_dir = work / f"{arm}-{rep}"
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    keys = work / "keys"
+    make_keys(keys, learners=4)
+    c = soak.Cluster(run_dir, keys)
+    common = sum((["--set", s] for s in settings(rep)), [])
+    c._start("syncer", [sys.executable, "-m", "ddiloco", "syncer", "--bind", c.addr, "--run-dir", str(run_dir),
+                        "--keys", str(keys), *common])  # fmt: skip
+
+    def learner_argv(m: int) -> list[str]:
+        return ["learner", "--syncer", c.addr, "--id", str(m), "--run-dir", str(run_dir), "--keys", str(keys),
+                "--device", "cpu", "--threads", "1", *common]  # fmt: skip
+
+    deadline = time.time() + 300
+    while not c.status("syncer-0") and time.time() < deadline:
+        time.sleep(0.1)
+    for m in soak.HONEST:
+        c._start(f"learner-{m}", [sys.executable, "-m", "ddiloco", *learner_argv(m)])
+    if arm == "baseline":
+        c._start("learner-3", [sys.executable, "-m", "ddiloco", *learner_argv(3)])
+    elif arm in INFLUENCE:
+        c._start("learner-3", [sys.executable, __file__, "--tampering-learner", arm, "--", *learner_argv(3)])
+    starters = [*soak.HONEST, *([3] if arm != "protocol" else [])]
+    deadline = time.time() + 300
+    while not all(c.status(f"learner-{m}").get("steps", 0) > 0 for m in starters) and time.time() < deadline:
+        time.sleep(0.2)
+    t0 = c.t0_wall = time.time()
+    end = t0 + duration_s
+    if arm == "protocol":
+        for role in ("protocol-attacker", "observer-attacker"):
+            c._start(role, [sys.executable, __file__, f"--{role}", c.addr, str(keys), f"{end:.3f}", str(run_dir)])
+    losses: dict[int, list[float]] = {m: [] for m in range(4)}
+    while time.time() < end:
+        for m in range(4):
+            loss = c.status(f"learner-{m}").get("loss")
+            if isinstance(loss, (int, float)):
+                losses[m].append(float(loss))
+        time.sleep(1.0)
+    wall = time.time() - t0
+    for role in ("protocol-attacker", "observer-attacker"):
+        if role in c.procs:
+            try:
+                c.procs[role].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                c.kill(role)
+    st = c.status("syncer-0")
+    if "learner-3" in c.procs and c.alive("learner-3"):
+        c.kill("learner-3", soak.signal.SIGTERM)  # first: the run's end is no time alone with the fleet
+    c.stop()
+    eval_loss = final_eval_loss(run_dir, rep)
+    records = soak.TapeReader(run_dir / "state" / "tape.jsonl")
+    records.poll()
+    rounds = [r for r in records.records if r.get("event") == "round"]
+
+    def t_of(r: dict[str, Any]) -> float:
+        return float(r["closed_at"] + r.get("wall_offset", 0.0) - t0)
+
+    merges: dict[int, list[float]] = {m: [] for m in range(4)}
+    shares: list[float] = []
+    for r in rounds:
+        rd = parse_tape_record(r)
+        if isinstance(rd, RoundRecord):
+            total = sum(e.weight for e in rd.merged if e.weight > 0)
+            for e in rd.took_part:
+                merges.setdefault(e.learner, []).append(t_of(r))
+                if e.learner == 3 and total > 0:
+                    shares.append(e.weight / total)
+    refusals: dict[str, dict[str, int]] = {}
+    for r in records.records:
+        for x in r["rejected"] if r.get("event") == "round" else ([r] if r.get("event") == "rejected" else []):
+            who = "attacker" if x["learner"] == 3 else "honest"
+            refusals.setdefault(x["reason"], {"attacker": 0, "honest": 0})[who] += 1
+    half = duration_s / 2
+    honest_times = [t for m in soak.HONEST for t in merges[m] if 0.1 * duration_s <= t < duration_s]
+    attackers = {}
+    for name in ("protocol_attacker", "observer_attacker"):
+        if (run_dir / f"{name}.json").exists():
+            attackers[name] = json.loads((run_dir / f"{name}.json").read_text())
+    return {
+        "arm": arm,
+        "rep": rep,
+        "wall_s": wall,
+        "eval_loss": eval_loss,
+        "honest_merges_per_min": len(honest_times) / (0.9 * duration_s) * 60.0,
+        "attacker_merges": len(merges.get(3, [])),
+        "attacker_share_mean": statistics.fmean(shares) if shares else 0.0,
+        "cut_off": [m for m in soak.HONEST if not any(t >= half for t in merges[m])],
+        "nan_learners": [m for m, xs in losses.items() if any(not math.isfinite(x) for x in xs)],
+        "refusals": refusals,
+        "syncer_counts": {k: v for k, v in st.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+        "invariant_violations": [f"{v.kind}: {v.detail}" for v in check_run(records.records)],
+        "attackers": attackers,
+        "learner_log_refusals": log_lines(run_dir, ("refus", "ignored")),
+    }
+
+
+def log_lines(run_dir: Path, words: tuple[str, ...], most: int = 8) -> dict[str, list[str]]:
+    """The honest learners' log lines that say they refused or ignored something."""
+    out: dict[str, list[str]] = {}
+    for m in soak.HONEST:
+        p = run_dir / f"learner-{m}.log"
+        if p.exists():
+            hits = [ln for ln in p.read_text(errors="replace").splitlines() if any(w in ln.lower() for w in words)]
+            if hits:
+                out[str(m)] = hits[:most] + ([f"... {len(hits) - most} more"] if len(hits) > most else [])
+    return out
+
+
+def final_eval_loss(run_dir: Path, rep: int) -> float:
+    import torch
+    from safetensors.torch import load_file
+
+    from ddiloco.config import load_config
+    from ddiloco.training.evaluate import evaluate
+    from ddiloco.workloads.config import load_workload
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, settings(rep))
+    wl = load_workload(cfg.workload)
+    model = wl.build_model(cfg.run.seed)
+    final = run_dir / "final" / "model.safetensors"
+    if not final.exists():
+        return float("nan")
+    model.load_state_dict(load_file(str(final)))
+    return float(evaluate(wl, model, wl.eval_batches()))
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def summarise(runs: list[dict[str, Any]], duration_s: float, reps: int) -> dict[str, Any]:
+    by_arm = {a: [r for r in runs if r["arm"] == a] for a in ARMS}
+    base = by_arm["baseline"]
+    base_loss = statistics.fmean(r["eval_loss"] for r in base)
+    base_rate = statistics.fmean(r["honest_merges_per_min"] for r in base)
+    arms = {}
+    for a, rs in by_arm.items():
+        if not rs:
+            continue
+        loss = statistics.fmean(r["eval_loss"] for r in rs)
+        rate = statistics.fmean(r["honest_merges_per_min"] for r in rs)
+        arms[a] = {
+            "runs": len(rs),
+            "eval_loss": loss,
+            "eval_loss_per_rep": [r["eval_loss"] for r in rs],
+            "loss_ratio": loss / base_loss,
+            "honest_merges_per_min": rate,
+            "merge_rate_ratio": rate / base_rate,
+            "attacker_share_mean": statistics.fmean(r["attacker_share_mean"] for r in rs),
+            "attacker_merges": sum(r["attacker_merges"] for r in rs),
+            "cut_off": sum(len(r["cut_off"]) for r in rs),
+            "nan_learners": sum(len(r["nan_learners"]) for r in rs),
+            "invariant_violations": sum(len(r["invariant_violations"]) for r in rs),
+            "refusals": merge_counts([r["refusals"] for r in rs]),
+            "syncer_counts": sum_counts([r["syncer_counts"] for r in rs]),
+        }
+    checks = []
+    for a in INFLUENCE:
+        if a in arms:
+            checks.append((f"{a}: loss <= {TARGET_LOSS_RATIO}x baseline", arms[a]["loss_ratio"] <= TARGET_LOSS_RATIO,
+                           f"{arms[a]['loss_ratio']:.4f}"))  # fmt: skip
+    if "protocol" in arms:
+        p = arms["protocol"]
+        checks.append((f"protocol: honest merge rate >= {TARGET_FLOOD_RATE}x baseline",
+                       p["merge_rate_ratio"] >= TARGET_FLOOD_RATE, f"{p['merge_rate_ratio']:.3f}"))  # fmt: skip
+        counts = p["syncer_counts"]
+        for what, key in (("takeover refused", "impostor"), ("fetch flood limited", "rate_limited")):
+            checks.append((f"protocol: {what} ({key} > 0)", counts.get(key, 0) > 0, str(counts.get(key, 0))))
+        stale = p["refusals"].get("stale_base", {}).get("attacker", 0)
+        checks.append(("protocol: stale answers refused (stale_base)", stale > 0, str(stale)))
+    total = lambda key: sum(arms[a][key] for a in arms)  # noqa: E731
+    checks += [
+        ("0 honest learners cut off", total("cut_off") == 0, str(total("cut_off"))),
+        ("0 NaN in any learner", total("nan_learners") == 0, str(total("nan_learners"))),
+        ("0 invariant violations", total("invariant_violations") == 0, str(total("invariant_violations"))),
+    ]
+    honest_refused = {
+        a: {k: v["honest"] for k, v in arms[a]["refusals"].items() if v["honest"]} for a in arms if arms[a]["refusals"]
+    }
+    return {
+        "duration_s": duration_s,
+        "reps": reps,
+        "arms": arms,
+        "honest_refusals": {a: v for a, v in honest_refused.items() if v},
+        "checks": [{"check": c, "met": ok, "value": v} for c, ok, v in checks],
+    }
+
+
+def merge_counts(dicts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for d in dicts:
+        for k, v in d.items():
+            for who, n in v.items():
+                out.setdefault(k, {}).setdefault(who, 0)
+                out[k][who] += n
+    return out
+
+
+def sum_counts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def to_markdown(rep: dict[str, Any]) -> str:
+    s = rep["summary"]
+    lines = [
+        "# Soak, insider phase: one keyed attacker among 4 learners",
+        "",
+        f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, "
+        f"{rep['total_wall_s'] / 60:.0f} min). "
+        f"Each run {s['duration_s']:.0f} s of training after start-up, {s['reps']} repetitions per arm (run.seed = "
+        "repetition), no kills; the soak's synthetic settings; the robust merge at its defaults. Arms: see "
+        "`bench/soak_insider.py`.",
+        "",
+        "| arm | eval loss (mean) | / baseline | honest merges/min | / baseline | attacker's mean share | "
+        "attacker refusals | cut off | NaN | invariant violations |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for a, x in s["arms"].items():
+        refused = ", ".join(f"{k} {v['attacker']}" for k, v in sorted(x["refusals"].items()) if v["attacker"]) or "-"
+        lines.append(
+            f"| {a} | {x['eval_loss']:.4f} | {x['loss_ratio']:.3f} | {x['honest_merges_per_min']:.1f} | "
+            f"{x['merge_rate_ratio']:.2f} | {x['attacker_share_mean']:.3f} | {refused} | {x['cut_off']} | "
+            f"{x['nan_learners']} | {x['invariant_violations']} |"
+        )
+    lines += ["", "| check | met | value |", "|---|---|---|"]
+    lines += [f"| {c['check']} | {'yes' if c['met'] else '**no**'} | {c['value']} |" for c in s["checks"]]
+    p = s["arms"].get("protocol")
+    if p:
+        lines += ["", "Protocol run, the syncer's counts (summed over repetitions): "
+                  + ", ".join(f"{k} {v:g}" for k, v in sorted(p["syncer_counts"].items()))]  # fmt: skip
+    if s["honest_refusals"]:
+        lines += ["", "Honest contributions refused, by arm and reason: " + json.dumps(s["honest_refusals"])]
+    else:
+        lines += ["", "No honest contribution was refused in any run."]
+    return "\n".join(lines) + "\n"
+
+
+def run_phase(work: Path, duration_s: float, reps: int, out: Path, command: str, arms: tuple[str, ...] = ARMS) -> int:
+    started = time.time()
+    work.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for rep in range(reps):  # repetition-major: an interrupted phase has whole repetitions first
+        for arm in arms:
+            cached = work / f"{arm}-{rep}.json"
+            if cached.exists():
+                r = json.loads(cached.read_text())
+                if r.get("duration_s") == duration_s:
+                    runs.append(r)
+                    continue
+            print(f"insider: {arm} repetition {rep} ({duration_s:.0f} s)", flush=True)
+            r = run_one(work, arm, rep, duration_s)
+            r["duration_s"] = duration_s
+            cached.write_text(json.dumps(r, indent=2, default=str))
+            print(f"  eval loss {r['eval_loss']:.4f}, honest merges/min {r['honest_merges_per_min']:.1f}, "
+                  f"refusals {r['refusals']}", flush=True)  # fmt: skip
+            runs.append(r)
+    rep = {
+        "command": command,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "total_wall_s": time.time() - started,
+        "work_dir": str(work),
+        "runs": runs,
+    }
+    rep["summary"] = summarise(runs, duration_s, reps)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))
+    md = to_markdown(rep)
+    (out / "insider.md").write_text(md)
+    print(md, flush=True)
+    return 0 if all(c["met"] for c in rep["summary"]["checks"]) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if len(sys.argv) > 2 and sys.argv[1] == "--tampering-learner":
+        sys.exit(tampering_learner_main(sys.argv[2], sys.argv[4:]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--protocol-attacker":
+        sys.exit(protocol_attacker_main(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--observer-attacker":
+        sys.exit(observer_attacker_main(sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]))
+    sys.exit("run the insider phase with: python bench/soak.py --insider")
