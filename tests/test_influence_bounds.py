@@ -40,11 +40,18 @@ def test_the_quality_arms_reject_and_clip_no_honest_contribution(arm):
     ]
     assert [r for r in refused if r["reason"] in INFLUENCE] == []
     merged = [m for e in result.tape if e["event"] == "round" for m in e["merged"]]
-    # On the chaos arm the robust merge weighs a stale straggler's and a just-restarted
-    # learner's short answers down by their alignment (still merged); elsewhere nothing is.
-    assert all(m["weight"] > 0 for m in merged if m["steps"] > 0)
-    if arm != "chaos":
-        assert not any(m["clipped"] for m in merged)
+    # The robust merge refuses none of them and merges every answer with steps. On the healthy
+    # arm it clips none; on the heterogeneous one it weighs a few of the least aligned down
+    # (2 of 1,260 when measured, alignments 0.51-0.56); on the chaos arm it also caps the
+    # weight of answers that bring more than twice their round's median (a straggler's, a
+    # restarted learner's backlog), and an answer that points away from its round's centre
+    # (alignment <= 0, a cold restart's first steps) is merged with no weight.
+    assert all(m["weight"] > 0 or m["alignment"] <= 0 for m in merged if m["steps"] > 0)
+    clipped = [m for m in merged if m["clipped"]]
+    if arm == "healthy":
+        assert clipped == []
+    elif arm == "heterogeneous":
+        assert len(clipped) <= 0.01 * len(merged)
     # the bounds were live: some fragment had more accepted answers than screening waits for
     per_fragment = [sum(len(e["merged"]) for e in result.tape if e["event"] == "round" and e["fragment"] == p)
                     for p in range(result.num_fragments)]  # fmt: skip

@@ -301,7 +301,7 @@ def test_without_a_majority_an_untrusted_answer_moves_the_model_by_its_trust():
     f.round([])  # the step clock resumes after the long silence
     rec = f.round([f.answer(3, -f.honest_delta())])
     entry = rec.merged[0]
-    expected = robust.trust_factor(trust, CFG.robust_min_alignment, CFG.robust_trust_full)
+    expected = robust.trust_factor(trust, CFG.robust_trust_full)
     assert entry.scaled == pytest.approx(expected, abs=1e-6) and entry.scaled < 0.3
 
 

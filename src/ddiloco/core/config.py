@@ -111,15 +111,18 @@ class DiLoCoConfig:
     refused by ``norm_screen_factor``), no weight exceeds robust_weight_cap x the round's
     median, and a learner's weight follows its trust over rounds. Tolerates fewer than half of
     a round's answers."""
-    robust_min_alignment: float = 0.0
+    robust_min_alignment: float = -0.25
     """A full-length answer (at least half the round's median steps) whose cosine with the
     round's centre is below this multiple of the round's median cosine is refused
-    ("misaligned"): it moves against the fleet. Shorter answers are noisier (on the chaos
-    arm, honest answers of 1 to 5 steps went as low as -0.3) and only lose their weight."""
-    robust_full_alignment: float = 0.5
+    ("misaligned"): it moves against the fleet (reversed deltas measured -0.6 to -0.9). Honest
+    full-length answers on the chaos arm went down to -0.12 (a cold restart's first steps),
+    and shorter ones are noisier: between this bound and 0 they are merged with no weight."""
+    robust_full_alignment: float = 0.6
     """Below this alignment an answer's weight is scaled by alignment / robust_full_alignment
-    (0 at 0). Full-length honest answers measured 0.78 or more on the healthy arm; a stale
-    straggler's 0.4 to 0.7."""
+    (0 at 0 or below), and its size bound (robust_clip) by its alignment. Honest full-length
+    answers measured 0.78 or more on the quality benchmark's healthy arm, 0.64 or more on the
+    smaller GPT of tests/test_influence_bounds.py (0.85 at the 5th percentile on its chaos
+    arm); a stale straggler's and a just-restarted learner's less."""
     robust_clip: float = 3.0
     """An answer's |delta| per step is clipped to this multiple of the round's median (or of
     the fragment's history, when the round has fewer than 3 answers)."""
@@ -132,7 +135,7 @@ class DiLoCoConfig:
     average of its alignments over about 1 / (1 - decay) answers)."""
     robust_trust_full: float = 0.6
     """A learner of this trust or more keeps its full weight; below, its weight falls linearly
-    to 0 at robust_min_alignment. Trust follows full-length answers only."""
+    to 0 at trust 0. Trust follows full-length answers only."""
     max_speedup: float = 8.0
     """A contribution may not claim more steps than elapsed time allows at max_speedup x the
     fleet's median step time (plus one period of H steps)."""
@@ -196,9 +199,9 @@ class DiLoCoConfig:
         )  # fmt: skip
         _check(self.norm_screen_min >= 1, "norm_screen_min", self.norm_screen_min, ">= 1")
         _check(self.weight_cap == 0 or self.weight_cap >= 1, "weight_cap", self.weight_cap, ">= 1, or 0 to disable")
-        _check(0 <= self.robust_min_alignment < 1, "robust_min_alignment", self.robust_min_alignment, "in [0, 1)")
+        _check(-1 <= self.robust_min_alignment < 1, "robust_min_alignment", self.robust_min_alignment, "in [-1, 1)")
         _check(
-            self.robust_min_alignment < self.robust_full_alignment <= 1,
+            0 < self.robust_full_alignment <= 1,
             "robust_full_alignment",
             self.robust_full_alignment,
             f"in (robust_min_alignment = {self.robust_min_alignment}, 1]",
@@ -212,10 +215,10 @@ class DiLoCoConfig:
         )
         _check(0 <= self.robust_trust_decay < 1, "robust_trust_decay", self.robust_trust_decay, "in [0, 1)")
         _check(
-            self.robust_min_alignment < self.robust_trust_full <= 1,
+            0 < self.robust_trust_full <= 1,
             "robust_trust_full",
             self.robust_trust_full,
-            f"in (robust_min_alignment = {self.robust_min_alignment}, 1]",
+            "in (0, 1]",
         )
         _check(self.max_speedup >= 1, "max_speedup", self.max_speedup, ">= 1")
         _check(self.quarantine_after >= 0, "quarantine_after", self.quarantine_after, ">= 0 (0 disables)")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,18 +52,22 @@ class Verdict:
     """Cosine of its delta with the round's centre."""
     alignment: float
     """Its cosine relative to the round's median cosine (1: as aligned as a typical answer)."""
-    clip: float
-    """The factor its delta is scaled by (1: not clipped)."""
+    room: float
+    """Its size bound over its size (|delta| per step): above 1 it fits, inf without a bound."""
+
+    @property
+    def clip(self) -> float:
+        """The factor that brings its delta within the size bound (1: it fits)."""
+        return min(1.0, self.room)
 
 
-def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]) -> dict[int, float]:
-    """Each answer's cosine with the coordinate-wise median of the answers' unit directions,
-    computed chunk by chunk (``deltas``: per learner, its outer gradient's pieces; ``norms``:
-    their total L2 norms, all positive)."""
+def _median_chunks(
+    deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]
+) -> Iterator[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+    """Chunk by chunk: (piece, start, end, the answers' unit directions there (answers x
+    chunk, in sorted learner order), the coordinate-wise median of those)."""
     learners = sorted(deltas)
     n = len(learners)
-    dots = dict.fromkeys(learners, 0.0)
-    centre_sq = 0.0
     inv = torch.tensor([1.0 / norms[m] for m in learners]).unsqueeze(1)
     for i in range(len(deltas[learners[0]])):
         numel = deltas[learners[0]][i].numel()
@@ -73,9 +77,20 @@ def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Map
             ordered = units.sort(dim=0).values
             # The median of an even count is the mean of the two middle values (symmetric).
             centre = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) * 0.5
-            centre_sq += float(centre @ centre)
-            for m, d in zip(learners, (units @ centre).tolist()):
-                dots[m] += d
+            yield i, s, e, units, centre
+
+
+def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]) -> dict[int, float]:
+    """Each answer's cosine with the coordinate-wise median of the answers' unit directions,
+    computed chunk by chunk (``deltas``: per learner, its outer gradient's pieces; ``norms``:
+    their total L2 norms, all positive)."""
+    learners = sorted(deltas)
+    dots = dict.fromkeys(learners, 0.0)
+    centre_sq = 0.0
+    for _, _, _, units, centre in _median_chunks(deltas, norms):
+        centre_sq += float(centre @ centre)
+        for m, d in zip(learners, (units @ centre).tolist()):
+            dots[m] += d
     scale = math.sqrt(centre_sq)
     return {m: (dots[m] / scale if scale > 0 else 0.0) for m in learners}
 
@@ -107,8 +122,7 @@ def judge(
         cos = cosines.get(m, math.nan)
         alignment = cos / typical if typical > 0 and m in cosines else 1.0
         bound = clip * ref if clip > 0 and ref is not None and ref > 0 else math.inf
-        factor = min(1.0, bound / per_step[m]) if per_step[m] > 0 else 1.0
-        verdicts[m] = Verdict(cos, alignment, factor)
+        verdicts[m] = Verdict(cos, alignment, bound / per_step[m] if per_step[m] > 0 else math.inf)
     return verdicts
 
 
@@ -122,14 +136,12 @@ def trust_after(trust: float, alignment: float, decay: float) -> float:
     return keep * trust + (1.0 - keep) * target
 
 
-def trust_factor(trust: float, low: float, full: float) -> float:
-    """The weight multiplier of a learner of ``trust``: 1 at ``full`` or above, 0 at ``low``
-    (the refusal bound) or below, linear between. An honest learner's trust stays above
-    ``full`` (its alignments were never below 0.78 on the quality benchmark); one that is,
-    round after round, barely above the refusal bound keeps little of its weight."""
-    if trust >= full:
-        return 1.0
-    return max(0.0, (trust - low) / (full - low))
+def trust_factor(trust: float, full: float) -> float:
+    """The weight multiplier of a learner of ``trust``: 1 at ``full`` or above, proportional
+    below. An honest learner's trust stays above ``full`` (on the healthy arm its alignments
+    were never below 0.78); one that is, round after round, half as aligned as its peers keeps
+    little of its weight, though no single answer crossed a bound."""
+    return 1.0 if trust >= full else max(trust, 0.0) / full
 
 
 def tolerance(num_learners: int) -> str:

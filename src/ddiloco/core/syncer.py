@@ -254,6 +254,8 @@ class Pending:
     """Staleness discount of its outer gradient (1 unless ``staleness = "scaled"``)."""
     shrunk: float = 1.0
     """The robust merge's size clipping, already applied to ``deltas`` and ``norms``."""
+    alignment: float = 1.0
+    """The robust merge's alignment of it (1: not judged against a centre)."""
     claimed: float = 0.0
     """Its weight as its counters claim it, after the fleet's weight cap, before the robust
     merge's judgement: what the weight cap's reference records (the judgement is not pace)."""
@@ -732,17 +734,24 @@ class Syncer:
                 )
                 changed = True
                 continue
-            trusted = robust.trust_factor(info.trust, cfg.robust_min_alignment, cfg.robust_trust_full)
+            trusted = robust.trust_factor(info.trust, cfg.robust_trust_full)
+            if not math.isnan(v.cosine):
+                pd.alignment = v.alignment
+            aligned = min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
             # Without a majority to weigh it against (a round of one or two), an answer alone
-            # would be the whole merge whatever its weight: its size follows its trust.
-            shrink = v.clip * (trusted if math.isnan(v.cosine) else 1.0)
+            # would be the whole merge whatever its weight: its size follows its trust. With
+            # one, a half-aligned answer may be half as large: its size bound follows alignment.
+            if math.isnan(v.cosine):
+                shrink = v.clip * trusted
+            else:  # (an answer of alignment 0 keeps its size: its weight is 0)
+                shrink = min(1.0, v.room * aligned) if aligned > 0 else 1.0
             if shrink < 1.0:
                 for d in pd.deltas:
                     d.mul_(shrink)
                 pd.norms, pd.shrunk, changed = [n * shrink for n in pd.norms], shrink, True
             if weight_cap is not None and pd.weight > weight_cap:
                 pd.weight, pd.clipped, changed = weight_cap, True, True
-            factor = trusted * min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
+            factor = trusted * aligned
             if factor < 1.0:
                 pd.weight *= factor
                 pd.clipped = changed = True
@@ -816,6 +825,7 @@ class Syncer:
                     pd.clipped,
                     math.sqrt(sum(n * n for n in pd.norms)),
                     pd.shrunk,
+                    pd.alignment,
                 )
             )
         out.tape.append(record)

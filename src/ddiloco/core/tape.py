@@ -189,6 +189,9 @@ class MergedEntry:
     """L2 norm of its outer gradient (as merged: after any size clipping)."""
     scaled: float = 1.0
     """The robust merge's size clipping of its outer gradient (1: merged at its own size)."""
+    alignment: float = 1.0
+    """The robust merge's alignment: its cosine with the round's centre over the round's median
+    cosine (1 also when the round had no centre: fewer than 3 answers, or robust off)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -204,6 +207,7 @@ class MergedEntry:
             "clipped": self.clipped,
             "norm": self.norm,
             "scaled": self.scaled,
+            "alignment": self.alignment,
         }
 
     @property
@@ -233,9 +237,10 @@ class MergedEntry:
             tokens=_int(d, "tokens"),
             steps=_int(d, "steps"),
             in_grace=_bool(d, "in_grace"),
-            clipped=_bool(d, "clipped", False),  # older tapes lack the last three
+            clipped=_bool(d, "clipped", False),  # older tapes lack the last four
             norm=_float(d, "norm", 0.0),
             scaled=_float(d, "scaled", 1.0),
+            alignment=_float(d, "alignment", 1.0),
         )
 
 
