@@ -21,14 +21,19 @@ import threading
 
 import pytest
 import torch
-from helpers import wait_for
+from helpers import (
+    SESSION_CFG,
+    SESSION_LAYOUT,
+    SESSION_PARAMS,
+    SESSION_REGISTRATION,
+    SESSION_RT,
+    SESSION_SPECS,
+    wait_for,
+)
 
-from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Heartbeat
 from ddiloco.core.syncer import Syncer
-from ddiloco.protocol.config import RuntimeConfig
-from ddiloco.protocol.learner_session import LearnerSession, Registration
+from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.messages import (
     FetchGlobal,
     GlobalState,
@@ -41,12 +46,8 @@ from ddiloco.protocol.messages import (
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerSession
 from ddiloco.training.peer_state import load_state, state_message
 
-SPECS = [TensorSpec("w", (3, 2)), TensorSpec("b", (2,))]
-LAYOUT = balanced_layout(SPECS, 2)
-PARAMS = [[s.name, list(s.shape)] for s in SPECS]
-REGISTRATION = Registration(PARAMS, LAYOUT.digest())
-CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1, liveness_timeout_s=2.0, takeover_after_s=1.0)
-RT = RuntimeConfig(heartbeat_interval_s=0.5, syncer_liveness_s=2.0, backoff_initial_s=0.1, backoff_max_s=1.0)
+SPECS, LAYOUT, PARAMS = SESSION_SPECS, SESSION_LAYOUT, SESSION_PARAMS
+REGISTRATION, CFG, RT = SESSION_REGISTRATION, SESSION_CFG, SESSION_RT
 
 
 def syncer(keyed: bool = False) -> SyncerSession:
@@ -352,37 +353,30 @@ HOST = "127.0.0.9"
 @pytest.fixture()
 def keyed_fleet(tmp_path):
     """A keyed syncer on loopback and two keyed learners, as threads."""
-    from ddiloco.config import load_config
-    from ddiloco.service.keys import ClientKeys, ServerKeys, make_keys
-    from ddiloco.service.launcher import free_port
+    from helpers import keyed_syncer
+
+    from ddiloco.service.keys import ClientKeys
     from ddiloco.service.learner import LearnerProcess
-    from ddiloco.service.syncer import SyncerService
-    from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket
+    from ddiloco.service.transport import ZmqLearnerSocket
 
     torch.set_num_threads(1)
     keys = tmp_path / "keys"
-    make_keys(keys, learners=2)
-    cfg = load_config(None, SETTINGS)
-    addr = f"tcp://{HOST}:{free_port(HOST)}"
-    service = SyncerService(cfg, ZmqSyncerSocket(addr, keys=ServerKeys.load(keys)), tmp_path / "run",
-                            fsync=False, keys=ServerKeys.load(keys))  # fmt: skip
-    threads = [threading.Thread(target=service.serve, daemon=True)]
-    learners = []
-    for m in range(2):
-        k = ClientKeys.load(keys, f"learner-{m}")
-        learners.append(LearnerProcess(cfg, [addr], m, tmp_path / "run",
-                                       connect=lambda a, i, k=k: ZmqLearnerSocket(a, i, 0.1, 0.3, k)))  # fmt: skip
-        threads.append(threading.Thread(target=learners[-1].run, daemon=True))
-    for t in threads:
-        t.start()
-    try:
-        yield cfg, addr, keys, service, learners
-    finally:
-        for ln in learners:
-            ln.stop = True
-        service.stop()
+    with keyed_syncer(tmp_path / "run", keys, SETTINGS, HOST) as (cfg, addr, service):
+        threads, learners = [], []
+        for m in range(2):
+            k = ClientKeys.load(keys, f"learner-{m}")
+            learners.append(LearnerProcess(cfg, [addr], m, tmp_path / "run",
+                                           connect=lambda a, i, k=k: ZmqLearnerSocket(a, i, 0.1, 0.3, k)))  # fmt: skip
+            threads.append(threading.Thread(target=learners[-1].run, daemon=True))
         for t in threads:
-            t.join(timeout=30)
+            t.start()
+        try:
+            yield cfg, addr, keys, service, learners
+        finally:
+            for ln in learners:
+                ln.stop = True
+            for t in threads:
+                t.join(timeout=30)
 
 
 def merged_of(service, m: int) -> int:

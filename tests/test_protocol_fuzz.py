@@ -14,16 +14,14 @@ from __future__ import annotations
 import math
 
 import torch
+from helpers import SESSION_CFG, SESSION_LAYOUT, SESSION_PARAMS, SESSION_REGISTRATION, SESSION_RT, SESSION_SPECS
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.core.syncer import Syncer
-from ddiloco.protocol.config import RuntimeConfig
-from ddiloco.protocol.learner_session import LearnerSession, Registration
+from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.messages import (
     FetchGlobal,
     JoinReply,
@@ -37,12 +35,8 @@ from ddiloco.protocol.messages import (
 from ddiloco.protocol.syncer_session import Budget, SyncerSession
 from ddiloco.report.invariants import check_run
 
-SPECS = [TensorSpec("w", (3, 2)), TensorSpec("b", (2,))]
-LAYOUT = balanced_layout(SPECS, 2)
-PARAMS = [[s.name, list(s.shape)] for s in SPECS]
-REGISTRATION = Registration(PARAMS, LAYOUT.digest())
-CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1, liveness_timeout_s=2.0, takeover_after_s=1.0)
-RT = RuntimeConfig(heartbeat_interval_s=0.5, syncer_liveness_s=2.0, backoff_initial_s=0.1, backoff_max_s=1.0)
+SPECS, LAYOUT, PARAMS = SESSION_SPECS, SESSION_LAYOUT, SESSION_PARAMS
+REGISTRATION, CFG, RT = SESSION_REGISTRATION, SESSION_CFG, SESSION_RT
 LEARNERS = (0, 1)
 
 ids = st.integers(0, 3)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from helpers import wait_for
+from helpers import keyed_syncer, wait_for
 
 from ddiloco.config import load_config
 from ddiloco.core.config import DiLoCoConfig
@@ -21,11 +21,10 @@ from ddiloco.core.messages import FragmentUpdate
 from ddiloco.errors import DDiLoCoError
 from ddiloco.protocol.messages import FetchGlobal, GlobalState, JoinReply, Register
 from ddiloco.service.clock import SkewedClock
-from ddiloco.service.keys import ClientKeys, ServerKeys, is_local, make_keys
-from ddiloco.service.launcher import free_port
+from ddiloco.service.keys import ClientKeys, is_local, make_keys
 from ddiloco.service.learner import LearnerProcess, client_keys
 from ddiloco.service.syncer import SyncerService, open_syncer
-from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket, learner_identity
+from ddiloco.service.transport import ZmqLearnerSocket, learner_identity
 from ddiloco.service.wire import decode, encode
 
 SETTINGS = [
@@ -68,16 +67,8 @@ def ask(addr: str, msg, keys: ClientKeys | None = None, timeout_s: float = 2.0, 
 def keyed(tmp_path):
     """A syncer with CURVE keys on loopback, serving in a thread; two learner key pairs."""
     keys = tmp_path / "keys"
-    make_keys(keys, learners=2)
-    cfg = load_config(None, SETTINGS)
-    addr = f"tcp://{HOST}:{free_port(HOST)}"
-    service = SyncerService(cfg, ZmqSyncerSocket(addr, keys=ServerKeys.load(keys)), tmp_path / "run",
-                            fsync=False, keys=ServerKeys.load(keys))  # fmt: skip
-    t = threading.Thread(target=service.serve, daemon=True)
-    t.start()
-    yield cfg, addr, keys, service
-    service.stop()
-    t.join(timeout=30)
+    with keyed_syncer(tmp_path / "run", keys, SETTINGS, HOST) as (cfg, addr, service):
+        yield cfg, addr, keys, service
 
 
 def register(cfg, m: int) -> Register:
