@@ -3,11 +3,12 @@
     python bench/soak.py --insider                         # 6 arms x 3 repetitions (~45 min)
     python bench/soak.py --insider --insider-s 60 --reps 1 # a first look (~15 min)
 
-Every run: a syncer and 4 learners over CURVE on loopback (the soak's synthetic settings), of
-equal length, with no kills; repetition r uses run.seed = r in every arm. Learners 0-2 are
-honest ``ddiloco learner`` processes. Learner 3 is, per arm:
+Every run: a syncer and learners over CURVE on loopback (the soak's synthetic settings, 4
+data shards), of equal length, with no kills; repetition r uses run.seed = r in every arm.
+Learners 0-2 are honest ``ddiloco learner`` processes. Learner 3 is, per arm:
 
-- ``baseline``: honest too;
+- ``baseline``: absent (the fleet without the attacker: what the honest learners reach alone,
+  as in the soak's baseline; an attack must not make the run worse than its absence);
 - ``reverse_capped``: a real learner whose contributions are rewritten on the wire: its delta
   reversed, and its tokens doubled (4x its weight: the weight cap's size);
 - ``drift``: its delta plus a fixed direction of 2.5x the delta's norm, every round (just
@@ -291,11 +292,9 @@ def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]
         time.sleep(0.1)
     for m in soak.HONEST:
         c._start(f"learner-{m}", [sys.executable, "-m", "ddiloco", *learner_argv(m)])
-    if arm == "baseline":
-        c._start("learner-3", [sys.executable, "-m", "ddiloco", *learner_argv(3)])
-    elif arm in INFLUENCE:
+    if arm in INFLUENCE:
         c._start("learner-3", [sys.executable, __file__, "--tampering-learner", arm, "--", *learner_argv(3)])
-    starters = [*soak.HONEST, *([3] if arm != "protocol" else [])]
+    starters = [*soak.HONEST, *([3] if arm in INFLUENCE else [])]
     deadline = time.time() + 300
     while not all(c.status(f"learner-{m}").get("steps", 0) > 0 for m in starters) and time.time() < deadline:
         time.sleep(0.2)
