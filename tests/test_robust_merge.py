@@ -310,3 +310,13 @@ def test_trust_falls_fast_and_recovers_slowly():
     assert t == pytest.approx(0.8)
     up = robust.trust_after(t, 1.0, 0.8)
     assert up == pytest.approx(0.8 + 0.2 * 0.05)  # a quarter of the fall's rate
+
+
+def test_an_answer_that_claims_steps_but_moved_nothing_gets_no_weight():
+    """A free rider: its values are its base (delta 0) with a full token count; merged with
+    weight it would pull every merge towards no step."""
+    f = Fleet()
+    f.honest_round()
+    rec = f.honest_round(f.answer(3, torch.zeros(N)))
+    entry = next(e for e in rec.merged if e.learner == 3)
+    assert entry.weight == 0 and f.s.learners[3].trust < 1.0

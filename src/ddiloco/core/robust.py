@@ -119,6 +119,9 @@ def judge(
     typical = statistics.median(cosines.values()) if cosines else 0.0
     verdicts = {}
     for m in deltas:
+        if norms[m] <= 0:  # steps claimed, nothing moved: tokens without progress dilute the merge
+            verdicts[m] = Verdict(0.0, 0.0, math.inf)
+            continue
         cos = cosines.get(m, math.nan)
         alignment = cos / typical if typical > 0 and m in cosines else 1.0
         bound = clip * ref if clip > 0 and ref is not None and ref > 0 else math.inf
