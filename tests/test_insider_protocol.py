@@ -30,6 +30,7 @@ from helpers import (
     SESSION_SPECS,
     wait_for,
 )
+from test_faults import SMALL  # the fault harness's small synthetic run
 
 from ddiloco.core.messages import Heartbeat
 from ddiloco.core.syncer import Syncer
@@ -268,17 +269,6 @@ def test_a_poisoned_state_is_refused_and_the_optimizer_is_unchanged(poison, why)
 
 
 # -- the attacker's side in virtual time -------------------------------------------------------
-
-SMALL = [
-    "workload.factory=ddiloco.workloads.synthetic:make_workload",
-    "workload.options={hidden = 16}",
-    "workload.batch_size=8",
-    "run.eval_points=1",
-    "run.num_learners=3",
-    "run.processed_tokens=2400",
-    "algo.sync_every=8",
-    "algo.num_fragments=4",
-]
 
 
 def simulate(faults):
