@@ -14,10 +14,16 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ddiloco.errors import ConfigError
+
+TensorKind = Literal["param", "buffer", "count"]
+"""What a synced tensor is: a parameter (merged by the outer optimizer), a floating buffer
+(BatchNorm's running statistics) or an integer buffer (``num_batches_tracked``). Buffers are
+merged by the token-weighted mean of their changes, applied in full (``core/syncer.py``)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class TensorSpec:
     """Parameter name as in ``model.named_parameters()``."""
     shape: tuple[int, ...]
     """Tensor shape."""
+    kind: TensorKind = "param"
+    """Parameter, floating buffer or integer buffer."""
 
     @property
     def numel(self) -> int:
@@ -46,10 +54,18 @@ class Piece:
     """One past the last row."""
     shape: tuple[int, ...]
     """Shape of the piece itself."""
+    kind: TensorKind = "param"
+    """Parameter, floating buffer or integer buffer (a buffer is always a whole tensor)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def _described(pc: Piece) -> list[object]:
+    # A parameter's entry is as it always was, so layouts without buffers keep their digests.
+    entry: list[object] = [pc.name, pc.row_start, pc.row_end, list(pc.shape)]
+    return entry if pc.kind == "param" else [*entry, pc.kind]
 
 
 @dataclass(frozen=True)
@@ -67,19 +83,28 @@ class FragmentLayout:
         """Elements per fragment."""
         return [sum(pc.numel for pc in frag) for frag in self.fragments]
 
-    def signature(self) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    def signature(self) -> list[tuple[str, int, int, tuple[int, ...], TensorKind]]:
         """A plain description to compare layouts (e.g. learner vs syncer)."""
-        return [(pc.name, pc.row_start, pc.row_end, pc.shape) for frag in self.fragments for pc in frag]
+        return [(pc.name, pc.row_start, pc.row_end, pc.shape, pc.kind) for frag in self.fragments for pc in frag]
 
     def digest(self) -> str:
         """A short hash of the signature and the fragment boundaries: equal digests, equal layouts."""
-        text = json.dumps([[[pc.name, pc.row_start, pc.row_end, list(pc.shape)] for pc in f] for f in self.fragments])
+        text = json.dumps([[_described(pc) for pc in f] for f in self.fragments])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """TensorSpecs of ``model.named_parameters()`` (or any name/tensor pairs)."""
-    return [TensorSpec(name, tuple(t.shape)) for name, t in named]
+def kind_of(t: torch.Tensor, buffer: bool) -> TensorKind:
+    """A parameter, or a buffer by its dtype: floating, or integer (and bool) counted."""
+    if not buffer:
+        return "param"
+    return "buffer" if t.is_floating_point() else "count"
+
+
+def specs_of(named: Iterable[tuple[str, torch.Tensor]], buffers: Iterable[str] = ()) -> list[TensorSpec]:
+    """TensorSpecs of ``model.named_parameters()`` (or any name/tensor pairs); the names in
+    ``buffers`` are the model's buffers."""
+    kept = set(buffers)
+    return [TensorSpec(name, tuple(t.shape), kind_of(t, name in kept)) for name, t in named]
 
 
 def pack_sizes(sizes: Sequence[int], num_bins: int) -> list[list[int]]:
@@ -103,7 +128,7 @@ def pack_sizes(sizes: Sequence[int], num_bins: int) -> list[list[int]]:
 
 def _whole(spec: TensorSpec) -> Piece:
     rows = spec.shape[0] if spec.shape else 1
-    return Piece(spec.name, 0, rows, spec.shape)
+    return Piece(spec.name, 0, rows, spec.shape, spec.kind)
 
 
 def _halve(pc: Piece) -> list[Piece]:
@@ -128,7 +153,11 @@ def balanced_layout(specs: Sequence[TensorSpec], num_fragments: int, max_ratio: 
     pieces = [_whole(s) for s in specs]
     layout = _pack(pieces, num_fragments)
     while imbalance(layout) > max_ratio:
-        splittable = [i for i, pc in enumerate(pieces) if pc.row_end - pc.row_start > 1 and len(pc.shape) >= 1]
+        splittable = [
+            i
+            for i, pc in enumerate(pieces)
+            if pc.row_end - pc.row_start > 1 and len(pc.shape) >= 1 and pc.kind == "param"
+        ]
         if not splittable:
             break
         i = max(splittable, key=lambda j: (pieces[j].numel, -j))
@@ -196,23 +225,27 @@ def make_layout(
 
 
 def read_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> list[torch.Tensor]:
-    """Detached copies of a fragment's pieces from a name->tensor map."""
+    """Detached fp32 copies of a fragment's pieces from a name->tensor map (the wire's and the
+    syncer's dtype: exact for fp32, bf16 and fp16 values and for integers below 2^24)."""
     out = []
     for pc in pieces:
         t = params[pc.name].detach()
-        out.append((t[pc.row_start : pc.row_end] if t.dim() else t).clone())
+        out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to(torch.float32, copy=True))
     return out
 
 
 def write_fragment(
     params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0
 ) -> None:
-    """Write values into the tensors in place: overwrite (alpha = 0) or blend alpha*local + (1-alpha)*value."""
+    """Write values into the tensors in place: overwrite (alpha = 0) or blend alpha*local + (1-alpha)*value.
+    An integer buffer (a count) is never blended: it takes the value, rounded."""
     with torch.no_grad():
         for pc, v in zip(pieces, values):
             t = params[pc.name]
             dst = t[pc.row_start : pc.row_end] if t.dim() else t
-            if alpha == 0.0:
+            if not dst.is_floating_point():
+                dst.copy_(v.round() if v.is_floating_point() else v)
+            elif alpha == 0.0:
                 dst.copy_(v)
             else:
                 dst.mul_(alpha).add_(v.to(dst.dtype), alpha=1.0 - alpha)

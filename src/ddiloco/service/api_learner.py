@@ -36,7 +36,7 @@ from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
 from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
-from ddiloco.training.layout import layout_of, param_spec
+from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.training.peer_state import load_state, state_message
 from ddiloco.workloads.base import embedding_parameters
 
@@ -203,7 +203,8 @@ class Learner:
         self.id, self.clock, self.optimizer = learner_id, clock, optimizer
         self.trained = model
         self.model = unwrap(model)
-        params = dict(self.model.named_parameters())
+        # The parameters and the persistent buffers (BatchNorm's statistics): the whole model.
+        params = synced_tensors(self.model)
         if not params:
             raise UsageError("the model has no parameters to synchronise")
         self.params = params
@@ -540,7 +541,7 @@ class Learner:
             t = self.params[pc.name].detach()
             if pc.name in self.sharded:
                 t = t.full_tensor()  # type: ignore[attr-defined]
-            out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", copy=True))
+            out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", torch.float32, copy=True))
         return out
 
     def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
@@ -640,7 +641,7 @@ class Learner:
                 self._write(u.fragment, u.values, 0.0)
         # rank 0 applied the global state it fetched on join: every rank starts from it
         with torch.no_grad():
-            for name, prm in self.model.named_parameters():
+            for name, prm in synced_tensors(self.model).items():
                 if name not in self.sharded:
                     dist.broadcast(prm.data, src=0)
         if self.rank != 0:
