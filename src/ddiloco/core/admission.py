@@ -22,7 +22,17 @@ from ddiloco.core.tape import RejectReason
 from ddiloco.core.validation import Problem, check_counters, check_payload
 
 STRIKES: frozenset[RejectReason] = frozenset(
-    {"bad_counters", "bad_payload", "bad_norm", "outlier", "misaligned", "implausible", "bad_version", "bad_fragment"}
+    {
+        "bad_counters",
+        "bad_payload",
+        "bad_norm",
+        "bad_buffer",
+        "outlier",
+        "misaligned",
+        "implausible",
+        "bad_version",
+        "bad_fragment",
+    }
 )
 """Refusals that count towards quarantine: what the contribution carried was wrong. Arriving
 late, twice, from an old base or an old process is what honest learners do too."""

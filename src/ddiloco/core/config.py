@@ -86,6 +86,9 @@ class DiLoCoConfig:
     so one bad counter would dominate a merge."""
     max_delta_norm: float = 1e6
     """Validation bound on the L2 norm of a contribution's outer gradient (absolute)."""
+    max_count_per_step: int = 64
+    """Bound on how far an integer buffer (BatchNorm's ``num_batches_tracked``) may grow per
+    inner step of a contribution: a forward pass per micro-batch, with room for accumulation."""
     max_delta_ratio: float = 1.0
     """Bound on an outer gradient's norm relative to its fragment: at most max_delta_ratio x
     |Theta_p| + max_delta_floor x sqrt(numel_p). Honest deltas are a few percent of it."""
@@ -192,6 +195,7 @@ class DiLoCoConfig:
         _check(self.max_tokens_per_step > 0, "max_tokens_per_step", self.max_tokens_per_step, "> 0")
         _check(self.max_delta_norm > 0, "max_delta_norm", self.max_delta_norm, "> 0")
         _check(self.max_delta_ratio > 0, "max_delta_ratio", self.max_delta_ratio, "> 0")
+        _check(self.max_count_per_step >= 1, "max_count_per_step", self.max_count_per_step, ">= 1")
         _check(self.max_delta_floor >= 0, "max_delta_floor", self.max_delta_floor, ">= 0")
         _check(
             self.norm_screen_factor == 0 or self.norm_screen_factor > 1,

@@ -48,7 +48,7 @@ from ddiloco.core.tape import (
     RoundRecord,
     TapeRecord,
 )
-from ddiloco.core.validation import check_norm
+from ddiloco.core.validation import check_buffers, check_norm
 
 STEP_CONSENSUS = 4.0
 """Step-time EMAs more than this factor from the live fleet's lower median do not drive the
@@ -334,6 +334,10 @@ class Syncer:
         for pieces in layout.fragments:
             self._emb.append(flat[: len(pieces)])
             flat = flat[len(pieces) :]
+        # Per fragment, the positions of its buffer pieces (merged by their own rule, _close).
+        self._buffers: list[list[int]] = [
+            [i for i, pc in enumerate(pieces) if pc.kind != "param"] for pieces in layout.fragments
+        ]
         self._numel = layout.sizes()
         self.learners: dict[int, LearnerInfo] = {}
         self.rounds: dict[int, Round] = {}
@@ -451,6 +455,14 @@ class Syncer:
         # the merge would use at the close. The payload becomes the delta in place: the syncer
         # takes ownership of the tensors it is handed.
         values = c.values
+        buffers = self._buffers[c.fragment]
+        if buffers:  # checked as values against the base, before they become changes
+            pieces = self.layout.fragments[c.fragment]
+            raw = [c.values[i] if c.kind == "values" else base[i] - c.values[i] for i in buffers]
+            problem = check_buffers(raw, [base[i] for i in buffers], [pieces[i] for i in buffers], c.steps, self.cfg)
+            if problem is not None:
+                self._reject(c, *problem, now, out)
+                return
         anchor: list[torch.Tensor] | None = base if self.cfg.anchor == "base" else frag.values
         if c.kind == "delta":
             if self.cfg.anchor == "base":
@@ -458,6 +470,8 @@ class Syncer:
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
         norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
+        for i in buffers:  # statistics, not progress: they have no say in the norm bounds or screening
+            norms[i] = 0.0
         problem = check_norm(norms, self.cfg) or admission.check_relative_norm(
             norms, frag.norm, self._numel[c.fragment], self.cfg
         )
@@ -584,7 +598,11 @@ class Syncer:
         frag = self.fragments[p]
         if frag.scratch is None:
             frag.scratch = [torch.empty_like(v) for v in frag.values]
-        merge = [Accumulator(t, rda=self.cfg.merge == "rda" and not emb) for t, emb in zip(frag.scratch, self._emb[p])]
+        rda = [
+            self.cfg.merge == "rda" and not emb and pc.kind == "param"
+            for pc, emb in zip(self.layout.fragments[p], self._emb[p])
+        ]
+        merge = [Accumulator(t, rda=r) for t, r in zip(frag.scratch, rda)]
         rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge)
         self.rounds[p] = rnd
         return rnd
@@ -707,14 +725,20 @@ class Syncer:
         if not judged:
             return
         history = admission.history_reference(list(frag.recent_norms), frag.screen_rounds, self.cfg)
+        buffers = self._buffers[rnd.fragment]
+        changed = self._clip_buffers(rnd, judged, buffers)
+        params = [i for i in range(len(self.layout.fragments[rnd.fragment])) if i not in buffers]
+        if not params:
+            if changed:
+                self._rebuild(rnd)
+            return
         verdicts = robust.judge(
-            {m: pd.deltas for m, pd in judged.items()},
+            {m: [pd.deltas[i] for i in params] for m, pd in judged.items()},
             {m: math.sqrt(sum(n * n for n in pd.norms)) for m, pd in judged.items()},
             {m: pd.contribution.steps for m, pd in judged.items()},
             history,
             self.cfg.robust_clip,
         )
-        changed = False
         full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
         # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
         weights = [pd.weight for pd in judged.values() if pd.weight > 0]
@@ -746,8 +770,8 @@ class Syncer:
             else:  # (an answer of alignment 0 keeps its size: its weight is 0)
                 shrink = min(1.0, v.room * aligned) if aligned > 0 else 1.0
             if shrink < 1.0:
-                for d in pd.deltas:
-                    d.mul_(shrink)
+                for i in params:
+                    pd.deltas[i].mul_(shrink)
                 pd.norms, pd.shrunk, changed = [n * shrink for n in pd.norms], shrink, True
             if weight_cap is not None and pd.weight > weight_cap:
                 pd.weight, pd.clipped, changed = weight_cap, True, True
@@ -757,6 +781,22 @@ class Syncer:
                 pd.clipped = changed = True
         if changed:
             self._rebuild(rnd)
+
+    def _clip_buffers(self, rnd: Round, judged: dict[int, Pending], buffers: Sequence[int]) -> bool:
+        """Bounded influence on the buffers: with a majority to measure against, each answer's
+        change of a buffer is clipped, coordinate by coordinate, to ``robust_clip`` x the round's
+        median |change| there (a statistic no one else moved stays put). True if one was cut."""
+        if not buffers or len(judged) < robust.MIN_ANSWERS or self.cfg.robust_clip <= 0:
+            return False
+        cut = False
+        for i in buffers:
+            changes = [pd.deltas[i] for pd in judged.values()]
+            bound = torch.stack([d.abs() for d in changes]).median(dim=0).values.mul_(self.cfg.robust_clip)
+            for d in changes:
+                if bool((d.abs() > bound).any()):
+                    torch.clamp(d, -bound, bound, out=d)
+                    cut = True
+        return cut
 
     def _rebuild(self, rnd: Round) -> None:
         """Rebuild the running sums from what remains (exact; a subtraction would leave residue)."""
@@ -787,11 +827,23 @@ class Syncer:
         )
         if contribs and sum(weights) > 0:
             merged = [acc.result() for acc in rnd.merge]
+            # Buffers (running statistics, counts) take the token-weighted mean of their changes
+            # in full: no outer learning rate, no momentum (it is fed zeros). With every answer
+            # from the current version, that is the weighted mean of the learners' statistics.
+            pieces = self.layout.fragments[rnd.fragment]
+            stats = {}
+            for i in self._buffers[rnd.fragment]:
+                stats[i] = frag.values[i] - merged[i]
+                if pieces[i].kind == "count":
+                    stats[i].round_()
+                merged[i] = torch.zeros_like(stats[i])
             frag.outer.lr = self.outer_lr()
             frag.version += 1
             # The part of the live fleet this merge stands for (only a delayed outer step uses it).
             share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now))) if frag.outer.delayed else 1.0
             new_values = frag.outer.step(frag.values, merged, share)
+            for i, value in stats.items():
+                new_values[i] = value
             frag.history.append((frag.version, new_values, now))
             frag.norm = _norm(new_values)
             frag.tokens_merged += sum(_tokens(pd) for pd in pending)

@@ -25,6 +25,7 @@ RejectReason = Literal[
     "bad_counters",
     "bad_payload",
     "bad_norm",
+    "bad_buffer",
     "outlier",
     "misaligned",
     "implausible",

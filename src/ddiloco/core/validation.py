@@ -80,3 +80,50 @@ def check_update(values: Sequence[object], pieces: Sequence[Piece]) -> str | Non
         if not bool(torch.isfinite(v).all()):
             return f"{pc.name}: non-finite values"
     return None
+
+
+COUNT_LIMIT = 2**24
+"""An integer buffer must stay below this: the wire and the syncer carry values as fp32, exact
+for integers up to 2^24."""
+
+
+def check_buffers(
+    values: Sequence[torch.Tensor], base: Sequence[torch.Tensor], pieces: Sequence[Piece], steps: int, cfg: DiLoCoConfig
+) -> Problem | None:
+    """A contribution's buffers (its values, not changes) against the version it started from:
+    finite; a variance never negative; a change within ``max_delta_norm``; an integer buffer a
+    non-negative integer that grew by at most ``max_count_per_step`` per step and stays below
+    ``COUNT_LIMIT``. Buffers are merged by a mean of their changes, so one hostile value would
+    otherwise be carried into the global model."""
+    for pc, v, b in zip(pieces, values, base):
+        if pc.kind == "param":
+            continue
+        where = f"buffer {pc.name}"
+        if not bool(torch.isfinite(v).all()):
+            return "bad_buffer", f"{where}: non-finite values"
+        if pc.kind == "buffer":
+            if pc.name.endswith("running_var") and bool((v < 0).any()):
+                return "bad_buffer", f"{where}: a negative variance ({float(v.min()):.3g})"
+            change = float(torch.linalg.vector_norm(v - b))
+            if change > cfg.max_delta_norm:
+                return (
+                    "bad_buffer",
+                    f"{where}: changed by {change:.3g}, beyond max_delta_norm = {cfg.max_delta_norm:.3g}",
+                )
+            continue
+        if bool((v != v.round()).any()) or bool((v < 0).any()):
+            return "bad_buffer", f"{where}: a count must be a non-negative integer"
+        moved = v - b
+        low, high = (float(moved.min()), float(moved.max())) if v.numel() else (0.0, 0.0)
+        most = steps * cfg.max_count_per_step
+        if low < 0 or high > most:
+            return "bad_buffer", (
+                f"{where}: a count moved by {low if low < 0 else high:.0f} in {steps} steps (allowed: 0 .. {most}, "
+                f"max_count_per_step = {cfg.max_count_per_step})"
+            )
+        if bool((v >= COUNT_LIMIT).any()):
+            return (
+                "bad_buffer",
+                f"{where}: a count of {float(v.max()):.0f} is beyond 2^24, which fp32 cannot carry exactly",
+            )
+    return None

@@ -21,7 +21,7 @@ from ddiloco.report.tape import read_jsonl
 from ddiloco.service import observer
 from ddiloco.service.keys import ClientKeys
 from ddiloco.training.evaluate import evaluate
-from ddiloco.training.layout import layout_for
+from ddiloco.training.layout import layout_for, synced_tensors
 from ddiloco.workloads.base import loss_unit
 from ddiloco.workloads.config import load_workload
 
@@ -42,7 +42,7 @@ def fetch_global(
 
 def load_global(model: torch.nn.Module, layout: FragmentLayout, states: list[GlobalState]) -> dict[str, int]:
     """Write the fetched fragments into ``model``; returns the version of every fragment."""
-    params = dict(model.named_parameters())
+    params = synced_tensors(model)  # the parameters and the persistent buffers
     versions: dict[str, int] = {}
     for st in states:
         versions.update(st.versions)

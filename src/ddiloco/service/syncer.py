@@ -33,7 +33,7 @@ from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
-from ddiloco.protocol.messages import Register
+from ddiloco.protocol.messages import Register, SettingsRequest
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
 from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
@@ -48,7 +48,8 @@ from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
-from ddiloco.training.layout import layout_of, param_spec
+from ddiloco.settings import run_settings
+from ddiloco.training.layout import layout_of, load_global, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
 
@@ -98,7 +99,7 @@ class SyncerService:
                 f"shard {shard} of {num_shards} owns no fragment (the model has {self.layout.num_fragments}); "
                 "use fewer shards"
             )
-        params = dict(model.named_parameters())
+        params = synced_tensors(model)  # the parameters and the persistent buffers
         core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
         self.model = model
         self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync)
@@ -113,7 +114,9 @@ class SyncerService:
             core,
             rt,
             budget_of(cfg),
-            Registration(param_spec(model), self.layout.digest),
+            # What learners must match: the model, its layout, and the run's settings (sent to a
+            # learner given no config, checked against one given a config).
+            Registration(param_spec(model), self.layout.digest, settings=run_settings(cfg)),
             start,
             shard=shard,
             # A new value per start: learners see the syncer restarted and register again.
@@ -123,6 +126,7 @@ class SyncerService:
             age_s=max(0.0, clock.wall() - started_at),
             ended=ended,
             keyed=keys is not None,
+            num_learners=cfg.run.num_learners,  # the cap on learner ids, with or without keys
         )
         if found is not None:
             self.session.restore(found.fragments, found.syncer_meta)
@@ -243,7 +247,7 @@ class SyncerService:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             return
         now = self.clock.monotonic()
-        if isinstance(msg, Register) and not self._join_rate.allow(who, now):
+        if isinstance(msg, (Register, SettingsRequest)) and not self._join_rate.allow(who, now):
             self.counts["rate_limited"] += 1
             return
         principal = None
@@ -433,7 +437,7 @@ class SyncerService:
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
         # Through the model, so tied tensors (an LM head sharing the embedding) get the merged values too.
-        self.model.load_state_dict({k: v for k, v in state.items() if k in owned_names}, strict=False)
+        load_global(self.model, {k: v for k, v in state.items() if k in owned_names}, owned=owned_names)
         full = self.model.state_dict()
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         path = self.run_dir / "final" / name

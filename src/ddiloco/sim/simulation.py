@@ -52,7 +52,7 @@ from ddiloco.sim.faults import (
 from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
-from ddiloco.training.layout import ModelLayout, layout_for, param_spec
+from ddiloco.training.layout import ModelLayout, layout_for, load_global, param_spec, synced_tensors
 from ddiloco.training.peer_state import load_state, state_message
 from ddiloco.workloads.base import DataStream, Workload, loss_unit
 
@@ -147,7 +147,7 @@ class Simulation:
         base = workload.build_model(r.seed)
         self.model_layout: ModelLayout = layout_for(base, workload, a)
         self.layout = self.model_layout.fragments
-        self.initial = {k: v.detach().clone() for k, v in base.named_parameters()}
+        self.initial = {k: v.detach().clone() for k, v in synced_tensors(base).items()}
         self.registration = Registration(param_spec(base), self.model_layout.digest)
         self.tape: list[TapeRecord] = []
         self.eval_model = copy.deepcopy(base)
@@ -162,7 +162,7 @@ class Simulation:
                 SimLearner(
                     m,
                     model,
-                    dict(model.named_parameters()),
+                    synced_tensors(model),
                     make_optimizer(model, cfg.inner),
                     stream,
                     speeds[m],
@@ -410,8 +410,8 @@ class Simulation:
         state and its data position, all through the protocol. It builds its model afresh: what
         its join does not overwrite is the initial model, not the dead process's weights."""
         with torch.no_grad():
-            for name, param in ln.model.named_parameters():
-                param.copy_(self.initial[name])
+            for name, tensor in synced_tensors(ln.model).items():
+                tensor.copy_(self.initial[name])
         ln.opt = make_optimizer(ln.model, self.cfg.inner)
         if ln.down_since is not None:
             self.outages.append((ln.id, ln.down_since, self.now))
@@ -538,7 +538,7 @@ class Simulation:
         return total / max(1, self.layout.num_fragments)
 
     def _evaluate(self) -> float:
-        self.eval_model.load_state_dict(self.global_state(), strict=False)
+        load_global(self.eval_model, self.global_state())
         return evaluate(self.wl, self.eval_model, self.eval_batches)
 
     def _record_eval(self, final: bool = False) -> None:
