@@ -49,8 +49,8 @@ def test_persistent_buffers_are_synced_tensors_with_their_kind_and_never_split()
     pieces = [pc for frag in layout.fragments.fragments for pc in frag if pc.kind != "param"]
     assert all(pc.row_start == 0 and (not pc.shape or pc.row_end == pc.shape[0]) for pc in pieces)
     assert [n for n, _ in param_spec(model)][-3:] == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
-    assert not any(layout.embedding_like[i] for i, pc in enumerate(p for f in layout.fragments.fragments for p in f)
-                   if pc.kind != "param")  # fmt: skip
+    flat = [pc for frag in layout.fragments.fragments for pc in frag]
+    assert not any(emb for emb, pc in zip(layout.embedding_like, flat) if pc.kind != "param")
 
 
 def test_a_layout_without_buffers_keeps_its_digest():
@@ -70,16 +70,20 @@ CFG = DiLoCoConfig(**{**BASE.__dict__, "merge": "rda", "outer_lr": 0.5, "outer_m
 
 
 def core_with_buffers(cfg: DiLoCoConfig = CFG, learners=(0, 1, 2)) -> Driver:
-    specs = [TensorSpec("w", (4,)), TensorSpec("mean", (4,), "buffer"), TensorSpec("var", (4,), "buffer"),
-             TensorSpec("count", (), "count")]  # fmt: skip
+    # BatchNorm's names: the variance rule goes by the name (running_var).
+    specs = [
+        TensorSpec("w", (4,)),
+        TensorSpec("bn.running_mean", (4,), "buffer"),
+        TensorSpec("bn.running_var", (4,), "buffer"),
+        TensorSpec("bn.num_batches_tracked", (), "count"),
+    ]
     layout = balanced_layout(specs, 1)
-    init = {"w": torch.zeros(4), "mean": torch.zeros(4), "var": torch.ones(4), "count": torch.tensor(0.0)}
-    # The names decide the variance rule (running_var): give them BatchNorm's.
-    layout = type(layout)(
-        tuple(tuple(type(pc)(n, pc.row_start, pc.row_end, pc.shape, pc.kind) for pc, n in zip(f, _names(f)))
-              for f in layout.fragments)
-    )  # fmt: skip
-    init = {_rename(k): v for k, v in init.items()}
+    init = {
+        "w": torch.zeros(4),
+        "bn.running_mean": torch.zeros(4),
+        "bn.running_var": torch.ones(4),
+        "bn.num_batches_tracked": torch.tensor(0.0),
+    }
     s = Driver(Syncer(cfg, layout, init, [False] * 4))
     for m in learners:
         s.on_join(m, 0.0)
@@ -87,21 +91,17 @@ def core_with_buffers(cfg: DiLoCoConfig = CFG, learners=(0, 1, 2)) -> Driver:
     return s
 
 
-def _rename(name: str) -> str:
-    return {"w": "w", "mean": "bn.running_mean", "var": "bn.running_var", "count": "bn.num_batches_tracked"}[name]
-
-
-def _names(frag) -> list[str]:
-    return [_rename(pc.name) for pc in frag]
-
-
 def values(s: Driver) -> dict[str, torch.Tensor]:
     return s.core.global_state()
 
 
 def answer(m: int, w: float, mean: float, var: float, count: float, tokens: int = 10, steps: int = 1):
-    by_name = {"w": torch.full((4,), w), "bn.running_mean": torch.full((4,), mean),
-               "bn.running_var": torch.full((4,), var), "bn.num_batches_tracked": torch.tensor(float(count))}  # fmt: skip
+    by_name = {
+        "w": torch.full((4,), w),
+        "bn.running_mean": torch.full((4,), mean),
+        "bn.running_var": torch.full((4,), var),
+        "bn.num_batches_tracked": torch.tensor(float(count)),
+    }
     return payload(m, [by_name[pc.name] for pc in LAYOUT_ORDER], tokens=tokens, steps=steps)
 
 
@@ -122,8 +122,8 @@ def test_buffers_take_the_token_weighted_mean_of_the_answers_and_parameters_the_
     # the parameter moved by the outer step (lr 0.5, momentum 0.9, Nesterov: 0.5 * 1.9 * delta)
     assert torch.allclose(g["w"], torch.full((4,), 0.5 * 1.9 * 1.0))
     assert s.core.fragments[0].outer.buffers is not None
-    assert all(float(b.abs().max()) == 0 for b, pc in zip(s.core.fragments[0].outer.buffers, LAYOUT_ORDER)
-               if pc.kind != "param")  # no momentum on statistics  # fmt: skip
+    momentum = zip(s.core.fragments[0].outer.buffers, LAYOUT_ORDER)
+    assert all(float(b.abs().max()) == 0 for b, pc in momentum if pc.kind != "param")  # none on statistics
 
 
 @pytest.mark.parametrize(
@@ -131,8 +131,13 @@ def test_buffers_take_the_token_weighted_mean_of_the_answers_and_parameters_the_
     [
         (math.nan, 1.0, 1, "buffer bn.running_mean: non-finite values"),
         (0.0, -0.5, 1, "buffer bn.running_var: a negative variance (-0.5)"),
-        (0.0, 1.0, 1e7, "buffer bn.num_batches_tracked: a count moved by 10000000 in 1 steps (allowed: 0 .. 64, "
-         "max_count_per_step = 64)"),
+        (
+            0.0,
+            1.0,
+            1e7,
+            "buffer bn.num_batches_tracked: a count moved by 10000000 in 1 steps (allowed: 0 .. 64, "
+            "max_count_per_step = 64)",
+        ),
         (0.0, 1.0, 2.5, "buffer bn.num_batches_tracked: a count must be a non-negative integer"),
         (3e6, 1.0, 1, "buffer bn.running_mean: changed by 6e+06, beyond max_delta_norm = 1e+06"),
     ],
@@ -193,8 +198,8 @@ def test_the_simulator_evaluates_the_global_model_with_its_merged_statistics():
     torch.manual_seed(0)
     train, held = shifted_data(1, 64), shifted_data(2, 4)
     wl = ddiloco.workload_from(BNNet(), bn_loss, train, eval_batches=held, tokens=lambda b: len(b[1]))
-    cfg = load_config(None, ["run.num_learners=2", "run.processed_tokens=6400", "run.eval_points=1",
-                             "algo.sync_every=4", "inner.lr=0.01"])  # fmt: skip
+    settings = ["run.num_learners=2", "run.processed_tokens=6400", "run.eval_points=1", "algo.sync_every=4"]
+    cfg = load_config(None, [*settings, "inner.lr=0.01"])
     result = simulate(cfg, wl)
     state = result.state
     assert float(state["bn.num_batches_tracked"]) > 0
