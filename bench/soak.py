@@ -47,6 +47,7 @@ ATTACKER = 3
 STRANGER_ID = 7  # an id nobody holds: the intruder claims it (and the real ones)
 SETTINGS = [
     "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "workload.options={batchnorm=true}",  # a model with buffers: the hostile-buffer attacks need them
     "run.num_learners=4",  # the same data shards in the baseline (learner 3 is then absent)
     "run.processed_tokens=1000000000",  # no end in sight: the run is as long as --minutes
     "runtime.duration_s=86400",  # (the syncer would end the run at its time budget otherwise)
@@ -60,7 +61,23 @@ SETTINGS = [
     "runtime.backoff_max_s=1.0",
     "runtime.join_timeout_s=5.0",
 ]
-ATTACKS = ("nan", "norm_100x", "inflated_counters", "replay", "wrong_shape")
+ATTACKS = (
+    "nan",
+    "norm_100x",
+    "inflated_counters",
+    "replay",
+    "wrong_shape",
+    "buffer_nan",  # a NaN running mean
+    "buffer_negative_var",  # a negative running variance
+    "buffer_count",  # num_batches_tracked beyond any plausible count
+    "buffer_shape",  # a running statistic of another shape
+)
+BUFFER_ATTACKS = {  # what each hostile-buffer attack needs in the fragment it answers for
+    "buffer_nan": "running_mean",
+    "buffer_negative_var": "running_var",
+    "buffer_count": "num_batches_tracked",
+    "buffer_shape": "running_mean",
+}
 LEARNER_RESTART_S = 2.0
 SYNCER_RESTART_S = 0.5
 
@@ -615,6 +632,10 @@ def attacker_main(args) -> int:
             kind = "filler"
         if kind == "norm_100x" and norm_of_honest(p) == 0.0:
             kind = "filler"  # "100x the honest norm" needs an honest norm of this fragment to scale
+        names = [pc.name for pc in layout.fragments.fragments[p]]
+        target = next((i for i, n in enumerate(names) if n.endswith(BUFFER_ATTACKS.get(kind, "\0"))), None)
+        if kind in BUFFER_ATTACKS and target is None:
+            kind = "nan"  # this fragment holds no such buffer: a plain NaN instead
         if kind == "replay":
             frames, ident = last_filler[p]
             sock.send_multipart(frames)
@@ -638,6 +659,16 @@ def attacker_main(args) -> int:
         elif kind == "wrong_shape":
             vals[0] = torch.zeros(*[s + 1 for s in vals[0].shape])
             tokens = steps * cfg.workload.batch_size
+        elif target is not None:  # the hostile buffers, with honest counters
+            tokens = steps * cfg.workload.batch_size
+            if kind == "buffer_nan":
+                vals[target].view(-1)[0] = float("nan")
+            elif kind == "buffer_negative_var":
+                vals[target].fill_(-1.0)
+            elif kind == "buffer_count":
+                vals[target].fill_(float(2**23))
+            else:  # buffer_shape
+                vals[target] = torch.zeros(vals[target].numel() + 1)
         msg = Contribution(ATTACKER, inc, p, versions[p], seq, vals, steps, tokens, 0, step)
         frames = encode(msg)
         sock.send_multipart(frames)

@@ -7,7 +7,8 @@ The student's first layer is called ``embed`` and is reported as embedding-like,
 merge paths (weighted mean and RDA) see traffic. A "token" is one example.
 
 Options (``workload.options``): ``d_in`` (16), ``hidden`` (64), ``d_out`` (8),
-``noise`` (0.01, target noise std), ``teacher_seed`` (1234).
+``noise`` (0.01, target noise std), ``teacher_seed`` (1234), ``batchnorm`` (false: a
+BatchNorm1d after the hidden layer, so the model has buffers to sync).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class SyntheticOptions:
     """Standard deviation of Gaussian noise added to the teacher's outputs."""
     teacher_seed: int = 1234
     """Seed of the fixed teacher network."""
+    batchnorm: bool = False
+    """A BatchNorm1d after the student's hidden layer: running statistics and a batch count,
+    the buffers a model brings (the soak's hostile-buffer attacks need them)."""
 
     @classmethod
     def from_dict(cls, options: dict[str, object]) -> SyntheticOptions:
@@ -56,22 +60,25 @@ class SyntheticOptions:
             value = getattr(opts, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"workload.options.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(opts.batchnorm, bool):
+            raise ConfigError(f"workload.options.batchnorm must be true or false, got {opts.batchnorm!r}")
         if not isinstance(opts.noise, (int, float)) or opts.noise < 0:
             raise ConfigError(f"workload.options.noise must be a number >= 0, got {opts.noise!r}")
         return opts
 
 
 class Student(nn.Module):
-    """embed -> tanh -> hidden -> tanh -> head."""
+    """embed -> tanh -> hidden (-> BatchNorm) -> tanh -> head."""
 
     def __init__(self, opts: SyntheticOptions) -> None:
         super().__init__()
         self.embed = nn.Linear(opts.d_in, opts.hidden)
         self.hidden = nn.Linear(opts.hidden, opts.hidden)
+        self.norm = nn.BatchNorm1d(opts.hidden) if opts.batchnorm else nn.Identity()
         self.head = nn.Linear(opts.hidden, opts.d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
+        return self.head(torch.tanh(self.norm(self.hidden(torch.tanh(self.embed(x))))))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
@@ -126,6 +133,7 @@ class SyntheticWorkload:
             for p in self.teacher.parameters():
                 p.mul_(2.0)
         self.teacher.requires_grad_(False)
+        self.teacher.eval()  # (a BatchNorm in it is then a fixed affine map)
         self._eval: list[Batch] | None = None
 
     def make_batch(self, generator: torch.Generator, size: int | None = None) -> Batch:
@@ -142,6 +150,8 @@ class SyntheticWorkload:
             model = Student(self.opts)
         model = model.to_empty(device="cpu")
         model.init_weights(torch.Generator().manual_seed(seed))
+        if isinstance(model.norm, nn.BatchNorm1d):
+            model.norm.reset_parameters()  # (to_empty left its buffers and affine uninitialised)
         return model
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
