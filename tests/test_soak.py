@@ -44,7 +44,7 @@ def test_soak_invariants_hold_and_the_faults_and_attacks_happened(soak):
     att = a["attack"]
     assert all(n > 0 for n in att["sent_by_kind"].values()), att["sent_by_kind"]
     reasons = a["rejections_by_reason"]
-    for reason in ("bad_payload", "bad_counters", "duplicate"):
+    for reason in ("bad_payload", "bad_counters", "duplicate", "bad_buffer"):  # bad_buffer: the hostile buffers
         assert reasons.get(reason, {}).get("attacker", 0) > 0, reasons
     # No honest answer is refused for what it carried (the refusals that count as strikes). One
     # anchored at a version a restarted syncer no longer keeps is refused as stale_base and

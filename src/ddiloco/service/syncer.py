@@ -486,7 +486,7 @@ def open_syncer(
         embedding_like = embedding_like or wl.is_embedding_like
     address = bind
     if transport is None:
-        largest = max(p.numel() for p in model.parameters())
+        largest = max(t.numel() for t in synced_tensors(model).values())  # a buffer is a frame too
         try:
             zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
         except zmq.ZMQError as e:
