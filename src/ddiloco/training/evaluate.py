@@ -10,10 +10,15 @@ from ddiloco.workloads.base import Batch, Workload
 
 @torch.no_grad()
 def evaluate(workload: Workload, model: nn.Module, batches: list[Batch]) -> float:
-    """Token-weighted mean loss over the fixed evaluation batches."""
+    """Token-weighted mean loss over the fixed evaluation batches, in eval mode (BatchNorm on
+    its running statistics, no dropout); the model's mode is restored afterwards."""
+    was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
-    for b in batches:
-        total += float(workload.loss(model, b)) * b.tokens
-        tokens += b.tokens
+    try:
+        for b in batches:
+            total += float(workload.loss(model, b)) * b.tokens
+            tokens += b.tokens
+    finally:
+        model.train(was_training)
     return total / max(tokens, 1)

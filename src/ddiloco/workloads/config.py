@@ -64,8 +64,9 @@ class WorkloadConfig:
 
     eval_windows: int = 256
     """Size of the fixed evaluation set returned by ``Workload.eval_batches()``: held-out
-    windows for the text and Shakespeare workloads, examples for the synthetic one. Evaluated
-    in chunks of 32 whatever ``batch_size`` is, so the eval set does not change with it."""
+    windows for the text and Shakespeare workloads, examples for the synthetic one, test images
+    for the vision one. Evaluated in chunks of 32 whatever ``batch_size`` is, so the eval set
+    does not change with it."""
 
     options: dict[str, Any] = field(default_factory=dict)
     """Free-form keyword options for the factory (each built-in factory documents its keys
