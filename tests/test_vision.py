@@ -258,3 +258,39 @@ def test_the_example_config_builds_its_workload() -> None:
     wl = load_workload(cfg.workload)
     assert isinstance(wl, VisionWorkload) and cfg.run.num_learners == 4
     assert sum(b.tokens for b in wl.eval_batches()) == cfg.workload.eval_windows
+
+
+@needs_data
+def test_the_cnn_in_the_simulator_carries_its_batchnorm_statistics_into_the_global_model():
+    """The same CNN in the simulator: the global model's running statistics are the merged
+    ones, so the final model, loaded strictly into a fresh CNN, scores what the run reported;
+    with fresh statistics it scores far worse."""
+    from ddiloco.config import load_config
+    from ddiloco.sim.run import simulate
+    from ddiloco.training.layout import load_global
+
+    torch.set_num_threads(1)
+    settings = [
+        "workload.factory=ddiloco.workloads.vision:make_workload",
+        "workload.batch_size=32",
+        "workload.eval_windows=500",
+        "run.num_learners=2",
+        "run.processed_tokens=6400",
+        "run.eval_points=1",
+        "algo.sync_every=8",
+        "inner.lr=0.003",
+    ]
+    cfg = load_config(None, settings)
+    wl = load_workload(cfg.workload)
+    result = simulate(cfg, wl)
+    counts = [k for k in result.state if k.endswith("num_batches_tracked")]
+    assert counts and all(float(result.state[k]) > 0 for k in counts)
+    model = wl.build_model(0)
+    load_global(model, result.state)
+    batches = wl.eval_batches()
+    assert evaluate(wl, model, batches) == pytest.approx(result.final_loss, rel=1e-5)
+    assert wl.accuracy(model, batches) > 0.6
+    fresh = wl.build_model(0)
+    kept = {k: v for k, v in result.state.items() if "running" not in k and "num_batches" not in k}
+    fresh.load_state_dict(kept, strict=False)
+    assert evaluate(wl, fresh, batches) > 1.2 * result.final_loss
