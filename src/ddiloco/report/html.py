@@ -23,6 +23,7 @@ from typing import Any
 from ddiloco.core.counters import IncarnationCounters, Increment
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.summary import fleet_size
 from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml, rounds_of
 
 MAX_FRAGMENT_PANELS = 6
@@ -88,10 +89,8 @@ class Run:
 
     @property
     def num_learners(self) -> int:
-        for v in (self.config.get("run", {}).get("num_learners"), self.accounting.get("learners")):
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-        return len({_key(r.get("learner")) for r in self.learners if r.get("learner") is not None})
+        """M, by the summary's rule (``report.summary.fleet_size``)."""
+        return fleet_size(self.config, self.accounting, self.learners)
 
 
 def _key(x: Any) -> Any:
@@ -622,7 +621,8 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("goodput", _fmt(s.get("goodput"), ".1%")),
         ("uptime", _fmt(s.get("uptime"), ".1%")),
         ("learners M", str(run.num_learners or "–")),
-        ("failures", _fmt(s.get("failures"), ".0f")),
+        # null: nothing watched the learners' processes (a run started by hand or as a library)
+        ("failures", _fmt(s.get("failures"), ".0f") if s.get("failures") is not None or not s else "unknown"),
         ("rounds per fragment", _fmt(s.get("rounds_per_fragment"), ".1f")),
         ("learners per merge", _fmt(s.get("learners_per_merge"), ".2f")),
         ("merging rounds on the tape", f"{tape_rounds:,}"),

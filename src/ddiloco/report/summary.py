@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,10 @@ MIN_ROUNDS_PER_FRAGMENT = 3.0
 FAILURE_KINDS = ("sigkill", "fail", "crash")
 """Fault kinds that are a learner failure (restarts and straggler phases are not)."""
 
+BUDGET_KEYS = ("run.processed_tokens", "run.merged_tokens", "runtime.duration_s")
+"""The budgets a real run can end at; the syncer's end reason names the one spent last, in
+brackets (``metrics/run.jsonl``: "... the budget is 120 s (runtime.duration_s)")."""
+
 SUMMARY_ROWS = [
     ("eval loss ({unit})", "eval_loss", "{:.4f}"),
     ("tokens processed", "tokens_processed", "{:,.0f}"),
@@ -47,7 +53,7 @@ SUMMARY_ROWS = [
     ("  lost: restarting", "restarting", "{:.1%}"),
     ("  lost: starting", "starting", "{:.1%}"),
     ("uptime", "uptime", "{:.1%}"),
-    ("failures", "failures", "{:.0f}"),
+    ("failures", "failures", "{:.0f}"),  # None: nothing watched for them ("unknown")
     ("work lost in failures (steps)", "lost_steps", "{:.0f}"),
     ("fragments P", "num_fragments", "{:.0f}"),
     ("rounds per fragment", "rounds_per_fragment", "{:.1f}"),
@@ -57,6 +63,11 @@ SUMMARY_ROWS = [
     ("run length (s, {clock} clock)", "run_time_s", "{:.1f}"),
 ]
 """The summary table: label, summary.json key, format (every term: ``TERMS_DOC``)."""
+
+UNWATCHED = ("failures", "lost_steps")
+"""Figures only a watcher of the learners' processes knows (a launcher, the simulator): null in
+summary.json and ``UNKNOWN`` in tables for a run started by hand or as a library."""
+UNKNOWN = "unknown"
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any]:
@@ -127,7 +138,7 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     horizon = max(_num(acct.get("horizon_s")), 0.0) or (max(_num(ends[-1].get("time")), 0.0) if ends else 0.0)
     if not horizon:
         horizon = max([_num(r.get("time")) for r in (*evals, *learners, *faults)], default=0.0)
-    m_count = max(int(_num(acct.get("learners"))), 0) or max(int(_num(cfg.get("run", {}).get("num_learners"))), 1)
+    m_count = fleet_size(cfg, acct, learners)
     # goodput: the launcher's or simulator's accounting when there is one, else from the
     # learners' own busy time (a run started by hand: down and restarting are not known)
     alloc = max(horizon * m_count, 1e-9)
@@ -148,14 +159,20 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     if not tape and isinstance(acct.get("tape_stats"), dict):  # data-parallel: every step syncs, no tape
         stats = {k: _num(acct["tape_stats"].get(k)) for k in stats}
     interrupted = bool(ends) and ends[-1].get("what") == "interrupted"  # a resumed run that ended is whole
+    watched = bool(acct) or (metrics / "faults.jsonl").exists()
+    run_cfg = cfg.get("run", {}) if isinstance(cfg.get("run"), dict) else {}
+    rt_cfg = cfg.get("runtime", {}) if isinstance(cfg.get("runtime"), dict) else {}
     summary: dict[str, Any] = {
         "method": acct.get("method") or cfg.get("run", {}).get("method", "?"),
         "by": info.get("by", "?"),
         "partial": interrupted,
         "ended": (ends[-1].get("reason") if ends else None),
+        "ended_by": ended_by(ends[-1]) if ends else None,
+        "processed_tokens_budget": _count(run_cfg.get("processed_tokens")),
         "clock": "virtual" if str(info.get("by", "")).startswith("ddiloco simulate") else "wall",
         "loss_unit": str(last_eval.get("unit", "")),
         "eval_loss": last_eval.get("loss"),
+        "eval_metrics": _metrics_of(last_eval),
         "tokens_processed": processed,
         "tokens_merged": merged,
         "merged_share": merged / processed if processed else 0.0,
@@ -165,9 +182,12 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         "restarting": shares["restarting"],
         "starting": shares["starting"],
         "uptime": acct.get("uptime"),
-        "lost_steps": _num(acct.get("lost_steps")),
+        # Failures are known only where something watched the learners' processes (a launcher or
+        # the simulator, which keep accounts and record faults): a hand-started run's SIGKILL is
+        # seen by nobody, so 0 would be a guess.
+        "lost_steps": _num(acct.get("lost_steps")) if watched else None,
         "restart_latencies_s": acct.get("restart_latencies_s", []),
-        "failures": sum(1 for f in faults if is_learner_failure(f)),
+        "failures": sum(1 for f in faults if is_learner_failure(f)) if watched else None,
         "num_fragments": num_fragments,
         "num_learners": m_count,
         "run_time_s": horizon,
@@ -175,8 +195,83 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         # What the tape alone can vouch for (every driver keeps these; report/invariants.py).
         "invariant_violations": [f"{v.kind}: {v.detail}" for v in check_run(tape)],
     }
-    summary["warnings"] = warnings_for(summary)
+    summary["warnings"] = warnings_for(summary, _finite(rt_cfg.get("duration_s")))
     return summary
+
+
+def fleet_size(config: dict[str, Any], accounting: dict[str, Any], learners: list[dict[str, Any]]) -> int:
+    """M, the learners the run's time is allocated to (goodput's denominator; the summary and
+    the HTML page both use this rule): the launcher's or simulator's count where it kept
+    accounts, else the larger of ``run.num_learners`` (config.toml) and the learner ids that
+    reported (a hand-started or library run may start more learners than it configured), at
+    least 1."""
+    counted = int(_num(accounting.get("learners")))
+    if counted > 0:
+        return counted
+    run = config.get("run", {}) if isinstance(config.get("run"), dict) else {}
+    ids = {
+        r.get("learner")
+        for r in learners
+        if isinstance(r.get("learner"), int) and not isinstance(r.get("learner"), bool)
+    }
+    return max(int(_num(run.get("num_learners"))), len(ids), 1)
+
+
+def ended_by(end: dict[str, Any]) -> str | None:
+    """Which budget ended the run (one of ``BUDGET_KEYS``), from its end record in
+    metrics/run.jsonl; None for an interrupted run or an end of another kind."""
+    if end.get("what") != "end":
+        return None
+    found = re.search(r"\(([a-z_]+\.[a-z_]+)\)\s*$", str(end.get("reason", "")))
+    return found.group(1) if found and found.group(1) in BUDGET_KEYS else None
+
+
+def time_budget_short(summary: dict[str, Any], duration_s: float | None = None) -> str | None:
+    """The warning for a run that its time budget ended short of its token budget, or None.
+    The syncer logs it (WARNING) when it stops, and the summary lists it among its warnings."""
+    budget = summary.get("processed_tokens_budget")
+    processed = _num(summary.get("tokens_processed"))
+    if summary.get("ended_by") != "runtime.duration_s" or not isinstance(budget, (int, float)) or processed >= budget:
+        return None
+    limit = f" = {duration_s:,.0f} s" if duration_s is not None else ""
+    return (
+        f"the run ended at its time budget (runtime.duration_s{limit}) after {processed:,.0f} of its {budget:,.0f} "
+        f"tokens ({processed / budget:.0%}; run.processed_tokens): raise runtime.duration_s, or set it to inf for "
+        "no time budget"
+    )
+
+
+def log_time_budget_short(run_dir: str | Path) -> str | None:
+    """Log (WARNING) that the run's time budget ended it short of its tokens, from its
+    summary.json and config.toml, and return the line; None when that is not so. The syncer's
+    last word when it stops (``ddiloco syncer``, ``ddiloco.SyncerServer``)."""
+    d = Path(run_dir)
+    runtime = read_toml(d / "config.toml").get("runtime", {})
+    duration = _finite(runtime.get("duration_s")) if isinstance(runtime, dict) else None
+    line = time_budget_short(read_json(d / "summary.json"), duration)
+    if line is not None:
+        log.warning("%s", line)
+    return line
+
+
+def _finite(value: Any) -> float | None:
+    """A finite number from a config or record, else None."""
+    x = _num(value, math.nan)
+    return x if math.isfinite(x) else None
+
+
+def _count(value: Any) -> int | None:
+    """A whole, finite count from a config, else None."""
+    x = _finite(value)
+    return int(x) if x is not None else None
+
+
+def _metrics_of(record: dict[str, Any]) -> dict[str, float]:
+    """An eval record's extra metrics (an evaluation hook's, beside its loss), numbers only."""
+    extra = record.get("metrics")
+    if not isinstance(extra, dict):
+        return {}
+    return {str(k): float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def is_learner_failure(fault: dict[str, Any]) -> bool:
@@ -188,8 +283,9 @@ def is_learner_failure(fault: dict[str, Any]) -> bool:
     return kind.split(" ")[0] in FAILURE_KINDS or (kind.startswith("exit ") and kind != "exit 0")
 
 
-def warnings_for(summary: dict[str, Any]) -> list[str]:
-    """What makes these figures not mean much (said in the table, summary.json and the report)."""
+def warnings_for(summary: dict[str, Any], duration_s: float | None = None) -> list[str]:
+    """What makes these figures not mean much (said in the table, summary.json and the report);
+    ``duration_s``: the run's time budget, named in the warning of a run it ended short."""
     out = []
     rounds = _num(summary.get("rounds_per_fragment"))
     if rounds < MIN_ROUNDS_PER_FRAGMENT:
@@ -201,6 +297,9 @@ def warnings_for(summary: dict[str, Any]) -> list[str]:
         out.append("the run was interrupted: these are partial figures")
     if summary.get("eval_loss") is None:
         out.append("no evaluation of the global model was recorded")
+    short = time_budget_short(summary, duration_s)
+    if short is not None:
+        out.append(short)
     broken = summary.get("invariant_violations") or []
     if broken:
         out.append(f"{len(broken)} invariant violations on the tape (a bug: please report it), first: {broken[0]}")
@@ -283,9 +382,14 @@ def summary_table(summary: dict[str, Any], title: str) -> Any:
         value = summary.get(key)
         if key == "rejected":
             text = f"{summary.get('rejected', 0)} / {summary.get('late', 0)}"
+        elif value is None:
+            text = UNKNOWN if key in UNWATCHED else "n/a"
         else:
-            text = "n/a" if value is None else fmt.format(value)
+            text = fmt.format(value)
         table.add_row(_label(label, summary), text)
+        if key == "eval_loss":  # an evaluation hook's other metrics (accuracy ...) right under its loss
+            for name, v in (summary.get("eval_metrics") or {}).items():
+                table.add_row(f"  eval {name}", f"{v:.4g}")
     table.caption = f"every term: {TERMS_DOC}"
     return table
 
