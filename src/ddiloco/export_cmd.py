@@ -4,6 +4,7 @@ shard) or of a live syncer, written as one safetensors file or a Hugging Face fo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ def run_export(
         if not all("://" in s for s in sources):
             raise DDiLoCoError("pass either one run folder or the syncer shards' addresses, not both")
         cfg = _config(config, run_dir, sources[0])
-        model = _model(cfg)
+        model = _run_model(cfg, run_dir, "exporting from a live syncer")
         from ddiloco.service.keys import RUN_KEYS
 
         if keys is None and not insecure and run_dir is not None and (Path(run_dir) / RUN_KEYS).is_dir():
@@ -94,11 +95,12 @@ def run_export(
         name = src.resolve().name if src.is_dir() else src.stem
         cfg = None
         if fmt == "hf":
-            cfg = _config(config, run_dir or (src if src.is_dir() else None), str(src))
+            run_dir = run_dir or (str(src) if src.is_dir() else None)
+            cfg = _config(config, run_dir, str(src))
     if fmt == "safetensors":
         return save_state_dict(state, out or f"{name}.safetensors")
     assert cfg is not None
-    model = _model(cfg)
+    model = _run_model(cfg, run_dir, "--format hf")
     if not callable(getattr(model, "save_pretrained", None)):
         raise DDiLoCoError(
             f"--format hf needs a Hugging Face model (one with save_pretrained); workload {cfg.workload.factory} "
@@ -107,7 +109,55 @@ def run_export(
     return export_model(model, state, out or f"{name}-hf")
 
 
+def _run_model(cfg: Config, run_dir: str | Path | None, purpose: str) -> torch.nn.Module:
+    """The run's model: rebuilt from ``model.json`` for a model built in Python (a
+    ``SyncerServer`` run), else built by the config's workload."""
+    from ddiloco.report.rundir import MODEL_INFO
+    from ddiloco.report.tape import read_json
+
+    info = read_json(Path(run_dir) / MODEL_INFO) if run_dir is not None else {}
+    if info:
+        return _model_from_info(info, Path(run_dir or "."), purpose)
+    return _model(cfg)
+
+
 def _model(cfg: Config) -> torch.nn.Module:
     from ddiloco.workloads.config import load_workload
 
     return load_workload(cfg.workload).build_model(cfg.run.seed)
+
+
+def _model_from_info(info: dict[str, Any], run_dir: Path, purpose: str) -> torch.nn.Module:
+    """A Hugging Face model rebuilt from its class and config as ``model.json`` records them;
+    any other model built in Python is refused in one line saying what to do instead."""
+    import importlib
+
+    module, qualname = str(info.get("module", "?")), str(info.get("class", "?"))
+    what = f"this run's model, {module}.{qualname}, was built in Python (by {info.get('by', '?')})"
+    in_python = (
+        f"build the model in Python and call ddiloco.export_model(model, {str(run_dir)!r}, OUT)"
+        if purpose == "--format hf"
+        else f"build the model in Python and call ddiloco.fetch_state(model, [ADDRESS], key={str(run_dir)!r})"
+    )
+    hf_config = info.get("hf_config")
+    if not isinstance(hf_config, dict):
+        if purpose == "--format hf":
+            raise DDiLoCoError(
+                f"--format hf needs a Hugging Face model (one with save_pretrained); {what} and has none: use "
+                "--format safetensors"
+            )
+        raise DDiLoCoError(f"{purpose} needs the run's model: {what}, and ddiloco cannot rebuild it: {in_python}")
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        # Only a torch module class is ever called (model.json comes with a folder, maybe another's).
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(f"{module}.{qualname} is not a torch.nn.Module class")
+        model = cls(cls.config_class.from_dict(hf_config))
+    except Exception as e:  # an import, a missing attribute, a config the class refuses: one line
+        raise DDiLoCoError(
+            f"{purpose} rebuilds {what} from its Hugging Face config in {run_dir / 'model.json'}, but could not "
+            f"({type(e).__name__}: {e}): install its package, or {in_python}"
+        ) from None
+    return model

@@ -29,6 +29,13 @@ later command)."""
 ARTIFACTS = ("config.toml", "state", "status", "metrics", "metrics.jsonl", "tape.jsonl", "summary.json", "final")
 """What ddiloco writes into a run folder: a folder holding any of these is a run folder."""
 
+MODEL_INFO = "model.json"
+"""What a run's model is when it was built in Python (``ddiloco.SyncerServer``), not by the
+config's workload: ``{"module", "class", "parameters", "by", "hf_config"}``. ``hf_config`` is a
+Hugging Face model's own config (its ``to_json_string``, null for other models), from which
+``ddiloco export --format hf`` rebuilds the model. Without this file, ``workload.*`` in
+config.toml describes the model."""
+
 UNCHECKED = ("run.threads", "run.run_dir")
 """Config keys (besides every ``runtime.*``) that may differ between a run folder's saved
 config and a later command on it."""
@@ -85,6 +92,29 @@ def _write_config(d: Path, cfg: Config) -> None:
     tmp = d / f"config.toml.{os.getpid()}.tmp"
     tmp.write_text(tomli_w.dumps(to_dict(cfg)))
     os.replace(tmp, d / "config.toml")
+
+
+def write_model_info(run_dir: str | Path, model: object, by: str) -> Path:
+    """Describe ``model``, built in Python, in ``run_dir/model.json`` (``MODEL_INFO``), replaced
+    atomically: a restart writes the same."""
+    import torch
+
+    cls = type(model)
+    hf_config = None
+    config = getattr(model, "config", None)
+    if callable(getattr(model, "save_pretrained", None)) and callable(getattr(config, "to_json_string", None)):
+        try:  # the library's own serialiser (dtypes and the like as JSON)
+            hf_config = json.loads(config.to_json_string(use_diff=False))  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            hf_config = None
+    params = sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else 0
+    info = {"module": cls.__module__, "class": cls.__qualname__, "parameters": params, "by": by,
+            "hf_config": hf_config}  # fmt: skip
+    path = Path(run_dir) / MODEL_INFO
+    tmp = path.with_name(f".{MODEL_INFO}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, path)
+    return path
 
 
 def config_difference(saved: Config, cfg: Config) -> tuple[str, object, object] | None:

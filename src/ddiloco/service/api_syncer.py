@@ -9,10 +9,16 @@ It uses CURVE keys by default, also on loopback: without ``keys`` it makes the r
 ``run_dir/keys`` (learners 0 .. ``run.num_learners`` - 1 and an observer); learners in other
 processes pass ``key=run_dir/keys``, those in this process find them by themselves.
 ``insecure=True`` turns that off.
+
+Its run folder is a run folder like ``ddiloco syncer``'s: ``run.json``, the resolved
+``config.toml`` (``run.run_dir`` set to the folder) and, since the model comes from code rather
+than from ``workload.*``, ``model.json`` describing it (``report.rundir.MODEL_INFO``). With
+``evaluate=fn`` a background thread evaluates the global model (``service/eval_hook.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -23,12 +29,15 @@ from torch import nn
 
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
-from ddiloco.report.rundir import prepare_run_dir
+from ddiloco.report.rundir import prepare_run_dir, write_model_info
+from ddiloco.report.summary import log_time_budget_short, write_summary
 from ddiloco.service.api_learner import ConfigLike, as_config
+from ddiloco.service.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
 from ddiloco.service.keys import forget_local_keys, is_local, remember_local_keys, run_keys
+from ddiloco.service.observer import observer_keys
 from ddiloco.service.store import start_over as start_store_over
 from ddiloco.service.syncer import open_syncer
-from ddiloco.service.transport import SyncerSocket
+from ddiloco.service.transport import InProcessNetwork, SyncerSocket
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,8 @@ class SyncerServer:
         transport: SyncerSocket | None = None,
         fsync: bool = True,
         start_over: bool = False,
+        evaluate: EvalFn | None = None,
+        eval_interval_s: float | None = None,
     ) -> None:
         """
         Args:
@@ -75,13 +86,33 @@ class SyncerServer:
             fsync: make every version durable on disk before sending it (off only in tests).
             start_over: ``run_dir`` holds a run whose syncer state is missing (deleted, lost):
                 start it over from ``model`` at version 0 instead of refusing to start.
+            evaluate: ``fn(model) -> loss`` (a number) or ``-> {"loss": ..., "accuracy": ...}``,
+                called on a copy of the global model (CPU, eval mode, no grad) every
+                ``eval_interval_s`` by a low-priority background thread, and once more on the
+                final model when the syncer stops; each result is a ``metrics/eval.jsonl`` record.
+                A ``fn`` that raises costs one log line; the syncer serves on. Memory: one copy
+                of the model, plus a transient copy of its parameters per evaluation.
+            eval_interval_s: seconds between evaluations (default ``runtime.eval_interval_s``).
         """
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
         if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
         cfg = as_config(config)
-        prepare_run_dir(run_dir, f"ddiloco.SyncerServer (shard {shard})")  # a foreign folder: refused before any write
+        interval_s = check_hook(evaluate, eval_interval_s, cfg.runtime.eval_interval_s)
+        network = getattr(transport, "net", None)
+        if evaluate is not None and num_shards != 1:
+            raise UsageError(
+                "evaluate= needs the whole model, which a sharded syncer does not hold: evaluate in your own loop "
+                "with ddiloco.fetch_state(model, [every shard's address])"
+            )
+        if evaluate is not None and transport is not None and not isinstance(network, InProcessNetwork):
+            raise UsageError("evaluate= reads the global model as an observer: use ZeroMQ (no transport=)")
+        # The resolved config, where the run actually is, as `ddiloco train` saves it.
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
+        by = f"ddiloco.SyncerServer (shard {shard})"
+        # A foreign folder, or one whose saved config.toml differs, is refused before any write.
+        prepare_run_dir(run_dir, by, cfg)
         if start_over:
             start_store_over(run_dir, shard, num_shards, by="start_over=True")
         self.keys: Path | None = Path(keys) if keys is not None else None
@@ -96,9 +127,20 @@ class SyncerServer:
         )  # fmt: skip
         if self.keys is not None:
             remember_local_keys(self.address, self.keys)
+        if shard == 0:
+            write_model_info(run_dir, model, by)  # what `ddiloco export` rebuilds instead of workload.*
         self.model = model
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.evaluation: EvalHook | None = None
+        """The evaluation hook (``evaluate=``); ``evaluation.evaluations`` counts its records."""
+        if evaluate is not None:
+            obs = None if network is not None else observer_keys([self.address], self.keys, insecure)
+            fetch = Fetcher(self.address, obs, network)
+            self.evaluation = EvalHook(
+                evaluate, model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s,
+                self.service.run_age,
+            )  # fmt: skip
 
     @property
     def final_model_path(self) -> Path:
@@ -113,12 +155,30 @@ class SyncerServer:
         try:
             if handle_signals and threading.current_thread() is threading.main_thread():
                 with StopSignals("ddiloco syncer", on_stop=self.service.stop):
-                    self.service.serve(max_seconds)
+                    self._serve(max_seconds)
             else:
-                self.service.serve(max_seconds)
+                self._serve(max_seconds)
         finally:
             forget_local_keys(self.address)
         return self.final_model_path
+
+    def _serve(self, max_seconds: float | None = None) -> None:
+        """Serve, then (shard 0) evaluate the final model and say how the run ended."""
+        if self.evaluation is not None:
+            self.evaluation.start()
+        try:
+            self.service.serve(max_seconds)
+        finally:
+            if self.evaluation is not None:
+                self.evaluation.stop()
+        if self.service.shard != 0:
+            return
+        if self.evaluation is not None:
+            before = self.evaluation.evaluations
+            self.evaluation.final(self.model, self.service.core.merged_tokens, self.service.end_stage == "done")
+            if self.evaluation.evaluations > before:
+                write_summary(self.service.run_dir)  # again: now with the final evaluation
+        log_time_budget_short(self.service.run_dir)
 
     def start(self) -> SyncerServer:
         """Serve on a background thread (the learners may be threads of this process too)."""
@@ -127,7 +187,7 @@ class SyncerServer:
 
         def run() -> None:
             try:
-                self.service.serve()
+                self._serve()
             except BaseException as e:  # kept for stop() to raise on the caller's thread
                 self._error = e
 
