@@ -117,6 +117,13 @@ def _load_resumed(args: argparse.Namespace, run_dir: Path):
     path = run_dir / "config.toml"
     if not path.is_file():
         raise DDiLoCoError(f"--resume {args.resume}: the run folder has no config.toml to continue from")
+    from ddiloco.report.rundir import MODEL_INFO
+
+    if (run_dir / MODEL_INFO).is_file():  # its model came from code; workload.* would build another one
+        raise DDiLoCoError(
+            f"--resume {args.resume}: this run's model was built in Python (ddiloco.SyncerServer, see {MODEL_INFO}), "
+            "which ddiloco train cannot rebuild: resume it with SyncerServer(model, BIND, RUN_DIR) and your learners"
+        )
     return load_config(path, overrides)
 
 
@@ -152,6 +159,10 @@ def cmd_syncer(args: argparse.Namespace) -> int:
     # A signal stops it durably (the run is marked interrupted); started again on the folder, it resumes.
     with StopSignals(f"ddiloco syncer (shard {args.shard})", on_stop=service.stop):
         service.serve()
+    if args.shard == 0:
+        from ddiloco.report.summary import log_time_budget_short
+
+        log_time_budget_short(args.run_dir)
     return 0
 
 
@@ -203,14 +214,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from ddiloco.report.rundir import choose_run_dir, prepare_run_dir
     from ddiloco.report.summary import print_summary
-    from ddiloco.service.launcher import Launcher
+    from ddiloco.service.launcher import Launcher, check_chaos_horizon
 
     options = _launcher_options(args)
     if args.resume:  # the folder first (one line if it is none), then its saved config
         run_dir, _resuming = choose_run_dir("", "", args.run_dir, args.resume)
         cfg = _load_resumed(args, run_dir)
+        check_chaos_horizon(cfg)
     else:
         cfg = _load(args, overrides=["chaos.enabled=true", *(args.set or [])] if args.chaos else None)
+        check_chaos_horizon(cfg)  # before a fresh folder is made
         run_dir, _resuming = choose_run_dir(cfg.run.run_dir, cfg.run.method, args.run_dir, None)
     cfg = _with_run_dir(cfg, run_dir)
     prepare_run_dir(run_dir, "ddiloco train", cfg)  # refuse a foreign folder or config before any work
@@ -236,10 +249,18 @@ def progress_line(st: dict) -> str:
     sy = st["syncer"]
     up = sum(st["alive"])
     return (
-        f"train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('processed_tokens', 0):,.0f} / {st['tokens_budget']:,} "
+        f"train: {_elapsed(st)}, {sy.get('processed_tokens', 0):,.0f} / {st['tokens_budget']:,} "
         f"tokens processed ({sy.get('merged_tokens', 0):,.0f} merged), {up}/{len(st['alive'])} learners up, "
         f"faults injected {st['faults']}" + (f", ending ({sy['run_end']})" if sy.get("run_end") else "")
     )
+
+
+def _elapsed(st: dict) -> str:
+    """Seconds since the start, over the time budget when the run has one."""
+    import math
+
+    T = st["T"]
+    return f"{st['t']:.0f} / {T:.0f} s" if math.isfinite(T) else f"{st['t']:.0f} s (no time budget)"
 
 
 def _launcher_options(args: argparse.Namespace) -> dict:
@@ -310,7 +331,7 @@ def progress_table(st: dict):
     sy = st["syncer"]
     end = f", ending: {sy['run_end']}" if sy.get("run_end") else ""
     t = Table(
-        title=f"ddiloco train: {st['t']:.0f} / {st['T']:.0f} s, {sy.get('processed_tokens', 0):,.0f} / "
+        title=f"ddiloco train: {_elapsed(st)}, {sy.get('processed_tokens', 0):,.0f} / "
         f"{st['tokens_budget']:,} tokens processed ({sy.get('merged_tokens', 0):,.0f} merged), faults injected: "
         f"{st['faults']}{end}"
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -47,6 +48,17 @@ from ddiloco.service.store import check_state
 from ddiloco.service.store import start_over as start_over_state
 
 log = logging.getLogger(__name__)
+
+
+def check_chaos_horizon(cfg: Config) -> None:
+    """Refuse (one line) chaos without a time budget: the launcher places its faults over the
+    run's length, ``runtime.duration_s`` (stragglers and syncer kills at fractions of it)."""
+    if cfg.chaos.enabled and not math.isfinite(cfg.runtime.duration_s):
+        raise DDiLoCoError(
+            "chaos in ddiloco train places its faults over the run's length, runtime.duration_s, and this run has no "
+            "time budget: set one (e.g. --set runtime.duration_s=300; the run still ends at its tokens if those come "
+            "first)"
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,6 +160,7 @@ class Launcher:
     ) -> None:
         """``insecure``: no CURVE keys (any local process may join or pose as the syncer);
         ``start_over``: the run folder's syncer state is missing: start it over at version 0."""
+        check_chaos_horizon(cfg)
         self.cfg, self.run_dir = cfg, prepare_run_dir(run_dir, "ddiloco train")
         if start_over:
             start_over_state(self.run_dir, by="--start-over")
