@@ -424,3 +424,11 @@ def test_failures_are_unknown_unless_a_launcher_watched(tmp_path):
     (d / "metrics" / "accounting.json").write_text(json.dumps({"horizon_s": 10.0, "learners": 2, "lost_steps": 0}))
     s = summarise(d)
     assert s["failures"] == 0 and s["lost_steps"] == 0.0  # a launcher watched and saw none
+
+
+def test_an_evaluation_hooks_metrics_become_tensorboard_scalars():
+    from ddiloco.report.tensorboard import scalar_records
+
+    rec = {"event": "eval", "time": 2.0, "merged_tokens": 10, "loss": 0.5, "metrics": {"accuracy": 0.9, "loss": 7}}
+    assert scalar_records("eval", rec) == [("eval/loss", 0.5, 2.0), ("eval/merged_tokens", 10.0, 2.0),
+                                           ("eval/accuracy", 0.9, 2.0)]  # fmt: skip

@@ -9,7 +9,8 @@ Scalar names (``docs/operations.md`` defines each figure), with the run's time i
 step (a scalar's step must be an integer: it is rounded to the millisecond, ``walltime`` carries
 the exact value):
 
-- ``eval/loss``, ``eval/merged_tokens`` (``metrics/eval.jsonl``);
+- ``eval/loss``, ``eval/merged_tokens`` and ``eval/NAME`` for each of an evaluation hook's other
+  metrics (``metrics/eval.jsonl``);
 - ``learner/M/loss``, ``learner/M/tokens``, ``learner/M/steps``, ``learner/M/busy_s``,
   ``learner/M/bytes_sent`` (``metrics/learners.jsonl``);
 - ``summary/KEY`` for every number in ``summary.json`` (written once, at the end).
@@ -47,8 +48,11 @@ def scalar_records(name: str, record: dict[str, Any]) -> list[tuple[str, float, 
         keys, prefix = LEARNER_KEYS, f"learner/{record['learner']}/"
     else:
         return []
-    for key in keys:
-        v = record.get(key)
+    values = {key: record.get(key) for key in keys}
+    extra = record.get("metrics") if name == "eval" else None
+    if isinstance(extra, dict):  # an evaluation hook's other metrics: eval/accuracy ...
+        values.update({str(k): v for k, v in extra.items() if str(k) not in values})
+    for key, v in values.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out.append((prefix + key, float(v), float(t)))
     return out
