@@ -233,7 +233,7 @@ def time_budget_short(summary: dict[str, Any], duration_s: float | None = None) 
     processed = _num(summary.get("tokens_processed"))
     if summary.get("ended_by") != "runtime.duration_s" or not isinstance(budget, (int, float)) or processed >= budget:
         return None
-    limit = f" = {duration_s:,.0f} s" if duration_s is not None else ""
+    limit = f" = {duration_s:,.10g} s" if duration_s is not None else ""
     return (
         f"the run ended at its time budget (runtime.duration_s{limit}) after {processed:,.0f} of its {budget:,.0f} "
         f"tokens ({processed / budget:.0%}; run.processed_tokens): raise runtime.duration_s, or set it to inf for "
