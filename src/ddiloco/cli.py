@@ -403,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--id",
         type=int_range(0, 65535),
         required=True,
-        help="learner id, 0 .. 65535 (also picks the data shard: id mod run.num_learners)",
+        help="learner id, 0 .. run.num_learners - 1 (the syncer refuses others); it also picks the data shard",
     )
     le.add_argument("--run-dir", default="runs/latest", help="where status files go (default: runs/latest)")
     le.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")

@@ -186,6 +186,7 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in (
             "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
+            "give_up_after_s",
         ):  # fmt: skip
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:

@@ -25,6 +25,11 @@ class RuntimeConfig:
     join_timeout_s: float = 10.0
     """How long a starting learner waits for the global state before training from its own
     initialisation (the fleet keeps going; its first answers will be rebased)."""
+    give_up_after_s: float = 600.0
+    """A joined learner that has heard nothing from a syncer shard for this long gives up: it
+    stops with one line (``Learner.step()`` raises ``CommError``; ``ddiloco learner`` exits with
+    code 7) instead of training on alone, unmerged, after the syncer is gone or the run has
+    ended unheard (a partition). Shorter outages (a syncer restart) it rides out; 0: never."""
     snapshot_interval_s: float = 30.0
     """Seconds between whole-state snapshots of the syncer (versions are durable at once in
     the per-fragment logs regardless)."""

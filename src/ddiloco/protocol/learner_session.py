@@ -16,7 +16,9 @@ It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
   ``peer_state_interval_s``, refusing others at once with an empty state (cheap);
 - a link that goes silent, or a shard that says this connection is not bound to the learner
   (``SyncerHeartbeat(bound=False)``), makes the driver reconnect that link on a fresh
-  connection (``LearnerOutput.reconnect``) and register again;
+  connection (``LearnerOutput.reconnect``) and register again; a shard silent for
+  ``give_up_after_s`` makes it give up (``gave_up``: it must stop);
+- a final refusal (``refused``; ``superseded`` when a newer process took the id over);
 - the run's end as the syncer announces it.
 
 A boundary is two calls, because only the driver can touch the model: ``step`` (or ``boundary``
@@ -60,6 +62,7 @@ from ddiloco.protocol.messages import (
     PeerStateRequest,
     Register,
     RunEnd,
+    RunSettings,
     SyncerHeartbeat,
 )
 
@@ -80,6 +83,9 @@ class Registration:
     """Its process id (for the syncer's logs)."""
     device: str = "cpu"
     """Where it computes."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """The run settings it was given explicitly (the syncer refuses it when one differs from
+    the run's; see ``ddiloco.settings``). Empty: none claimed."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,13 @@ class LearnerOutput:
     reconnect: list[int] = field(default_factory=list)
     """Shard links to drop and open again on a fresh connection, before sending ``send`` (the
     shard lost track of this learner's connection; a simulator without connections ignores it)."""
+    info: list[str] = field(default_factory=list)
+    """What happened, worth an INFO line (a rejoin, the run's end); ``notes`` are warnings."""
 
     def extend(self, other: LearnerOutput) -> LearnerOutput:
         self.send += other.send
         self.notes += other.notes
+        self.info += other.info
         self.reconnect += [i for i in other.reconnect if i not in self.reconnect]
         return self
 
@@ -156,6 +165,9 @@ class ShardLink:
     """When to register (again) while not joined."""
     owned: list[int] = field(default_factory=list)
     """The fragments it owns."""
+    lost_at: float | None = None
+    """When it stopped counting this learner as joined (gone silent, restarted, lost our
+    connection): the next acceptance is a rejoin."""
 
 
 def _nbytes(values: Sequence[torch.Tensor]) -> int:
@@ -193,6 +205,10 @@ class LearnerSession:
         self.wants_peer_state = wants_peer_state
         self.refused: str | None = None
         """Why a shard refused this learner for good (it must stop)."""
+        self.superseded = False
+        """The refusal says a newer process took this learner id over."""
+        self.gave_up: str | None = None
+        """Why this learner gave up on its syncer (a shard silent for ``give_up_after_s``)."""
         self.run_end: EndStage | None = None
         """How far the run's end has come, as the syncer announced it."""
         self.end_reason = ""
@@ -247,14 +263,14 @@ class LearnerSession:
 
     @property
     def stopped(self) -> bool:
-        """Training must stop: refused, or the run has ended (the boundaries go on without steps
-        until ``done``, to apply the last versions and answer the final sync)."""
-        return self.refused is not None or self.run_end is not None
+        """Training must stop: refused, given up, or the run has ended (the boundaries go on
+        without steps until ``done``, to apply the last versions and answer the final sync)."""
+        return self.refused is not None or self.gave_up is not None or self.run_end is not None
 
     @property
     def done(self) -> bool:
-        """Nothing more will come: refused, or the final model is written."""
-        return self.refused is not None or self.run_end == "done"
+        """Nothing more will come: refused, given up, or the final model is written."""
+        return self.refused is not None or self.gave_up is not None or self.run_end == "done"
 
     def shard_of(self, p: int) -> int:
         """The shard that owns fragment p (fragments are dealt round-robin to shards)."""
@@ -273,10 +289,19 @@ class LearnerSession:
             out.send += [Send(i, hb) for i, link in enumerate(self.links) if link.joined]
         for i, link in enumerate(self.links):
             silent = now - (link.last_heard if link.last_heard is not None else self.started_at)
+            if self.joined_once and 0 < self.rt.give_up_after_s < silent:
+                # Gone for longer than any restart takes, or the run ended while we were cut off:
+                # training on alone would be work nobody merges.
+                self.gave_up = (
+                    f"learner {self.learner}: no word from syncer shard {i} for {self.rt.give_up_after_s:g} s "
+                    "(runtime.give_up_after_s): it is gone, or the run ended while this learner was cut off "
+                    "(ddiloco status RUN_DIR says which); this learner stops"
+                )
+                return out
             if link.joined and silent > self.rt.syncer_liveness_s:
                 # Nothing addressed to us: the shard is down, or lost our connection. A fresh
                 # connection either way, then registration with backoff.
-                link.joined, link.next_join = False, now
+                link.joined, link.next_join, link.lost_at = False, now, now
                 out.reconnect.append(i)
                 if not link.warned:
                     link.warned = True
@@ -298,11 +323,13 @@ class LearnerSession:
         if len(self.received) < self.layout.num_fragments and now < self._join_deadline:
             times.append(self._join_deadline)  # when ``ready`` gives up waiting (once past, no wake: it would spin)
         for link in self.links:
+            heard = link.last_heard if link.last_heard is not None else self.started_at
             if link.joined:
-                heard = link.last_heard if link.last_heard is not None else self.started_at
                 times.append(math.nextafter(heard + self.rt.syncer_liveness_s, math.inf))
             else:
                 times.append(link.next_join)
+            if self.joined_once and self.rt.give_up_after_s > 0:
+                times.append(math.nextafter(heard + self.rt.give_up_after_s, math.inf))
         return max(min(times), now)
 
     def receive(self, shard: int, msg: Any, now: float) -> LearnerOutput:
@@ -319,19 +346,22 @@ class LearnerSession:
             if link.joined and not msg.bound:
                 # The shard does not know this connection as ours (it lost it, or a newer
                 # registration took our id): a fresh connection, and register again.
-                link.joined, link.next_join = False, now
+                link.joined, link.next_join, link.lost_at = False, now, now
                 out.reconnect.append(shard)
                 out.notes.append(
                     f"learner {self.learner}: syncer shard {shard} does not know this connection; reconnecting and "
                     "registering again"
                 )
             elif link.joined and link.epoch is not None and msg.epoch != link.epoch:
-                link.joined, link.next_join = False, now  # the shard restarted: register again, keeping our progress
+                # the shard restarted: register again, keeping our progress
+                link.joined, link.next_join, link.lost_at = False, now, now
             elif not link.joined:
                 link.next_join = min(link.next_join, now)
         elif isinstance(msg, JoinReply):
             self._on_join_reply(shard, link, msg, now, out)
         elif isinstance(msg, RunEnd):
+            if self.run_end is None:
+                out.info.append(f"learner {self.learner}: the syncer ended the run: {msg.reason}")
             if self.run_end != "done":
                 self.run_end, self.end_reason = msg.stage, msg.reason
         elif isinstance(msg, FragmentRequest):
@@ -348,6 +378,8 @@ class LearnerSession:
             self._on_peer_state(msg, shard, out)
         elif isinstance(msg, PeerStateRequest):
             self._on_peer_request(msg, shard, now, out)
+        elif isinstance(msg, RunSettings):
+            pass  # a late answer to the settings question asked before registering (``protocol.settings``)
         else:
             out.notes.append(f"learner {self.learner}: unexpected {type(msg).__name__} from shard {shard}")
         return out
@@ -393,8 +425,15 @@ class LearnerSession:
             link.next_join = now + msg.retry_after_s
             return
         if not msg.accepted:
-            self.refused = msg.reason
+            self.refused, self.superseded = msg.reason, msg.superseded
             return
+        if link.lost_at is not None and not link.joined:
+            why = "it restarted" if link.epoch is not None and msg.epoch != link.epoch else "its link was lost"
+            out.info.append(
+                f"learner {self.learner}: rejoined syncer shard {shard} after {now - link.lost_at:.1f} s ({why}); "
+                "training went on meanwhile"
+            )
+            link.lost_at = None
         link.epoch, link.joined, link.owned = msg.epoch, True, list(msg.owned)
         link.backoff = self.rt.backoff_initial_s
         if self.data_position is None:
@@ -497,7 +536,7 @@ class LearnerSession:
         r = self.registration
         # A fresh process needs every fragment; after a shard restarts, it keeps its progress.
         bases = list(self.core.base_version) if self.joined_once else []
-        return Register(self.learner, self.incarnation, r.params, r.layout, bases, r.pid, r.device)
+        return Register(self.learner, self.incarnation, r.params, r.layout, bases, r.pid, r.device, dict(r.settings))
 
     def _heartbeat(self) -> Heartbeat:
         """Progress since the start of this incarnation, every figure within its wire bounds: the

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddiloco.core.messages import COUNT, ID, MAX_ID, MERGED_TOKENS, SERIAL, VERSIONS
+from ddiloco.core.messages import COUNT, ID, MAX_ID, MAX_SERIAL, MERGED_TOKENS, SERIAL, VERSIONS
 
 MAX_PARAMS = 100_000
 """Most parameter tensors a Register may list (the 1 MiB header is usually the tighter bound)."""
@@ -23,6 +23,12 @@ MAX_NAME = 1024
 """Longest parameter name in a Register."""
 MAX_PARAM_DIMS = 8
 MAX_PARAM_DIM = 2**31
+MAX_SETTINGS = 64
+"""Most run settings a ``Register`` claims or a ``RunSettings`` carries."""
+SettingValue = int | float | str
+"""A run setting's value (``ddiloco.settings`` says which settings there are)."""
+SETTINGS: dict[str, Any] = {"max_len": MAX_SETTINGS, "min": -MAX_SERIAL, "max": MAX_SERIAL}
+"""Bounds of a settings dict: its entries, and each number's range (strings: 1024 characters)."""
 
 
 def check_param_entry(entry: Any) -> str | None:
@@ -79,6 +85,11 @@ class Register:
     """Process id (for logs)."""
     device: str = field(default="cpu", metadata={"max_len": 256})
     """Where the learner computes."""
+    settings: dict[str, SettingValue] = field(default_factory=dict, metadata=SETTINGS)
+    """The run settings the learner was given explicitly ("section.key" -> value, e.g.
+    "run.processed_tokens"), checked against the syncer's: the first that differs refuses it.
+    Empty: it claims none (it adopted the run's, or it is a simulated learner, which shares
+    the syncer's config)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,29 @@ class JoinReply:
     retry_after_s: float = field(default=0.0, metadata={"min": 0.0, "max": 3600.0})
     """For a refusal: > 0 means the condition passes (the id's holder may be gone by then):
     register again after this long; 0 means final."""
+    superseded: bool = False
+    """For a final refusal: a newer process took this learner id over; this one must stop
+    (``ddiloco learner`` exits with its own code)."""
+
+
+@dataclass(frozen=True)
+class SettingsRequest:
+    """Learner -> syncer shard 0, before it registers: the run's settings, please. A learner
+    given no config adopts them (its fragment layout depends on them, so it asks first)."""
+
+    learner: int = field(metadata=ID)
+    """The asking learner's id (checked against the id cap and, with keys, its key)."""
+    incarnation: int = field(metadata=SERIAL)
+    """The asking process's incarnation."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Syncer -> learner: the run's settings ("section.key" -> value), the answer to a
+    ``SettingsRequest`` (a refusal is a ``JoinReply``, a finished run a ``RunEnd``)."""
+
+    settings: dict[str, SettingValue] = field(metadata=SETTINGS)
+    """Every setting a learner must agree with (``ddiloco.settings.SETTINGS``)."""
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 It owns the algorithm's ``Syncer`` core and every protocol rule around it:
 
-- registration: a learner's parameters and layout are checked against the shard's, its id is
-  bound to the peer that registered it (and, with keys, to its key), and the core's ``Join``
-  follows; a refusal is answered with its reason;
+- registration: a learner's id against the run's cap (``num_learners``), the settings it
+  claims against the run's (``protocol.settings``), its parameters and layout against the
+  shard's; its id is bound to the peer that registered it (and, with keys, to its key), and
+  the core's ``Join`` follows; a refusal is answered with its reason. A learner given no config
+  asks for the run's settings first (``SettingsRequest``, answered with ``RunSettings``);
 - who may say what: messages for learner m are taken only from the peer bound to m (with keys,
   only from m's key; an observer key may only read). A peer is a connection the driver names
   (never a name the sender chose), so the route of learner m is bound to the connection with
@@ -18,7 +20,8 @@ It owns the algorithm's ``Syncer`` core and every protocol rule around it:
   by the fleet, tokens merged, the run's age;
 - the run's end, in stages: "stop" (the learners stop training; open rounds close), "final"
   (the final sync merges every live learner's remaining progress), "done" (the final model is
-  written; learners that register later are told), then a linger before the driver leaves.
+  written; learners that register, ask or speak later are told), then a linger before the
+  driver leaves.
 
 Every call is handed the time and returns a ``SyncerOutput``: what to make durable (first),
 what to keep on the tape, what to send to whom, what to count and log. Peers are opaque
@@ -50,10 +53,13 @@ from ddiloco.protocol.messages import (
     PeerStateRequest,
     Register,
     RunEnd,
+    RunSettings,
+    SettingsRequest,
     StatusRequest,
     SyncerHeartbeat,
     first_mismatch,
 )
+from ddiloco.protocol.settings import first_difference, settings_refusal
 
 Peer = Hashable
 """Whom a message came from and goes to: the driver's handle (transport identity, learner id)."""
@@ -177,16 +183,23 @@ class SyncerSession:
         age_s: float = 0.0,
         ended: str | None = None,
         keyed: bool = False,
+        num_learners: int | None = None,
     ) -> None:
         """``core``: the shard's core, restored from its store if there was one (see
         ``restore``); ``registration``: its model's parameters and layout digest, which every
-        learner must match; ``epoch``: this start's incarnation (learners register again when
-        it changes); ``age_s``: how old the run already was at ``now``; ``ended``: the reason,
-        when the run had already ended before this start; ``keyed``: messages come with a
-        ``Principal`` (CURVE keys), which must match what they claim."""
+        learner must match, and the run's settings (``Registration.settings``: what a learner
+        given no config adopts, and what one given a config must agree with); ``epoch``: this
+        start's incarnation (learners register again when it changes); ``age_s``: how old the
+        run already was at ``now``; ``ended``: the reason, when the run had already ended before
+        this start; ``keyed``: messages come with a ``Principal`` (CURVE keys), which must match
+        what they claim; ``num_learners``: the run's cap on learner ids (``run.num_learners``:
+        ids 0 .. num_learners - 1; None: no cap but ``algo.max_learners``)."""
         self.core, self.rt, self.budget = core, rt, budget
         self.registration = registration
         self.shard, self.epoch, self.keyed = shard, epoch, keyed
+        self.num_learners = num_learners
+        self.pids: dict[int, int] = {}
+        """Learner id -> the process id its registered incarnation gave (for a superseded one's line)."""
         self.fleet = FleetBook()
         self.identities: dict[int, Peer] = {}
         """Learner id -> the peer that registered it (messages for the id come only from there)."""
@@ -247,11 +260,13 @@ class SyncerSession:
         problem = self._not_allowed(msg, principal)
         if problem is not None:
             out.notes.append(Note("impostor", f"{type(msg).__name__} from {peer!r}: {problem}"))
-            if isinstance(msg, Register):
+            if isinstance(msg, (Register, SettingsRequest)):
                 out.send.append((peer, JoinReply(False, problem, self.epoch, 0, self.core.owned)))
             return out
         if isinstance(msg, Register):
             self._on_register(peer, msg, now, out)
+        elif isinstance(msg, SettingsRequest):
+            self._on_settings_request(peer, msg, out)
         elif isinstance(msg, (FetchGlobal, StatusRequest)):
             # Per key (per connection without keys): each answer copies the model or the fleet view.
             if not self._fetches.allow(principal if self.keyed else peer, now):
@@ -276,7 +291,10 @@ class SyncerSession:
                 out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
                 out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
                 return out
-            if isinstance(msg, RELAYED):
+            if self.end_stage == "done" and isinstance(msg, Heartbeat):
+                # It did not hear the end (a lost message, a partition that healed): say it again.
+                out.send.append((peer, RunEnd("done", self.end_reason)))
+            elif isinstance(msg, RELAYED):
                 self._relay(msg, now, out)
             else:
                 if isinstance(msg, Heartbeat) and self.core.registered(msg.learner) == msg.incarnation:
@@ -328,9 +346,38 @@ class SyncerSession:
             return f"the key is {who}'s, not learner {claimed}'s"
         return None
 
+    def _outside_cap(self, learner: int) -> str | None:
+        """Why ``learner`` is not an id of this run (``run.num_learners`` caps ids and data shards)."""
+        n = self.num_learners
+        if n is None or 0 <= learner < n:
+            return None
+        return (
+            f"learner id {learner} is outside this run's ids 0..{n - 1} (run.num_learners = {n}): use one of them, "
+            "or grow the fleet: restart the syncer with a larger run.num_learners (and keys for the new ids: "
+            "ddiloco keys DIR --learners M)"
+        )
+
+    def _on_settings_request(self, peer: Peer, msg: SettingsRequest, out: SyncerOutput) -> None:
+        """A learner given no config asks for the run's settings before it registers."""
+        if self.end_stage == "done":
+            out.send.append((peer, RunEnd("done", self.end_reason)))
+            return
+        problem = self._outside_cap(msg.learner)
+        if problem is not None:
+            out.send.append((peer, JoinReply(False, problem, self.epoch, 0, self.core.owned)))
+            return
+        out.send.append((peer, RunSettings(dict(self.registration.settings))))
+
     def _on_register(self, peer: Peer, msg: Register, now: float, out: SyncerOutput) -> None:
         if self.end_stage == "done":  # too late to take part: the learner hears the run is over
             out.send.append((peer, RunEnd("done", self.end_reason)))
+            return
+        problem = self._outside_cap(msg.learner)
+        if problem is None and msg.settings and self.registration.settings:
+            difference = first_difference(self.registration.settings, msg.settings)
+            problem = None if difference is None else settings_refusal(difference)
+        if problem is not None:
+            out.send.append((peer, JoinReply(False, problem, self.epoch, 0, self.core.owned)))
             return
         mismatch = first_mismatch(self.registration.params, msg.params)
         if mismatch is None and msg.layout != self.registration.layout:
@@ -351,18 +398,16 @@ class SyncerSession:
         elif held != msg.incarnation:
             # An older process than the id's holder (it was replaced while it was away): it must
             # not take the id's route back. Final: it stops.
-            reason = (
-                f"learner {msg.learner} incarnation {msg.incarnation} is superseded by a newer process "
-                f"(incarnation {held}): this process must stop"
-            )
-            out.notes.append(Note("superseded", f"Register from {peer!r}: {reason}"))
-            out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
+            reason = self._superseded(msg.learner, held)
+            out.notes.append(Note("superseded", f"Register from {peer!r} (incarnation {msg.incarnation}): {reason}"))
+            out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned, superseded=True)))
         else:
             old = self.identities.get(msg.learner)
+            self.pids[msg.learner] = msg.pid
             if old is not None and old != peer and before != msg.incarnation:
                 # The replaced process may still be running (a stopped one resumed): it is told.
-                reason = f"learner {msg.learner} was registered by a newer process (incarnation {msg.incarnation})"
-                out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
+                reason = self._superseded(msg.learner, msg.incarnation)
+                out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned, superseded=True)))
             self.identities[msg.learner] = peer
             self.fleet.restarted(msg.learner, msg.incarnation)
             reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
@@ -370,6 +415,12 @@ class SyncerSession:
             if self.end_stage is not None:  # ending: it stops training and hands in what it has
                 out.send.append((peer, RunEnd("stop", self.end_reason)))
         out.core(core_out, self.identities)
+
+    def _superseded(self, learner: int, holder: int | None) -> str:
+        """The line a replaced process hears (it stops): who replaced it."""
+        pid = self.pids.get(learner)
+        who = f"pid {pid}" if pid else f"incarnation {holder}"
+        return f"learner {learner} was superseded by a newer process with the same id ({who}): this process must stop"
 
     def _relay(self, msg: PeerStateRequest | PeerState, now: float, out: SyncerOutput) -> None:
         """Optimizer state for a rejoining learner goes from one live peer through the syncer,

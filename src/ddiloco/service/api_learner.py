@@ -31,11 +31,16 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import write_fragment
 from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
+from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
+from ddiloco.protocol.settings import SettingsQuery
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
 from ddiloco.service.learner_comm import LearnerComm
-from ddiloco.service.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
+from ddiloco.service.model_watch import ModelWatch
+from ddiloco.service.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
+from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.training.peer_state import load_state, state_message
 from ddiloco.workloads.base import embedding_parameters
@@ -170,6 +175,7 @@ class Learner:
         incarnation: int | None = None,
         max_data_position: int | None = None,
         max_merged_tokens: float = math.inf,
+        claims: Sequence[str] = EVERY_LEARNER,
     ) -> None:
         """
         Args:
@@ -179,8 +185,11 @@ class Learner:
                 takes its id back, with its data position and a peer's optimizer state.
             key: ``ddiloco keys`` folder (or this learner's ``learner-ID.key_secret`` in it);
                 required for a syncer that is not on this machine (see docs/security.md).
-            config: the run's ``Config`` (or its ``DiLoCoConfig``, or a TOML file); it must give
-                the same fragment layout as the syncer's.
+            config: the run's ``Config`` or a TOML file: its settings that a learner must agree
+                with (``ddiloco.settings``) must be the run's, or the syncer refuses the learner,
+                naming the first that differs. A ``DiLoCoConfig``: its ``algo`` settings must be
+                the run's, the rest is adopted. None (the default): the learner asks the syncer
+                for the run's settings and adopts them (``self.cfg``), before it builds its layout.
             optimizer: the user's inner optimizer; with it, a (re)starting learner loads a live
                 peer's ``optimizer.state_dict()`` at a step boundary, and serves its own to peers.
             join_timeout_s: how long to wait for the global state (default ``runtime.join_timeout_s``).
@@ -189,6 +198,8 @@ class Learner:
             max_data_position: a data position beyond this from the syncer is not believed.
             max_merged_tokens: a global token count beyond this from the syncer is not believed
                 (``ddiloco learner`` passes 1000x the run's budget).
+            claims: the run settings an explicit config claims (``ddiloco learner`` adds its own
+                training loop's, ``ddiloco.settings.INNER_LOOP``).
         """
         if not isinstance(model, nn.Module):
             raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
@@ -199,7 +210,7 @@ class Learner:
         if join_timeout_s is not None and not (isinstance(join_timeout_s, (int, float)) and join_timeout_s > 0):
             raise UsageError(f"join_timeout_s = {join_timeout_s!r} is out of range; allowed: > 0 seconds")
         addrs = check_addresses(syncer)
-        self.cfg = cfg = as_config(config)
+        given = as_config(config)
         self.id, self.clock, self.optimizer = learner_id, clock, optimizer
         self.trained = model
         self.model = unwrap(model)
@@ -209,22 +220,51 @@ class Learner:
             raise UsageError("the model has no parameters to synchronise")
         self.params = params
         self.sharded = self._sharding(params)  # name -> this rank's rows, for FSDP2 parameters
-        self._shapes = {n: tuple(p.shape) for n, p in params.items()}
+        self._watch = ModelWatch(self.model, params)
         self.device = next(iter(params.values())).device
-        self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
-        self.pieces = self.layout.fragments.fragments
         self.rank, self.world = 0, 1
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
+        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
+        timeout_s = join_timeout_s if join_timeout_s is not None else given.runtime.join_timeout_s
+        # What this learner claims (checked by the syncer at registration) and what it adopts
+        # from the run: a whole config claims its settings; a DiLoCoConfig its algo ones; none, none.
+        adopting = config is None or isinstance(config, DiLoCoConfig)
+        claimed = [k for k in claims if config is not None and (not adopting or k.startswith("algo."))]
+        sock: LearnerSocket | None = None
+        run: dict[str, Any] = {}
+        self._keyed = False
+        if addrs and self.rank == 0:
+            keys = client_keys(addrs, key, f"learner-{learner_id}", insecure)
+            rt = given.runtime
+            factory = transport or (
+                lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
+            )
+            sock = factory(addrs, learner_identity(learner_id))
+            self._keyed = keys is not None
+            if adopting:  # ask before the layout is built: it depends on the run's settings
+                try:
+                    run = self._ask_settings(sock, addrs, rt, timeout_s)
+                except BaseException:
+                    sock.close()
+                    raise
+        if self.world > 1 and addrs and adopting:
+            box: list[Any] = [run]
+            dist.broadcast_object_list(box, src=0)  # every rank builds the same layout
+            run = box[0]
+        self.cfg = cfg = adopt(given, {k: v for k, v in run.items() if k not in claimed}) if run else given
+        self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
+        self.pieces = self.layout.fragments.fragments
         if self.world > 1 and cfg.algo.late_fragment == "wait":
+            if sock is not None:
+                sock.close()
             raise UsageError(
                 "a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step "
                 "baselines with one process per learner"
             )
-        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
-        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
         self.max_merged_tokens = max_merged_tokens
         self.max_data_position = max_data_position
         self.stats = LearnerStats()
@@ -234,13 +274,17 @@ class Learner:
         self._last_end: float | None = None
         self._last_start: float | None = None
         self._shared = False  # a torchrun group has shared rank 0's join
+        self._told_end = False  # run_ended was true when a step() (or the join) returned
         # Rank 0 runs the protocol; the other ranks of a torchrun group follow its boundaries
-        # and keep what it tells them of the fleet (LR position, versions).
-        self._facts: tuple[float, tuple[int, ...]] = (0.0, (0,) * self.layout.num_fragments)
+        # and keep what it tells them of the fleet (LR position, versions, the run's end).
+        self._facts: tuple[float, tuple[int, ...], str | None] = (0.0, (0,) * self.layout.num_fragments, None)
         self.session: LearnerSession | None = None
         self.comm: LearnerComm | None = None
         if self.rank == 0:
-            registration = Registration(param_spec(self.model), self.layout.digest, os.getpid(), str(self.device))
+            registration = Registration(
+                param_spec(self.model), self.layout.digest, os.getpid(), str(self.device),
+                settings=run_settings(cfg, claimed),
+            )  # fmt: skip
             # The session's join deadline (when training starts from what it has) is the caller's
             # timeout too, not only the wait in _join.
             runtime = cfg.runtime if join_timeout_s is None else replace(cfg.runtime, join_timeout_s=join_timeout_s)
@@ -256,18 +300,14 @@ class Learner:
                 max_merged_tokens=max_merged_tokens,
                 wants_peer_state=optimizer is not None and not self.sharded,
             )
-        if addrs and self.session is not None:
-            keys = client_keys(addrs, key, f"learner-{learner_id}", insecure)
-            rt = cfg.runtime
-            factory = transport or (
-                lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
-            )
-            self.comm = LearnerComm(self.session, addrs, factory(addrs, learner_identity(learner_id)), clock)
+        if sock is not None and self.session is not None:
+            self.comm = LearnerComm(self.session, addrs, sock, clock)
         try:
-            self._join(join_timeout_s if join_timeout_s is not None else cfg.runtime.join_timeout_s)
+            self._join(timeout_s)
         except BaseException:
             self.close()
             raise
+        self._told_end = self.run_ended
 
     # -- the public surface ------------------------------------------------------------------
 
@@ -292,16 +332,24 @@ class Learner:
 
     @property
     def closed(self) -> bool:
+        """``close()`` was called (or ``finish()``, or the ``with`` block ended)."""
         return self._closed
 
     @property
     def run_ended(self) -> bool:
-        """The syncer ended the run (its budget is spent): stop training and call ``finish()``."""
+        """The syncer ended the run (its budget is spent; also told to a learner that joins or
+        reconnects after the end): leave the loop and call ``finish()``. A ``step()`` after the
+        one that returned with it true raises ``UsageError``. In a torchrun group every rank
+        sees it at the same step."""
+        if self.world > 1:
+            return self._facts[2] is not None
         return self.comm is not None and self.session is not None and self.session.run_end is not None
 
     @property
     def end_reason(self) -> str:
         """Why the syncer ended the run ("" while it goes on)."""
+        if self.world > 1:
+            return self._facts[2] or ""
         return self.session.end_reason if self.comm is not None and self.session is not None else ""
 
     def finish(self, timeout_s: float | None = None) -> bool:
@@ -368,6 +416,7 @@ class Learner:
         if self.session is not None:
             self.stats.bytes_sent = self.session.bytes_sent
         self._raise_if_comm_stopped()
+        self._told_end = self.run_ended
 
     def close(self) -> None:
         """Leave the fleet (the syncer stops waiting for this learner at once) and stop the comm
@@ -426,11 +475,18 @@ class Learner:
     def _check_can_step(self, tokens: int, data_position: int | None) -> None:
         if self._closed:
             raise UsageError("step() after close(): make a new Learner (it rejoins and fetches the global state)")
+        if self._told_end:
+            raise UsageError(
+                f"learner {self.id}: the run has ended ({self.end_reason}); step() trains no more: leave the loop "
+                "when learner.run_ended is true and call learner.finish()"
+            )
         if type(tokens) is not int or tokens < 0:
             raise UsageError(f"step(tokens={tokens!r}): tokens must be an integer >= 0 (tokens in this step)")
         if data_position is not None and (type(data_position) is not int or data_position < 0):
             raise UsageError(f"step(data_position={data_position!r}): must be an integer >= 0")
-        self._check_shapes()
+        problem = self._watch.check(walk=self.stats.steps % 16 == 0)
+        if problem is not None:
+            raise UsageError(problem)
 
     @staticmethod
     def _loss_value(loss: Any) -> float:
@@ -449,38 +505,18 @@ class Learner:
         if comm is None or session is None or session.run_end is not None:
             return
         if session.refused:
-            raise RefusedError(f"learner {self.id} was refused by the syncer: {session.refused}")
+            raise RefusedError(self._refusal(session))
+        if session.gave_up:
+            raise CommError(session.gave_up)
         if comm.stop.is_set():
             raise CommError(f"learner {self.id}: its comm thread died ({comm.died}); restart the learner")
 
-    def _check_shapes(self) -> None:
-        """The fragments are slices of the parameters as they were at the start: a model whose
-        parameters were replaced or reshaped since would be synced wrongly. The parameters we
-        hold are checked every step; the module tree (a replaced submodule) every 16 steps, as
-        walking it costs about 2 us per tensor."""
-        for name, p in self.params.items():
-            if p.shape != self._shapes[name]:
-                raise UsageError(
-                    f"parameter {name} changed shape after the Learner was made (was {self._shapes[name]}, now "
-                    f"{tuple(p.shape)}): make every model change before creating the Learner"
-                )
-        if self.stats.steps % 16:
-            return
-        count = 0
-        for name, p in self.model.named_parameters():
-            count += 1
-            shape = self._shapes.get(name)
-            if shape is None or self.params[name] is not p or tuple(p.shape) != shape:
-                was = "absent" if shape is None else f"{shape}"
-                raise UsageError(
-                    f"parameter {name} changed after the Learner was made (was {was}, now {tuple(p.shape)}): make "
-                    "every model change (resizing embeddings, adding heads) before creating the Learner"
-                )
-        if count != len(self._shapes):
-            missing = next(n for n in self._shapes if n not in dict(self.model.named_parameters()))
-            raise UsageError(
-                f"parameter {missing} is gone since the Learner was made: make every model change before creating it"
-            )
+    def _refusal(self, session: LearnerSession | SettingsQuery) -> str:
+        """The line a final refusal raises: a superseded process is told by whom, in the syncer's words."""
+        reason = session.refused or ""
+        if isinstance(session, LearnerSession) and session.superseded:
+            return reason
+        return f"learner {self.id} was refused by the syncer: {reason}"
 
     # -- joining -------------------------------------------------------------------------------
 
@@ -491,7 +527,7 @@ class Learner:
             comm.start()
             self._wait_for_fragments(comm, session, timeout_s)
             if session.refused:
-                raise RefusedError(f"learner {self.id} was refused by the syncer: {session.refused}")
+                raise RefusedError(self._refusal(session))
         if self.world > 1:
             self._share_initial()
         self._idle_boundary()
@@ -504,17 +540,14 @@ class Learner:
             self._idle_boundary(keep=self.sharded)  # an FSDP2 group's other ranks write their rows of them too
             if session.ready(self.clock.monotonic()):
                 break
+            self._raise_on_handshake_failure(comm.sock, comm.addresses)
             comm.arrived.wait(0.05)
             comm.arrived.clear()
         if not session.joined_once and not comm.stop.is_set() and not session.done:
             # Never reached: a wrong address or port, a syncer not up, a firewall. Fail loudly
             # (once joined, a lost syncer is different: the learner trains on and rejoins).
-            raise CommError(
-                f"learner {self.id}: no answer from the syncer at {', '.join(comm.addresses)} within "
-                f"{timeout_s:.0f} s (runtime.join_timeout_s): is it running, are the host and port right, and "
-                "does it take this learner's key (ddiloco train and SyncerServer make keys in RUN_DIR/keys: pass "
-                "key=RUN_DIR/keys, --keys RUN_DIR/keys)?"
-            )
+            self._raise_on_handshake_failure(comm.sock, comm.addresses)
+            raise CommError(self._no_answer(comm.addresses, timeout_s))
         if session.data_position:
             self._position = self._plausible_position(session.data_position)
         got, total = len(session.received), self.layout.num_fragments
@@ -523,6 +556,79 @@ class Learner:
                 "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
                 self.id, got, total, timeout_s,
             )  # fmt: skip
+        if session.joined_once and session.run_end is None:
+            versions = sorted(set(session.core.base_version))
+            shown = f"{versions[0]}" if len(versions) == 1 else f"{versions[0]}..{versions[-1]}"
+            log.info(
+                "learner %d joined the run at %s: global version %s of its %d fragments (%d/%d received), data "
+                "position %d, the fleet at %s tokens",
+                self.id, ", ".join(comm.addresses), shown, total, got, total, self._position,
+                f"{session.core.fleet_tokens():,.0f}",
+            )  # fmt: skip
+
+    def _no_answer(self, addresses: list[str], timeout_s: float) -> str:
+        return (
+            f"learner {self.id}: no answer from the syncer at {', '.join(addresses)} within {timeout_s:.0f} s "
+            "(runtime.join_timeout_s): is it running, are the host and port right, and does it take this learner's "
+            "key (ddiloco train and SyncerServer make keys in RUN_DIR/keys: pass key=RUN_DIR/keys, --keys "
+            "RUN_DIR/keys)?"
+        )
+
+    def _raise_on_handshake_failure(self, sock: LearnerSocket, addresses: list[str]) -> None:
+        """A connection refused at its handshake is a key problem, not a network one: say which."""
+        probe = getattr(sock, "handshake_failure", None)  # a test's transport may have no handshake
+        failure = probe() if probe is not None else None
+        if failure is not None:
+            raise CommError(self._handshake_line(addresses[failure[0]], failure[1]))
+
+    def _handshake_line(self, address: str, why: HandshakeFailure) -> str:
+        fix = "pass the run's keys folder: key=RUN_DIR/keys (--keys RUN_DIR/keys)"
+        if why == "mechanism" and not self._keyed:
+            return (
+                f"learner {self.id}: the syncer at {address} requires CURVE keys and this learner has none: pass "
+                "key=RUN_DIR/keys (--keys RUN_DIR/keys)"
+            )
+        if why == "mechanism":
+            return (
+                f"learner {self.id}: the syncer at {address} runs without keys (insecure) and this learner has keys: "
+                "pass insecure=True and no key (--insecure, no --keys), or start the syncer with its keys"
+            )
+        if why == "auth":
+            return (
+                f"learner {self.id}: the syncer at {address} does not admit this learner's key (learner-{self.id}.key "
+                f"is not one of the run's keys): {fix}"
+            )
+        return (
+            f"learner {self.id}: the CURVE handshake with the syncer at {address} failed: the syncer.key this learner "
+            f"was given is not that syncer's public key: {fix}"
+        )
+
+    def _ask_settings(
+        self, sock: LearnerSocket, addresses: list[str], rt: RuntimeConfig, timeout_s: float
+    ) -> dict[str, Any]:
+        """The run's settings from syncer shard 0, before the layout is built (a learner given no
+        config adopts them). A finished run gives none: the join then hears that it is over."""
+        now = self.clock.monotonic()
+        query, deadline = SettingsQuery(self.id, self.incarnation, rt, now), now + timeout_s
+        while not query.done and now < deadline:
+            for send in query.tick(now).send:
+                sock.send(send.shard, encode(send.msg))
+            wake = query.next_deadline(now)
+            for link, frames in sock.recv(min(deadline, wake if wake is not None else deadline, now + 0.25) - now):
+                try:
+                    msg = decode(frames)
+                except WireError:
+                    continue  # counted nowhere: the join that follows says what is wrong, if anything
+                query.receive(link, msg, self.clock.monotonic())
+            self._raise_on_handshake_failure(sock, addresses)
+            now = self.clock.monotonic()
+        if query.refused is not None:
+            raise RefusedError(self._refusal(query))
+        if query.ended is None and query.settings is None:
+            raise CommError(self._no_answer(addresses, timeout_s))
+        if query.settings is not None:
+            log.info("learner %d: adopted the run's %d settings from the syncer", self.id, len(query.settings))
+        return query.settings or {}
 
     def _plausible_position(self, position: int) -> int:
         most = self.max_data_position
@@ -597,12 +703,13 @@ class Learner:
         if self.world > 1 and collective:
             import torch.distributed as dist
 
-            facts = None if self.session is None else (self.session.core.fleet_tokens(), self.versions)
+            s = self.session
+            facts = None if s is None else (s.core.fleet_tokens(), self.versions, s.end_reason if s.run_end else None)
             box: list[Any] = [plan, facts]
             dist.broadcast_object_list(box, src=0)
             plan, facts = box
-            if self.session is None and facts is not None:
-                self._facts = facts
+            if facts is not None:
+                self._facts = facts  # rank 0 too: every rank sees the run's end at the same step
         if plan is None:
             return
         for u, receipt in plan.apply:
@@ -614,7 +721,11 @@ class Learner:
             if problem is not None:
                 log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, ps.source, problem)
             else:
-                log.info("learner %d: took learner %d's optimizer state", self.id, ps.source)
+                steps = [int(v.max()) for k, v in ps.tensors.items() if k.endswith(".step") and v.numel()]
+                log.info(
+                    "learner %d: took learner %d's optimizer state (its optimizer at step %s) at its own step %d",
+                    self.id, ps.source, max(steps) if steps else "?", self.stats.steps,
+                )  # fmt: skip
         # Only rank 0 sends; the other ranks join the gathers of an FSDP2 model.
         gather = collective and self.sharded
         values = {p: self._host_values(p) for p in plan.read} if self.rank == 0 or gather else {}

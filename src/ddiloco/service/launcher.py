@@ -41,7 +41,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.keys import run_keys
-from ddiloco.service.learner import EXIT_REFUSED
+from ddiloco.service.learner import EXIT_REFUSED, EXIT_SUPERSEDED
 from ddiloco.service.learner_book import LearnerBook
 from ddiloco.service.status import read_status
 from ddiloco.service.store import check_state
@@ -348,6 +348,10 @@ class Launcher:
             self._on_learner_death(m, now, kind=f"exit {code}")
             if code == EXIT_REFUSED:
                 raise DDiLoCoError(f"learner {m} was refused by the syncer; see {self.logs / p.name}.log")
+            if code == EXIT_SUPERSEDED:  # another process holds its id: a restart would fight it
+                raise DDiLoCoError(
+                    f"learner {m} was superseded by another process with its id; see {self.logs / p.name}.log"
+                )
             if p.restarts >= rt.restart_limit:
                 raise DDiLoCoError(
                     f"learner {m} exited {p.restarts + 1} times (runtime.restart_limit = "

@@ -25,6 +25,7 @@ from ddiloco.service.api_learner import client_keys as api_client_keys
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys
 from ddiloco.service.status import write_status
+from ddiloco.settings import SETTINGS
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.config import load_workload
 from ddiloco.workloads.custom import move_to
@@ -32,9 +33,16 @@ from ddiloco.workloads.custom import move_to
 log = logging.getLogger(__name__)
 
 EXIT_REFUSED = 3
+"""The syncer refused this learner for good (another model or layout, a differing run setting,
+an id outside 0 .. run.num_learners - 1, a key that is not learner m's)."""
 EXIT_COMM_DIED = 4
+"""The comm thread died (a bug): no learner trains on alone."""
 EXIT_NO_SYNCER = 5
-"""The first join never got an answer within runtime.join_timeout_s."""
+"""The first join never got an answer within runtime.join_timeout_s (or a key problem said so)."""
+EXIT_SUPERSEDED = 6
+"""A newer process took this learner id over: this one stops (do not restart it)."""
+EXIT_GAVE_UP = 7
+"""A joined learner heard nothing from a syncer shard for runtime.give_up_after_s."""
 
 
 class LearnerProcess:
@@ -115,6 +123,7 @@ class LearnerProcess:
             max_data_position=int(most_tokens / max(1, self.cfg.workload.batch_size)),
             max_merged_tokens=most_tokens,
             key=self.keys,
+            claims=SETTINGS,  # its own loop reads the run's seed and inner schedule too
         )
         if learner.data_position:
             self.stream.seek(learner.data_position)
@@ -192,9 +201,9 @@ class LearnerProcess:
         comm = learner.comm if learner is not None else None
         session = learner.session if learner is not None else None
         if learner is not None and learner.run_ended and self.world == 1:  # (a torchrun group just leaves)
-            confirmed = learner.finish()
-            log.info("learner %d: the run ended (%s)%s", self.id, learner.end_reason,
-                     "" if confirmed else "; the syncer did not confirm the final sync in time")  # fmt: skip
+            confirmed = learner.finish()  # the session said the run ended, and why
+            said = "final sync done" if confirmed else "the syncer did not confirm the final sync in time"
+            log.info("learner %d: %s", self.id, said)
         if learner is not None:
             learner.close()
         self.write_status()
@@ -204,11 +213,17 @@ class LearnerProcess:
             dist.destroy_process_group()
         if step_log is not None:
             step_log.close()
+        if session is not None and session.refused and session.superseded:
+            log.error("%s", session.refused)
+            return EXIT_SUPERSEDED
         if session is not None and session.refused:
             log.error("learner %d refused by the syncer: %s", self.id, session.refused)
             return EXIT_REFUSED
         if session is not None and session.run_end is not None:
             return 0
+        if session is not None and session.gave_up:
+            log.error("%s", session.gave_up)
+            return EXIT_GAVE_UP
         if comm is not None and comm.died:
             log.error("learner %d stops: its comm thread died (%s)", self.id, comm.died)
             return EXIT_COMM_DIED

@@ -58,6 +58,7 @@ class LearnerComm:
     def post(self, out: LearnerOutput) -> None:
         """Queue what a session call returned and wake the comm thread (once for all of it)."""
         self.say(out.notes)
+        self.tell(out.info)
         if not out.send and not out.reconnect:
             return
         for link in out.reconnect:  # the socket is the comm thread's: it reconnects
@@ -76,6 +77,11 @@ class LearnerComm:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def tell(self, lines: Iterable[str]) -> None:
+        """Log what happened (a rejoin, the run's end) at INFO."""
+        for line in lines:
+            log.info("%s", line)
 
     def say(self, notes: Iterable[str]) -> None:
         """Log what the session noted (each distinct line once at WARNING, then at DEBUG)."""
@@ -148,6 +154,7 @@ class LearnerComm:
 
     def _send(self, out: LearnerOutput) -> None:
         self.say(out.notes)
+        self.tell(out.info)
         for link in out.reconnect:
             self._reconnect(link)
         for send in out.send:

@@ -15,15 +15,25 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from ddiloco.service.keys import ClientKeys, ServerKeys
 
 Frames = list[Any]
 """A multipart message: bytes-like frames (``zmq.Frame`` objects from ZeroMQ)."""
+HandshakeFailure = Literal["mechanism", "auth", "curve"]
+"""Why a learner's connection to a syncer failed its handshake, as ZeroMQ tells the client:
+"mechanism": one side uses CURVE keys and the other none (ZMTP mechanism mismatch); "auth": the
+syncer does not admit this client's key (ZAP status 400); "curve": the CURVE handshake keeps
+failing without detail (the client's copy of the syncer's public key is not the syncer's)."""
+NO_DETAIL_RUN = 5
+"""Handshakes in a row that a keyed client sees fail without detail before it calls its copy of
+the syncer's key wrong: a mechanism mismatch may also end a few attempts early (the server hangs
+up before the client has read its greeting) before ZeroMQ reports it as one."""
 
 
 def learner_identity(learner: int) -> bytes:
@@ -77,6 +87,11 @@ class LearnerSocket(Protocol):
 
     def wake(self) -> None:
         """Make a waiting ``recv`` return now (thread-safe)."""
+        ...
+
+    def handshake_failure(self) -> tuple[int, HandshakeFailure] | None:
+        """A link whose last connection attempt failed its handshake, and why (None: none did);
+        seen by ``recv``. A failure that repeats on every reconnection is a key problem."""
         ...
 
     def close(self, linger_s: float = 0.0) -> None: ...
@@ -156,6 +171,9 @@ class _Allowed:
         return key in self.keys
 
 
+_MONITORS = itertools.count()
+
+
 class ZmqLearnerSocket:
     """One DEALER per syncer shard, plus an inproc pair the training thread uses to wake the
     comm thread, so it sleeps in poll instead of spinning on a short timeout."""
@@ -172,7 +190,15 @@ class ZmqLearnerSocket:
         ctx = zmq.Context.instance()
         self.addresses, self.keys, self.name = list(addresses), keys, identity
         self._reconnect = (reconnect_s, reconnect_max_s)
-        self.socks = [self._dealer(addr) for addr in addresses]
+        self.monitors: list[zmq.Socket[Any]] = []
+        """Per link, ZeroMQ's handshake events of its DEALER (so a key problem is told as one)."""
+        self._handshake: dict[int, HandshakeFailure] = {}
+        self._no_detail: dict[int, int] = {}
+        self.socks: list[zmq.Socket[Any]] = []
+        for addr in addresses:
+            sock, mon = self._dealer(addr)
+            self.socks.append(sock)
+            self.monitors.append(mon)
         name = f"inproc://ddiloco-wake-{id(self)}"
         self._wake_rx = ctx.socket(zmq.PAIR)
         self._wake_rx.bind(name)
@@ -181,11 +207,13 @@ class ZmqLearnerSocket:
         self._wake_lock = threading.Lock()
         self._closed = False
         self.poller = zmq.Poller()
-        for s in self.socks:
+        for s in [*self.socks, *self.monitors]:
             self.poller.register(s, zmq.POLLIN)
         self.poller.register(self._wake_rx, zmq.POLLIN)
 
-    def _dealer(self, addr: str) -> zmq.Socket[Any]:
+    def _dealer(self, addr: str) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+        """A DEALER connecting to ``addr``, and its handshake monitor (watching before it connects:
+        ZeroMQ does not retry after a mechanism mismatch, so that one event must not be missed)."""
         s: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
         if self.keys is not None:
             self.keys.apply(s)
@@ -194,15 +222,62 @@ class ZmqLearnerSocket:
         s.setsockopt(zmq.SNDHWM, 64)
         s.setsockopt(zmq.RECONNECT_IVL, int(self._reconnect[0] * 1000))
         s.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._reconnect[1] * 1000))
+        mon = self._monitor(s)
         s.connect(addr)
-        return s
+        return s, mon
+
+    @staticmethod
+    def _monitor(s: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        # A name of our own: pyzmq's default names the endpoint after the socket's file
+        # descriptor, which a socket closed a moment ago may still hold.
+        return s.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            addr=f"inproc://ddiloco-monitor-{next(_MONITORS)}",
+        )
+
+    def _close_link(self, link: int, linger_ms: int) -> None:
+        s, mon = self.socks[link], self.monitors[link]
+        for sock in (s, mon):
+            self.poller.unregister(sock)
+        s.disable_monitor()
+        mon.close(linger=0)
+        s.close(linger=linger_ms)
 
     def reconnect(self, link: int) -> None:
-        old = self.socks[link]
-        self.poller.unregister(old)
-        old.close(linger=0)
-        self.socks[link] = self._dealer(self.addresses[link])
+        self._close_link(link, 0)
+        self.socks[link], self.monitors[link] = self._dealer(self.addresses[link])
         self.poller.register(self.socks[link], zmq.POLLIN)
+        self.poller.register(self.monitors[link], zmq.POLLIN)
+
+    def handshake_failure(self) -> tuple[int, HandshakeFailure] | None:
+        return next(iter(sorted(self._handshake.items())), None)
+
+    def _on_monitor(self, link: int) -> None:
+        """ZeroMQ's handshake events, measured on loopback: a keyless client at a CURVE syncer
+        sees a few failures without detail (the syncer hangs up first), then a protocol error
+        (mechanism mismatch), and ZeroMQ stops retrying; a keyed client at a keyless syncer the
+        protocol error; a key the syncer's ZAP handler refuses, an auth failure (400); a wrong
+        copy of the syncer's public key, failures without detail on every retry."""
+        mon = self.monitors[link]
+        while mon.poll(0):
+            event = recv_monitor_message(mon)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshake.pop(link, None)
+                self._no_detail.pop(link, None)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._handshake[link] = "mechanism"
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._handshake[link] = "auth"
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and link not in self._handshake:
+                # Without keys, any failed handshake means the syncer wants keys: a keyless one never hangs up.
+                self._no_detail[link] = n = self._no_detail.get(link, 0) + 1
+                if self.keys is None:
+                    self._handshake[link] = "mechanism"
+                elif n >= NO_DETAIL_RUN:
+                    self._handshake[link] = "curve"
 
     def send(self, link: int, frames: Frames) -> bool:
         try:
@@ -217,6 +292,9 @@ class ZmqLearnerSocket:
             if sock is self._wake_rx:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
+                continue
+            if sock in self.monitors:
+                self._on_monitor(self.monitors.index(sock))
                 continue
             link = self.socks.index(sock)
             while True:
@@ -236,8 +314,8 @@ class ZmqLearnerSocket:
                 pass  # a wake-up is already pending
 
     def close(self, linger_s: float = 0.0) -> None:
-        for s in self.socks:
-            s.close(linger=int(linger_s * 1000))
+        for link in range(len(self.socks)):
+            self._close_link(link, int(linger_s * 1000))
         self._wake_rx.close(linger=0)
         with self._wake_lock:
             self._closed = True
@@ -421,6 +499,9 @@ class _HubLearner:
         with self.net.cv:
             self.inbox.woken = True
             self.net.cv.notify_all()
+
+    def handshake_failure(self) -> tuple[int, HandshakeFailure] | None:
+        return None  # no handshake in-process (a key is taken as given)
 
     def close(self, linger_s: float = 0.0) -> None:
         with self.net.cv:

@@ -42,17 +42,18 @@ from ddiloco.protocol.messages import (
     PeerStateRequest,
     Register,
     RunEnd,
+    RunSettings,
+    SettingsRequest,
     StatusReply,
     StatusRequest,
     SyncerHeartbeat,
 )
 
-SCHEMA = 4  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens
+SCHEMA = 5  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens;
+# 5: run settings (Register.settings, SettingsRequest, RunSettings), JoinReply.superseded
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
-MESSAGES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (*_ALL, PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
-}
+_OTHERS = (PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, *_OTHERS, SettingsRequest, RunSettings)}
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
