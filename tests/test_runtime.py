@@ -265,7 +265,7 @@ def test_mismatched_model_is_refused_naming_the_first_tensor(cluster):
             "--syncer",
             cluster.addr,
             "--id",
-            "5",
+            "1",  # an id of the run's (0..1): another is refused before its model is looked at
             "--run-dir",
             str(cluster.run_dir / "mismatched"),  # the run's own folder refuses a different config at once
             "--device",
