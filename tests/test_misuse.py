@@ -211,6 +211,19 @@ def test_a_superseded_learner_is_told_at_its_next_step(fleet):
     old.close()
 
 
+def test_a_second_live_process_with_the_same_id_is_told_the_id_is_held(fleet):
+    net, _, _ = fleet
+    holder = ddiloco.Learner(Net(), ADDRESS, learner_id=1, config=cfg(), transport=net.learner)
+    with pytest.raises(ddiloco.RefusedError) as e:  # the holder's comm thread keeps it heard
+        ddiloco.Learner(Net(), ADDRESS, learner_id=1, config=cfg("runtime.join_timeout_s=1.5"), transport=net.learner)
+    holder.close()
+    assert re.fullmatch(
+        r"learner 1 was refused by the syncer: learner id 1 is held by a live process \(heard \d+\.\d s ago\); use "
+        r"another id, or stop that process",
+        str(e.value),
+    ), str(e.value)
+
+
 def test_no_learner_trains_after_the_run_has_ended_also_one_that_joins_later(tmp_path):
     """The run's end is persisted in its folder: a syncer started again on it tells whoever asks."""
     net = InProcessNetwork()

@@ -207,6 +207,8 @@ class LearnerSession:
         """Why a shard refused this learner for good (it must stop)."""
         self.superseded = False
         """The refusal says a newer process took this learner id over."""
+        self.held: str | None = None
+        """Why the last registration was refused for now (the id's holder is live), until one is accepted."""
         self.gave_up: str | None = None
         """Why this learner gave up on its syncer (a shard silent for ``give_up_after_s``)."""
         self.run_end: EndStage | None = None
@@ -423,6 +425,7 @@ class LearnerSession:
                 f"learner {self.learner}: not registered yet ({msg.reason}); retrying in {msg.retry_after_s:.1f} s"
             )
             link.next_join = now + msg.retry_after_s
+            self.held = msg.reason
             return
         if not msg.accepted:
             self.refused, self.superseded = msg.reason, msg.superseded
@@ -435,7 +438,7 @@ class LearnerSession:
             )
             link.lost_at = None
         link.epoch, link.joined, link.owned = msg.epoch, True, list(msg.owned)
-        link.backoff = self.rt.backoff_initial_s
+        link.backoff, self.held = self.rt.backoff_initial_s, None
         if self.data_position is None:
             self.data_position = msg.data_position
         self.joined_once = True

@@ -547,6 +547,8 @@ class Learner:
             # Never reached: a wrong address or port, a syncer not up, a firewall. Fail loudly
             # (once joined, a lost syncer is different: the learner trains on and rejoins).
             self._raise_on_handshake_failure(comm.sock, comm.addresses)
+            if session.held is not None:  # it did answer: another live process holds this id
+                raise RefusedError(f"learner {self.id} was refused by the syncer: {session.held}")
             raise CommError(self._no_answer(comm.addresses, timeout_s))
         if session.data_position:
             self._position = self._plausible_position(session.data_position)
