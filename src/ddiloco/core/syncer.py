@@ -454,9 +454,9 @@ class Syncer:
         # The fragment only changes when its round closes, so the anchor chosen now is the one
         # the merge would use at the close. The payload becomes the delta in place: the syncer
         # takes ownership of the tensors it is handed.
-        values = c.values
-        buffers = self._buffers[c.fragment]
-        if buffers:  # checked as values against the base, before they become changes
+        values = list(c.values)
+        buffers, raw = self._buffers[c.fragment], []
+        if buffers:  # statistics are merged as values (a delta payload's are rebuilt), checked against the base
             pieces = self.layout.fragments[c.fragment]
             raw = [c.values[i] if c.kind == "values" else base[i] - c.values[i] for i in buffers]
             problem = check_buffers(raw, [base[i] for i in buffers], [pieces[i] for i in buffers], c.steps, self.cfg)
@@ -469,9 +469,10 @@ class Syncer:
                 anchor = None  # the payload already is the outer gradient against its base
             else:  # rebase a delta on the current version (an ablation): rebuild the values
                 values = [b - d for b, d in zip(base, c.values)]
-        norms = [make_delta(a, v) for a, v in zip(_anchors(anchor, len(values)), values)]
-        for i in buffers:  # statistics, not progress: they have no say in the norm bounds or screening
-            norms[i] = 0.0
+        anchors = _anchors(anchor, len(values))
+        for i, v in zip(buffers, raw):
+            values[i], anchors[i] = v, None  # kept as values, norm 0: statistics, not progress
+        norms = [make_delta(a, v) if i not in buffers else 0.0 for i, (a, v) in enumerate(zip(anchors, values))]
         problem = check_norm(norms, self.cfg) or admission.check_relative_norm(
             norms, frag.norm, self._numel[c.fragment], self.cfg
         )
@@ -499,16 +500,14 @@ class Syncer:
         info.quarantine = None  # it answered from a fresh version: it has re-synced
         old = rnd.pending.get(c.learner)
         if old is not None:  # a newer answer replaces the older one: take that one back out
-            for acc, d, n in zip(rnd.merge, old.deltas, old.norms):
-                acc.add(d, n, old.weight, sign=-1.0, scale=old.scale)
+            self._feed(rnd, old, sign=-1.0)
         weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
         if cap is not None and weight > cap:
             weight, clipped = cap, True
         scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
         pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale, claimed=weight)
         rnd.refused.discard(c.learner)
-        for acc, d, n in zip(rnd.merge, pending.deltas, pending.norms):
-            acc.add(d, n, pending.weight, scale=pending.scale)
+        self._feed(rnd, pending)
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
@@ -784,27 +783,35 @@ class Syncer:
 
     def _clip_buffers(self, rnd: Round, judged: dict[int, Pending], buffers: Sequence[int]) -> bool:
         """Bounded influence on the buffers: with a majority to measure against, each answer's
-        change of a buffer is clipped, coordinate by coordinate, to ``robust_clip`` x the round's
-        median |change| there (a statistic no one else moved stays put). True if one was cut."""
+        statistic is clipped, coordinate by coordinate, to within ``robust_clip`` x the round's
+        median distance from the round's median there. True if one was cut."""
         if not buffers or len(judged) < robust.MIN_ANSWERS or self.cfg.robust_clip <= 0:
             return False
         cut = False
         for i in buffers:
-            changes = [pd.deltas[i] for pd in judged.values()]
-            bound = torch.stack([d.abs() for d in changes]).median(dim=0).values.mul_(self.cfg.robust_clip)
-            for d in changes:
-                if bool((d.abs() > bound).any()):
-                    torch.clamp(d, -bound, bound, out=d)
+            answers = [pd.deltas[i] for pd in judged.values()]  # a buffer's "delta" is its value
+            stacked = torch.stack(answers)
+            centre = stacked.median(dim=0).values
+            room = (stacked - centre).abs().median(dim=0).values.mul_(self.cfg.robust_clip)
+            low, high = centre - room, centre + room
+            for v in answers:
+                if bool(((v < low) | (v > high)).any()):
+                    torch.clamp(v, low, high, out=v)
                     cut = True
         return cut
 
     def _rebuild(self, rnd: Round) -> None:
         """Rebuild the running sums from what remains (exact; a subtraction would leave residue)."""
-        rebuilt = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
+        rnd.merge = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
         for pd in rnd.pending.values():
-            for acc, d, n in zip(rebuilt, pd.deltas, pd.norms):
-                acc.add(d, n, pd.weight, scale=pd.scale)
-        rnd.merge = rebuilt
+            self._feed(rnd, pd)
+
+    def _feed(self, rnd: Round, pd: Pending, sign: float = 1.0) -> None:
+        """Add one answer to the round's running merge (sign -1: take it back out). Statistics
+        are a plain weighted mean of values: no staleness discount (it would shrink them)."""
+        buffers = self._buffers[rnd.fragment]
+        for i, (acc, d, n) in enumerate(zip(rnd.merge, pd.deltas, pd.norms)):
+            acc.add(d, n, pd.weight, sign=sign, scale=1.0 if i in buffers else pd.scale)
 
     def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
         self._screen_round(rnd, now, out)
@@ -827,15 +834,15 @@ class Syncer:
         )
         if contribs and sum(weights) > 0:
             merged = [acc.result() for acc in rnd.merge]
-            # Buffers (running statistics, counts) take the token-weighted mean of their changes
-            # in full: no outer learning rate, no momentum (it is fed zeros). With every answer
-            # from the current version, that is the weighted mean of the learners' statistics.
+            # Buffers (running statistics, counts) become the token-weighted mean of the
+            # answers' values: no outer step, no momentum (it is fed zeros). Statistics are
+            # levels, not progress: changes from stale bases would add up. A count never falls.
             pieces = self.layout.fragments[rnd.fragment]
             stats = {}
             for i in self._buffers[rnd.fragment]:
-                stats[i] = frag.values[i] - merged[i]
+                stats[i] = merged[i].clone()
                 if pieces[i].kind == "count":
-                    stats[i].round_()
+                    torch.maximum(stats[i].round_(), frag.values[i], out=stats[i])
                 merged[i] = torch.zeros_like(stats[i])
             frag.outer.lr = self.outer_lr()
             frag.version += 1

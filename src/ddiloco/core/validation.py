@@ -93,8 +93,8 @@ def check_buffers(
     """A contribution's buffers (its values, not changes) against the version it started from:
     finite; a variance never negative; a change within ``max_delta_norm``; an integer buffer a
     non-negative integer that grew by at most ``max_count_per_step`` per step and stays below
-    ``COUNT_LIMIT``. Buffers are merged by a mean of their changes, so one hostile value would
-    otherwise be carried into the global model."""
+    ``COUNT_LIMIT``. Buffers are merged by a mean of the answers' values, so one hostile value
+    would otherwise be carried into the global model."""
     for pc, v, b in zip(pieces, values, base):
         if pc.kind == "param":
             continue
