@@ -107,7 +107,7 @@ def test_config_list_prints_every_key_with_type_default_and_docs(capsys):
     assert 'algo.num_fragments (int | "auto") = "auto"\n' in out
     assert "workload.options (dict[str, Any]) = {}\n" in out
     assert "chaos.stragglers (tuple[str, ...]) = []" in out
-    assert "runtime.duration_s (float) = 120.0\n    A real run's time budget" in out
+    assert "runtime.duration_s (float) = inf\n    A real run's time budget" in out
 
 
 def test_config_list_with_a_method_shows_its_preset(capsys):

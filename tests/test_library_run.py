@@ -362,10 +362,6 @@ def test_evaluation_hook_arguments_are_checked_in_one_line(tmp_path):
 # -- 3. no silent time cap ---------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs protocol/config.py (not this change's file): RuntimeConfig.duration_s = math.inf, no time budget",
-)
 def test_a_run_has_no_time_budget_by_default():
     assert ddiloco.Config().runtime.duration_s == math.inf
     assert load_config(None).runtime.duration_s == math.inf

@@ -7,6 +7,7 @@ They live here, beside the sessions that read them, so that ``protocol`` imports
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -39,10 +40,11 @@ class RuntimeConfig:
     """Delay before the launcher restarts a learner that exited abnormally."""
     eval_interval_s: float = 20.0
     """Seconds between evaluations of the global model by the evaluator process."""
-    duration_s: float = 120.0
-    """A real run's time budget: the syncer ends the run when this many seconds have passed
-    since it started (run.json's started_at), or at its token budgets (run.processed_tokens,
-    run.merged_tokens), whichever comes first."""
+    duration_s: float = math.inf
+    """A real run's time budget: the syncer ends the run this many seconds after it started
+    (run.json's started_at) unless its token budgets (run.processed_tokens, run.merged_tokens)
+    end it first; inf (the default): none. A time budget that ends a run short of
+    run.processed_tokens says so (a WARNING and summary.json's warnings)."""
     final_eval: bool = True
     """The syncer evaluates the final global model once when the run ends (for summary.json);
     turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is

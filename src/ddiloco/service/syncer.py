@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -327,10 +328,12 @@ class SyncerService:
         view = self.session.view(self.clock.monotonic())
         versions = [f.version for f in view.fragments]
         stage = self.session.end_stage
+        limit = self.cfg.runtime.duration_s
+        budget = f" of {limit:,.0f}" if math.isfinite(limit) else " (no time budget)"
         return (
             f"syncer shard {self.shard}: {self.session.fleet.processed_tokens():,.0f} / "
             f"{self.cfg.run.processed_tokens:,} tokens processed, {view.merged_tokens:,.0f} merged, "
-            f"{self.run_age():,.0f} / {self.cfg.runtime.duration_s:,.0f} s, {len(view.live)} live learners, "
+            f"{self.run_age():,.0f} s{budget}, {len(view.live)} live learners, "
             f"versions {min(versions)}..{max(versions)}" + (f", ending ({stage})" if stage else "")
         )
 
