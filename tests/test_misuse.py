@@ -165,11 +165,6 @@ def test_an_id_outside_the_cap_is_refused_and_not_listed(fleet):
     assert [entry["learner"] for entry in server.service.status()["learners"]] == []
 
 
-@pytest.mark.xfail(
-    reason="a run folder's saved config.toml refuses a changed run.num_learners until report/rundir.py's UNCHECKED "
-    "lets the fleet's size change on a run",
-    raises=ddiloco.DDiLoCoError,
-)
 def test_the_fleet_grows_by_restarting_the_syncer_with_a_larger_cap(tmp_path):
     net = InProcessNetwork()
     server = serve(net, tmp_path)

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import tomli_w
@@ -142,13 +143,19 @@ def check_saved_config(run_dir: str | Path, cfg: Config) -> None:
         raise DDiLoCoError(
             f"run folder {run_dir}: its saved config.toml cannot be read by this ddiloco ({e})"
         ) from None
+    grows = cfg.run.num_learners > saved.run.num_learners
+    if grows:  # the documented way to grow the fleet: restart with a larger cap (ids, data shards)
+        saved = replace(saved, run=replace(saved.run, num_learners=cfg.run.num_learners))
     diff = config_difference(saved, cfg)
     if diff is not None:
         name, old, new = diff
         raise DDiLoCoError(
             f"run folder {run_dir} was made with {name} = {old!r}, but this command has {name} = {new!r}; only "
-            "runtime.* and run.threads may change on a run: use its config.toml, --resume it, or choose another folder"
+            "runtime.*, run.threads and a larger run.num_learners may change on a run: use its config.toml, "
+            "--resume it, or choose another folder"
         )
+    if grows:
+        _write_config(Path(run_dir), saved)  # the folder records the cap it now runs with
 
 
 def choose_run_dir(
