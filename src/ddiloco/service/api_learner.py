@@ -537,7 +537,7 @@ class Learner:
         (all of them, or ``join_timeout_s`` after a shard accepted us)."""
         deadline = self.clock.monotonic() + timeout_s
         while self.clock.monotonic() < deadline and not comm.stop.is_set() and not session.done:
-            self._idle_boundary(keep=self.sharded)  # an FSDP2 group's other ranks write their rows of them too
+            self._idle_boundary(keep=bool(self.sharded))  # an FSDP2 group's other ranks write their rows of them too
             if session.ready(self.clock.monotonic()):
                 break
             self._raise_on_handshake_failure(comm.sock, comm.addresses)
