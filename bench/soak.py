@@ -376,7 +376,7 @@ def finish(
     from ddiloco.report.invariants import Restore, check_run
     from ddiloco.service.store import SyncerStore
     from ddiloco.training.evaluate import evaluate
-    from ddiloco.training.layout import layout_for
+    from ddiloco.training.layout import layout_for, synced_tensors
     from ddiloco.workloads.config import load_workload
 
     def violate(kind: str, detail: str) -> None:
@@ -391,7 +391,7 @@ def finish(
     if final.exists():
         model.load_state_dict(load_file(str(final)))
         eval_loss = evaluate(wl, model, wl.eval_batches())
-        if not all(bool(p.isfinite().all()) for p in model.parameters()):
+        if not all(bool(t.isfinite().all()) for t in model.state_dict().values() if t.is_floating_point()):
             violate("global_not_finite", "final model")
     else:
         violate("no_final_model", str(final))
@@ -399,7 +399,7 @@ def finish(
     fresh = wl.build_model(cfg.run.seed)
     layout = layout_for(fresh, wl, cfg.algo)
     owned = list(range(layout.num_fragments))
-    core = Syncer(cfg.algo, layout.fragments, dict(fresh.named_parameters()), layout.embedding_like, owned)
+    core = Syncer(cfg.algo, layout.fragments, synced_tensors(fresh), layout.embedding_like, owned)
     store = SyncerStore(run_dir, 0, 1, fsync=False)
     try:
         found = store.restore(core.layout, core.owned)
