@@ -78,6 +78,9 @@ BUFFER_ATTACKS = {  # what each hostile-buffer attack needs in the fragment it a
     "buffer_count": "num_batches_tracked",
     "buffer_shape": "running_mean",
 }
+OVERSIZED_CUT = 0.1
+"""A 100x-norm attack may be merged only cut to at most this fraction of its size (the robust
+merge clips to 3x the round's median |delta| per step: about 0.03 of a 100x answer)."""
 LEARNER_RESTART_S = 2.0
 SYNCER_RESTART_S = 0.5
 
@@ -514,17 +517,23 @@ def attack_accounting(run_dir: Path, rounds: list[dict], answers: list[dict], st
     fillers = [a for a in sent if a["kind"] == "filler"]
     attack_ids = {(a["incarnation"], a["fragment"], a["seq"]): a["kind"] for a in attacks if a["kind"] != "replay"}
     merged3 = [
-        (e["incarnation"], r["fragment"], e["seq"], e["weight"])
+        (e["incarnation"], r["fragment"], e["seq"], e["weight"], e.get("scaled", 1.0))
         for r in rounds
         for e in r["merged"]
         if e["learner"] == ATTACKER
     ]
     seen: dict[tuple, int] = {}
-    for inc, p, seq, w in merged3:
+    clipped: list[float] = []
+    for inc, p, seq, w, scaled in merged3:
         ident = (inc, p, seq)
         if ident in attack_ids:
             kind = attack_ids[ident]
-            violate(f"attack_merged:{kind}", f"{kind} contribution {ident} merged with weight {w}")
+            if kind == "norm_100x" and scaled <= OVERSIZED_CUT:
+                # The robust merge clips an oversized answer to robust_clip x the round's size
+                # (honest restarts are oversized too) instead of refusing it: bounded, not merged whole.
+                clipped.append(scaled)
+                continue
+            violate(f"attack_merged:{kind}", f"{kind} contribution {ident} merged with weight {w} at {scaled:.3g}x")
             continue
         seen[ident] = seen.get(ident, 0) + 1
         if seen[ident] > 1:
@@ -540,7 +549,9 @@ def attack_accounting(run_dir: Path, rounds: list[dict], answers: list[dict], st
         "sent_by_kind": by_kind,
         "attacks": len(attacks),
         "fillers": len(fillers),
-        "fillers_merged_weight0": sum(1 for _ in merged3),
+        "fillers_merged_weight0": sum(1 for _ in merged3) - len(clipped),
+        "norm_100x_merged_clipped": len(clipped),
+        "norm_100x_largest_scale_merged": max(clipped, default=None),
         "rejections_of_attacker": rejected,
         "attacks_not_rejected": unaccounted,
         "registrations": sum(1 for a in sent if a["kind"] == "registered"),
@@ -892,6 +903,14 @@ def to_markdown(rep: dict) -> str:
     if at:
         merged = {k: n for k, n in kinds.items() if k.startswith("attack_merged") or k == "attacker_weight"}
         row("corrupted contributions merged", f"{sum(merged.values())} {json.dumps(merged)}", "0", not merged)
+        largest = at.get("norm_100x_largest_scale_merged")
+        row(
+            "100x-norm contributions merged only clipped (the robust merge's size bound, as for honest restarts)",
+            f"{at.get('norm_100x_merged_clipped', 0)}"
+            + (f", each cut to at most {largest:.3f}x its size" if largest is not None else ""),
+            f"cut to <= {OVERSIZED_CUT}x",
+            None,
+        )
         row(
             "corrupted contributions rejected (tape) / sent",
             f"{at['rejections_of_attacker']} / {at['attacks']} ({at['attacks_not_rejected']} not on the tape: sent "
