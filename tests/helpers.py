@@ -25,6 +25,17 @@ SESSION_REGISTRATION = Registration(SESSION_PARAMS, SESSION_LAYOUT.digest())
 SESSION_CFG = DiLoCoConfig(num_fragments=2, sync_every=4, overlap=1, liveness_timeout_s=2.0, takeover_after_s=1.0)
 SESSION_RT = RuntimeConfig(heartbeat_interval_s=0.5, syncer_liveness_s=2.0, backoff_initial_s=0.1, backoff_max_s=1.0)
 
+# A real runtime's timings shrunk for tests in one process (threads): liveness in a second,
+# status twice a second, short backoff. Each test adds its own budgets and join timeout.
+FAST_RUNTIME = [
+    "algo.liveness_timeout_s=1.0",
+    "runtime.heartbeat_interval_s=0.1",
+    "runtime.syncer_liveness_s=1.0",
+    "runtime.status_interval_s=0.5",
+    "runtime.snapshot_interval_s=1.0",
+    "runtime.backoff_max_s=0.3",
+]
+
 
 def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition", poll: float = 0.05) -> Any:
     """Poll ``pred`` until it returns something true (returned), or fail after ``timeout`` s."""

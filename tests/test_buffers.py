@@ -304,3 +304,50 @@ def test_a_batchnorm_model_through_learner_and_syncer_server_exports_its_statist
     fresh_stats = BNNet()
     fresh_stats.load_state_dict({k: v for k, v in exported.state_dict().items() if "bn.running" not in k}, strict=False)
     assert evaluate(fresh_stats, held) > 1.5 * evaluate(exported, held)  # an export without the statistics
+
+
+def test_a_joining_learner_takes_the_global_statistics(tmp_path):
+    """A learner that joins a run under way (a new one, or a restarted process) starts from the
+    global model's statistics, not its own fresh ones."""
+    from helpers import wait_for
+    from test_library import SETTINGS
+
+    from ddiloco.service.transport import InProcessNetwork
+
+    torch.set_num_threads(1)
+    address = "inproc://buffers-join"
+    cfg = load_config(None, [*SETTINGS, "algo.sync_every=4"])
+    net = InProcessNetwork()
+    torch.manual_seed(0)
+    server = ddiloco.SyncerServer(BNNet(), address, tmp_path, config=cfg, transport=net.syncer(address), fsync=False)
+    server.start()
+    try:
+        first = BNNet()
+        opt = torch.optim.Adam(first.parameters(), lr=0.003)
+        with ddiloco.Learner(first, address, learner_id=0, config=cfg, transport=net.learner) as learner:
+            core = server.service.core
+            p = next(i for i, f in enumerate(core.layout.fragments) if any(pc.name == "bn.running_mean" for pc in f))
+            batches = iter(shifted_data(100, 400))
+
+            def merged_statistics() -> bool:
+                x, y = next(batches)
+                first.train()
+                F.cross_entropy(first(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                learner.step(tokens=len(y))
+                return core.fragments[p].version >= 2
+
+            wait_for(merged_statistics, 60, "two merges of the statistics' fragment")
+            joined = BNNet()  # its own fresh statistics: zeros and ones
+            with ddiloco.Learner(joined, address, learner_id=1, config=cfg, transport=net.learner) as second:
+                version = second.versions[p]
+                took = dict(zip((pc.name for pc in core.layout.fragments[p]), core.fragments[p].at(version)))
+                assert version >= 2  # (a round may have closed since: compare with the version it took)
+                assert torch.equal(joined.bn.running_mean, took["bn.running_mean"])
+                assert float(joined.bn.running_mean.abs().sum()) > 0  # not its own fresh zeros
+                for name in ("bn.running_var", "bn.num_batches_tracked"):
+                    if name in took:  # (the layout may place a statistic in another fragment)
+                        assert torch.equal(joined.state_dict()[name].float(), took[name])
+    finally:
+        server.stop()

@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from helpers import merges, wait_for
+from helpers import FAST_RUNTIME, merges, wait_for
 
 from ddiloco.config import load_config
 from ddiloco.core.tape import RoundRecord
@@ -29,12 +29,7 @@ SETTINGS = [
     "workload.options={hidden = 16}",
     "run.num_learners=3",
     "algo.sync_every=8",
-    "algo.liveness_timeout_s=1.0",
-    "runtime.heartbeat_interval_s=0.1",
-    "runtime.syncer_liveness_s=1.0",
-    "runtime.status_interval_s=0.5",
-    "runtime.snapshot_interval_s=1.0",
-    "runtime.backoff_max_s=0.3",
+    *FAST_RUNTIME,
     "runtime.join_timeout_s=15.0",  # a lossy network may drop the first registrations
     "runtime.step_sleep_s=0.01",
 ]

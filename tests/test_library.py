@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import merges, wait_for
+from helpers import FAST_RUNTIME, merges, wait_for
 from torch import nn
 
 import ddiloco
@@ -28,12 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ADDRESS = "inproc://library-syncer"
 SETTINGS = [
     "algo.sync_every=8",
-    "algo.liveness_timeout_s=1.0",
-    "runtime.heartbeat_interval_s=0.1",
-    "runtime.syncer_liveness_s=1.0",
-    "runtime.status_interval_s=0.5",
-    "runtime.snapshot_interval_s=1.0",
-    "runtime.backoff_max_s=0.3",
+    *FAST_RUNTIME,
     "runtime.join_timeout_s=10.0",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}

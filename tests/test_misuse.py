@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import wait_for
+from helpers import FAST_RUNTIME, wait_for
 from torch import nn
 
 import ddiloco
@@ -30,12 +30,7 @@ SETTINGS = [
     "run.num_learners=2",
     "run.processed_tokens=123456",
     "algo.sync_every=8",
-    "algo.liveness_timeout_s=1.0",
-    "runtime.heartbeat_interval_s=0.1",
-    "runtime.syncer_liveness_s=1.0",
-    "runtime.status_interval_s=0.5",
-    "runtime.snapshot_interval_s=1.0",
-    "runtime.backoff_max_s=0.3",
+    *FAST_RUNTIME,
     "runtime.join_timeout_s=5.0",
 ]
 ADVICE = "make every model change (dtype, device, shapes, modules) before creating the Learner"
