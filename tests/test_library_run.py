@@ -188,8 +188,11 @@ def test_a_library_run_folder_keeps_its_config_like_a_cli_run(tmp_path):
     d = tmp_path / "lib"
     net = InProcessNetwork()
     ddiloco.SyncerServer(Net(), "inproc://a", d, config=cfg(), transport=net.syncer("inproc://a"), fsync=False).stop()
-    with pytest.raises(DDiLoCoError, match=r"was made with algo\.sync_every = 4, but this command has algo\.sync_every"
-                       r" = 8; only runtime\.\* and run\.threads may change on a run"):  # fmt: skip
+    refusal = (
+        r"was made with algo\.sync_every = 4, but this command has algo\.sync_every = 8; only runtime\.\*, "
+        r"run\.threads and a larger run\.num_learners may change on a run"
+    )
+    with pytest.raises(DDiLoCoError, match=refusal):
         ddiloco.SyncerServer(
             Net(), "inproc://b", d, config=cfg("algo.sync_every=8"), transport=net.syncer("inproc://b")
         )
