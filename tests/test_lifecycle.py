@@ -158,7 +158,7 @@ def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(
                 p.kill()
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in procs}
     assert codes == dict.fromkeys(procs, 0), {n: logs[n][-1500:] for n, c in codes.items() if c}
-    assert "the run ended" in logs["learner-0"] and "final sync done" in logs["syncer"]
+    assert "the syncer ended the run" in logs["learner-0"] and "final sync done" in logs["syncer"]
     runlog = lines(run_dir / "metrics" / "run.jsonl")
     assert [r["what"] for r in runlog] == ["start", "end"] and "(run.processed_tokens)" in runlog[-1]["reason"]
     summary = json.loads((run_dir / "summary.json").read_text())

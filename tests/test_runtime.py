@@ -48,6 +48,9 @@ SETTINGS = [
     "--set",
     "runtime.duration_s=900",  # a safety cap, past the module; a run meant to end sets run.processed_tokens (work)
 ]
+# The shared cluster's fleet: learners 0 and 1, and room for id 2 (the torchrun group). Every
+# process that talks to it claims these settings (a learner's must be the run's).
+CLUSTER = [*SETTINGS, "--set", "run.num_learners=3"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -70,7 +73,7 @@ class Cluster:
         log = self.run_dir / f"{name}.log"
         self.logs[name] = log
         p = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.cli", *args, *SETTINGS],
+            [sys.executable, "-m", "ddiloco.cli", *args, *CLUSTER],
             stdout=open(log, "ab"),
             stderr=subprocess.STDOUT,
             env=ENV,
@@ -265,12 +268,12 @@ def test_mismatched_model_is_refused_naming_the_first_tensor(cluster):
             "--syncer",
             cluster.addr,
             "--id",
-            "1",  # an id of the run's (0..1): another is refused before its model is looked at
+            "1",  # an id of the run's (0..2): another is refused before its model is looked at
             "--run-dir",
             str(cluster.run_dir / "mismatched"),  # the run's own folder refuses a different config at once
             "--device",
             "cpu",
-            *SETTINGS,
+            *CLUSTER,
             "--set",
             "workload.options={hidden = 32}",
         ],
@@ -327,7 +330,7 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
             str(cluster.run_dir),
             "--device",
             "cpu",
-            *SETTINGS,
+            *CLUSTER,
         ],
         stdout=open(log, "ab"),
         stderr=subprocess.STDOUT,
