@@ -607,6 +607,7 @@ def attacker_main(args) -> int:
     seq, epoch, registered_at, heard = 0, None, 0.0, 0.0
     last_filler: dict[int, list] = {}
     turn = 0
+    rotation = {"general": 0, "buffer": 0}  # each fragment's attacks go round their own list
     t_start = time.monotonic()
 
     def record(kind: str, **kw) -> None:
@@ -637,16 +638,22 @@ def attacker_main(args) -> int:
         steps = H
         step = int((time.monotonic() - t_start) / 0.05)
         attacking = time.time() >= args.attack_from
-        kind = "filler" if not attacking or turn % 2 == 0 else ATTACKS[(turn // 2) % len(ATTACKS)]
+        # A fragment that holds buffers gets the hostile-buffer attacks that fit it; the others
+        # the rest: every kind comes round within a short run, whatever the machine's speed.
+        names = [pc.name for pc in layout.fragments.fragments[p]]
+        fitting = [k for k, suffix in BUFFER_ATTACKS.items() if any(n.endswith(suffix) for n in names)]
+        general = [k for k in ATTACKS if k not in BUFFER_ATTACKS]
+        kinds, which = (fitting, "buffer") if fitting else (general, "general")
+        kind = "filler"
+        if attacking and turn % 2 == 1:
+            kind = kinds[rotation[which] % len(kinds)]
+            rotation[which] += 1
         turn += 1
         if kind == "replay" and p not in last_filler:
             kind = "filler"
         if kind == "norm_100x" and norm_of_honest(p) == 0.0:
             kind = "filler"  # "100x the honest norm" needs an honest norm of this fragment to scale
-        names = [pc.name for pc in layout.fragments.fragments[p]]
         target = next((i for i, n in enumerate(names) if n.endswith(BUFFER_ATTACKS.get(kind, "\0"))), None)
-        if kind in BUFFER_ATTACKS and target is None:
-            kind = "nan"  # this fragment holds no such buffer: a plain NaN instead
         if kind == "replay":
             frames, ident = last_filler[p]
             sock.send_multipart(frames)
