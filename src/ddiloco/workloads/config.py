@@ -94,6 +94,22 @@ def require_ints(cfg: WorkloadConfig, names: tuple[str, ...], minimum: int = 1) 
             raise ConfigError(f"workload.{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_known_options(options: dict[str, object], known: list[str], workload: str) -> None:
+    """Raise ``ConfigError`` when ``options`` has a key outside ``known`` (a built-in workload's
+    options), naming the unknown keys and the allowed ones."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ConfigError(f"workload.options {unknown} unknown to the {workload} workload; allowed: {sorted(known)}")
+
+
+def check_shard(shard: int, num_shards: int, seed: int) -> None:
+    """Raise ``ConfigError`` for a shard index outside ``0 .. num_shards - 1`` or a negative data seed."""
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
+    if seed < 0:
+        raise ConfigError(f"data seed must be >= 0, got {seed}")
+
+
 def _split_factory(spec: str) -> tuple[str, str]:
     """Split ``"package.module:callable"`` into its module and attribute path."""
     module, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")

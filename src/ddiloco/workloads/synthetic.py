@@ -22,7 +22,7 @@ from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch
-from ddiloco.workloads.config import WorkloadConfig, require_ints
+from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
 
 _EVAL_KEY = (0, 0, 0)  # num_shards = 0: a key prefix that no training stream uses
 _EVAL_CHUNK = 32  # examples per eval batch, whatever batch_size is
@@ -49,12 +49,7 @@ class SyntheticOptions:
     @classmethod
     def from_dict(cls, options: dict[str, object]) -> SyntheticOptions:
         """Parse ``workload.options``, rejecting unknown keys and bad values."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(
-                f"workload.options {unknown} unknown to the synthetic workload; " f"allowed: {sorted(known)}"
-            )
+        check_known_options(options, list(cls.__dataclass_fields__), "synthetic")
         opts = cls(**options)  # type: ignore[arg-type]
         for name in ("d_in", "hidden", "d_out"):
             value = getattr(opts, name)
@@ -160,10 +155,7 @@ class SyntheticWorkload:
 
     def train_stream(self, shard: int, num_shards: int, seed: int) -> SyntheticStream:
         """Shard ``shard``'s infinite stream, distinct for every (seed, num_shards, shard)."""
-        if num_shards < 1 or not 0 <= shard < num_shards:
-            raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
-        if seed < 0:
-            raise ConfigError(f"data seed must be >= 0, got {seed}")
+        check_shard(shard, num_shards, seed)
         return SyntheticStream(self, (seed, num_shards, shard))
 
     def eval_batches(self) -> list[Batch]:

@@ -31,7 +31,7 @@ from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch
-from ddiloco.workloads.config import WorkloadConfig, require_ints
+from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
 from ddiloco.workloads.gpt import build_gpt, gpt_config, lm_loss
 from ddiloco.workloads.text_split import (
     EVAL_CHUNK,
@@ -76,10 +76,7 @@ class TextOptions:
     @classmethod
     def from_dict(cls, options: dict[str, object]) -> TextOptions:
         """Parse ``workload.options``, rejecting unknown keys and inconsistent sources."""
-        known = sorted(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ConfigError(f"workload.options {unknown} unknown to the text workload; allowed: {known}")
+        check_known_options(options, list(cls.__dataclass_fields__), "text")
         for key, value in options.items():
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"workload.options.{key} must be a non-empty string, got {value!r}")
@@ -267,10 +264,7 @@ class TextWorkload:
 
     def train_stream(self, shard: int, num_shards: int, seed: int) -> ShardStream:
         """Learner ``shard``'s stream over its blocks, ordered by ``seed``."""
-        if num_shards < 1 or not 0 <= shard < num_shards:
-            raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
-        if seed < 0:
-            raise ConfigError(f"data seed must be >= 0, got {seed}")
+        check_shard(shard, num_shards, seed)
         n, b = len(self.corpus.data), self.block_bytes
         _, shards = split_blocks(n, b, self.cfg.eval_every, num_shards)
         index = WindowIndex(shards[shard], b, n, self._window)

@@ -47,7 +47,7 @@ from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch
-from ddiloco.workloads.config import WorkloadConfig, require_ints
+from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,7 @@ class VisionOptions:
     @classmethod
     def from_dict(cls, options: dict[str, object]) -> VisionOptions:
         """Parse ``workload.options``, rejecting unknown keys and bad values."""
-        known = sorted(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ConfigError(f"workload.options {unknown} unknown to the vision workload; allowed: {known}")
+        check_known_options(options, list(cls.__dataclass_fields__), "vision")
         opts = cls(**options)  # type: ignore[arg-type]
         if not isinstance(opts.path, str) or not opts.path.strip():
             raise ConfigError(f"workload.options.path must be a non-empty string, got {opts.path!r}")
@@ -323,10 +320,7 @@ class VisionWorkload:
 
     def train_stream(self, shard: int, num_shards: int, seed: int) -> ExampleStream:
         """Learner ``shard``'s stream over its examples, ordered by ``seed``."""
-        if num_shards < 1 or not 0 <= shard < num_shards:
-            raise ConfigError(f"shard {shard} is out of range for {num_shards} shards; use 0 <= shard < num_shards")
-        if seed < 0:
-            raise ConfigError(f"data seed must be >= 0, got {seed}")
+        check_shard(shard, num_shards, seed)
         n = len(self.data.train_labels)
         if num_shards > n:
             raise ConfigError(f"{num_shards} shards leave shard {shard} no training images (there are {n})")
