@@ -65,6 +65,7 @@ from ddiloco.protocol.messages import (
     RunSettings,
     SyncerHeartbeat,
 )
+from ddiloco.protocol.traffic import payload_nbytes
 
 EndStage = Literal["stop", "done"]
 PEER_STATE_BURST = 2.0
@@ -170,8 +171,6 @@ class ShardLink:
     connection): the next acceptance is a rejoin."""
 
 
-def _nbytes(values: Sequence[torch.Tensor]) -> int:
-    return sum(v.numel() * v.element_size() for v in values)
 
 
 class LearnerSession:
@@ -530,7 +529,7 @@ class LearnerSession:
 
     def _sent(self, c: Contribution) -> Send:
         self.core.sent(c)
-        self.bytes_sent += _nbytes(c.values)
+        self.bytes_sent += payload_nbytes(c)  # what goes on the wire: the encoded payload when there is one
         return Send(self.shard_of(c.fragment), c)
 
     # -- messages ----------------------------------------------------------------------------
