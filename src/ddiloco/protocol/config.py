@@ -90,6 +90,13 @@ class RuntimeConfig:
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to
     this many MiB per start, so an incident can be replayed through the same session
     (``ddiloco.service.recorder.replay``); 0: off."""
+    send_queue_mb: float = 512.0
+    """What the syncer keeps waiting for one learner's link, in MiB (ZeroMQ itself holds only a
+    few messages per peer): a newer version of a fragment replaces a waiting older one, and
+    past this bound the oldest merged versions are dropped (counted as ``send_dropped``; the
+    learner re-syncs: an answer built on an old version gets the current one back). A join's
+    fragments, requests and the run's end are never dropped. The default holds a few
+    fragments of a 1B-parameter fp32 model (4 GB in 24 fragments: 167 MB each)."""
     max_rejections_logged_per_s: float = 5.0
     """Refusals per learner and reason written to the tape per second (bursts of 20); more are
     only counted (`rejections_unlogged` in the status)."""

@@ -20,7 +20,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,13 @@ from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core import robust
+from ddiloco.core.messages import FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
-from ddiloco.protocol.messages import Register, SettingsRequest
+from ddiloco.protocol.messages import Register, SettingsRequest, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
 from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
@@ -55,6 +56,31 @@ from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
 
 log = logging.getLogger(__name__)
+
+
+SEND_PUMP_S = 0.01
+"""How often the loop hands queued messages on to a slow link while some wait (ZeroMQ's ROUTER
+has no per-peer writable event to wait for)."""
+
+
+def queue_rule(msg: Any) -> tuple[Hashable | None, bool]:
+    """How ``msg`` waits in its peer's send queue (``transport.SendQueue``): the key a newer
+    message replaces it by, and whether it may be dropped when the link falls behind.
+
+    A merged version of fragment p is droppable: the learner re-syncs (it answers from the
+    version it holds; an answer built on a version the syncer no longer keeps gets the current
+    one back, a rebase). Its full values are replaced by a newer version's (a delta is not: it
+    chains on the version before it). A join's or a rebase's version is the re-sync itself:
+    replaceable by a newer one, never dropped. A newer request for p supersedes the older one
+    (one round per fragment at a time), and only the newest heartbeat matters."""
+    if isinstance(msg, FragmentUpdate):
+        key = ("update", msg.fragment) if msg.kind == "values" else None
+        return key, msg.reason == "merged"
+    if isinstance(msg, FragmentRequest):
+        return ("request", msg.fragment), False
+    if isinstance(msg, SyncerHeartbeat):
+        return ("heartbeat",), False
+    return None, False
 
 
 def budget_of(cfg: Config) -> Budget:
@@ -180,7 +206,7 @@ class SyncerService:
         except (ValueError, TypeError) as e:  # a message out of its bounds is our bug: say it, drop it
             log.error("not sending %s to %r: %s", type(msg).__name__, identity, e)
             return
-        self.sock.send(identity, frames)
+        self.sock.send(identity, frames, *queue_rule(msg))
 
     def _emit(self, out: SyncerOutput) -> None:
         """Do what the session asked, in its order: durable first, then the tape, the final
@@ -297,6 +323,8 @@ class SyncerService:
             # Sleep until a message, the session's next deadline or the next chore: no idle spinning.
             wake_at = min(self.session.next_deadline(now), self._next_chore(rt))
             wait = min(max(0.0, wake_at - now), 0.25)  # 0.25 s: stop() is seen soon enough
+            if self.sock.pump():
+                wait = min(wait, SEND_PUMP_S)  # bytes wait for a slow link: hand them on as it drains
             for identity, frames, key in self.sock.recv(wait, limit=1000):  # bounded so chores still run
                 self.handle(identity, frames, key)
             now = self.clock.monotonic()
@@ -371,6 +399,7 @@ class SyncerService:
             "cpu_s": time.process_time(),
             "wall_s": now - self._started,
             **self.counts,
+            **getattr(self.sock, "counts", {}),  # the send queues' drops (ZeroMQ)
             "run_end": self.session.end_stage,
             "end_reason": self.session.end_reason,
             **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age()),
@@ -491,7 +520,7 @@ def open_syncer(
     if transport is None:
         largest = max(t.numel() for t in synced_tensors(model).values())  # a buffer is a frame too
         try:
-            zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys)
+            zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys, int(cfg.runtime.send_queue_mb * (1 << 20)))
         except zmq.ZMQError as e:
             raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another)") from None
         address = bytes(zsock.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()

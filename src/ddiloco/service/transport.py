@@ -14,6 +14,8 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -23,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ddiloco.service.keys import ClientKeys, ServerKeys
 
+log = logging.getLogger(__name__)
 Frames = list[Any]
 """A multipart message: bytes-like frames (``zmq.Frame`` objects from ZeroMQ)."""
 HandshakeFailure = Literal["mechanism", "auth", "curve"]
@@ -30,6 +33,10 @@ HandshakeFailure = Literal["mechanism", "auth", "curve"]
 "mechanism": one side uses CURVE keys and the other none (ZMTP mechanism mismatch); "auth": the
 syncer does not admit this client's key (ZAP status 400); "curve": the CURVE handshake keeps
 failing without detail (the client's copy of the syncer's public key is not the syncer's)."""
+ROUTER_HWM = 4
+"""Messages ZeroMQ itself holds per peer at the syncer (its ``SNDHWM``): few, so that what waits
+for a slow link waits in our ``SendQueue``, bounded in bytes, where a newer version can replace
+it, and not in ZeroMQ's pipe, bounded only in messages (1,000 fragments of a GPT were 146 MB)."""
 NO_DETAIL_RUN = 5
 """Handshakes in a row that a keyed client sees fail without detail before it calls its copy of
 the syncer's key wrong: a mechanism mismatch may also end a few attempts early (the server hangs
@@ -62,8 +69,15 @@ class SyncerSocket(Protocol):
         """Up to ``limit`` messages, waiting at most ``timeout_s``."""
         ...
 
-    def send(self, identity: bytes, frames: Frames) -> bool:
-        """Queue a message for ``identity`` without blocking; False when it cannot be queued."""
+    def send(self, identity: bytes, frames: Frames, key: Hashable | None = None, droppable: bool = False) -> bool:
+        """Queue a message for ``identity`` without blocking; False when it was dropped. ``key``:
+        a queued, unsent message of ``identity`` with the same key is replaced by this one (a
+        newer version of the same thing); ``droppable``: it may be dropped when the peer's queue
+        is over its bytes (see ``SendQueue``)."""
+        ...
+
+    def pump(self) -> bool:
+        """Move queued messages on to the network until it would block; True while some wait."""
         ...
 
     def close(self) -> None: ...
@@ -97,18 +111,112 @@ class LearnerSocket(Protocol):
     def close(self, linger_s: float = 0.0) -> None: ...
 
 
+# -- the syncer's send queue -----------------------------------------------------------------
+
+
+def frames_bytes(frames: Frames) -> int:
+    """The bytes of a multipart message (its frames' buffers)."""
+    return sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
+
+
+@dataclass
+class _Queued:
+    frames: Frames
+    nbytes: int
+    droppable: bool
+
+
+class SendQueue:
+    """One peer's messages waiting for its link, oldest first, bounded in bytes.
+
+    A message put with a ``key`` replaces a waiting one with the same key, in its place: a newer
+    version of fragment p goes out where the older one would have (what the learner needs, no
+    later than before), and the replaced one is never sent. The pair keeps the stricter of the
+    two ``droppable`` flags (a join's fragment stays undroppable when a merged version replaces it).
+
+    When the waiting bytes exceed ``max_bytes``, the oldest droppable messages are dropped (the
+    new one included) until they fit. Messages that are not droppable are kept over the bound:
+    the service keys the kinds that repeat (one request per fragment, one heartbeat), so they
+    stay few, and a join's fragments are one model at most. Not thread-safe: one syncer thread
+    owns it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        """Bytes waiting."""
+        self.dropped = 0
+        """Messages dropped to fit the bound."""
+        self.dropped_bytes = 0
+        """Their bytes."""
+        self.replaced = 0
+        """Messages replaced, unsent, by a newer one with their key."""
+        self._items: OrderedDict[Hashable, _Queued] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, frames: Frames, key: Hashable | None = None, droppable: bool = False) -> bool:
+        """Queue ``frames``; False when it was dropped at once (it did not fit)."""
+        item = _Queued(frames, frames_bytes(frames), droppable)
+        old = self._items.get(key) if key is not None else None
+        if old is not None:
+            item.droppable = old.droppable and droppable
+            self._items[key] = item  # an OrderedDict keeps the key's place
+            self.nbytes += item.nbytes - old.nbytes
+            self.replaced += 1
+        else:
+            key = key if key is not None else object()  # unkeyed: a key nothing else has
+            self._items[key] = item
+            self.nbytes += item.nbytes
+        self._fit()
+        return self._items.get(key) is item
+
+    def first(self) -> Frames | None:
+        """The oldest waiting message (None: none)."""
+        return next(iter(self._items.values())).frames if self._items else None
+
+    def pop_first(self) -> None:
+        """It was handed to the network."""
+        _, item = self._items.popitem(last=False)
+        self.nbytes -= item.nbytes
+
+    def _fit(self) -> None:
+        while self.nbytes > self.max_bytes:
+            key = next((k for k, it in self._items.items() if it.droppable), None)
+            if key is None:
+                return  # only undroppable messages wait: kept (see the class docstring)
+            item = self._items.pop(key)
+            self.nbytes -= item.nbytes
+            self.dropped += 1
+            self.dropped_bytes += item.nbytes
+
+
 # -- ZeroMQ -----------------------------------------------------------------------------------
 
 
 class ZmqSyncerSocket:
     """A ROUTER socket bound to ``address``."""
 
-    def __init__(self, address: str, max_frame_bytes: int = -1, keys: ServerKeys | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_frame_bytes: int = -1,
+        keys: ServerKeys | None = None,
+        queue_bytes: int = 512 << 20,
+    ) -> None:
         """``max_frame_bytes`` > 0: a peer that sends a larger frame is disconnected by ZeroMQ
         before the frame is buffered (see ``wire.max_frame_bytes``). With ``keys``, CURVE
-        authenticates and encrypts every connection and admits only the allowed keys."""
+        authenticates and encrypts every connection and admits only the allowed keys.
+        ``queue_bytes``: each peer's ``SendQueue`` bound (``runtime.send_queue_mb``)."""
         self.auth = None
         self.keys = keys
+        self.queue_bytes = queue_bytes
+        self.queues: dict[bytes, SendQueue] = {}
+        """Per peer (connection), what waits for its link; a queue that empties is removed."""
+        self.counts = {"send_dropped": 0, "send_dropped_bytes": 0, "send_replaced": 0, "send_unroutable": 0}
+        """Messages dropped to fit a queue's bound (and their bytes), replaced unsent by a newer
+        version, and dropped because their peer's connection is gone."""
+        self._warned = False
         ctx = zmq.Context.instance()
         if keys is not None:
             # One ZAP handler per context: a context of its own, so several servers may coexist.
@@ -127,7 +235,11 @@ class ZmqSyncerSocket:
         # connection itself, so a peer (whatever its key) cannot take over another's route.
         # The session binds learner m to the connection whose key is m's and that registered.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        # Few messages in ZeroMQ's pipe per peer: the rest waits in our byte-bounded queue. With
+        # ROUTER_MANDATORY a full pipe says EAGAIN (kept, sent later) instead of dropping silently,
+        # and a peer whose connection is gone says EHOSTUNREACH (its queue is dropped).
+        self.sock.setsockopt(zmq.SNDHWM, ROUTER_HWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self.sock.bind(address)
         except zmq.ZMQError:
@@ -147,14 +259,59 @@ class ZmqSyncerSocket:
             out.append(Received(frames[0].bytes, frames[1:], key))
         return out
 
-    def send(self, identity: bytes, frames: Frames) -> bool:
-        try:
-            self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False  # the peer's queue is full (it is gone or stuck): liveness will drop it
+    def send(self, identity: bytes, frames: Frames, key: Hashable | None = None, droppable: bool = False) -> bool:
+        q = self.queues.get(identity)
+        if q is None:
+            q = self.queues[identity] = SendQueue(self.queue_bytes)
+        before = (q.dropped, q.dropped_bytes, q.replaced)
+        kept = q.put(frames, key, droppable)
+        self._count(q, before, identity)
+        self._pump_one(identity, q)  # at once when the link keeps up: no added latency
+        return kept
+
+    def _count(self, q: SendQueue, before: tuple[int, int, int], identity: bytes) -> None:
+        dropped = q.dropped - before[0]
+        self.counts["send_dropped"] += dropped
+        self.counts["send_dropped_bytes"] += q.dropped_bytes - before[1]
+        self.counts["send_replaced"] += q.replaced - before[2]
+        if dropped and not self._warned:
+            self._warned = True
+            log.warning(
+                "the link to %r is slower than what the syncer sends it: %d B waiting, over runtime.send_queue_mb; "
+                "dropping its oldest merged versions (it re-syncs; further drops are counted in the status)",
+                identity, q.nbytes,
+            )  # fmt: skip
+
+    def _pump_one(self, identity: bytes, q: SendQueue) -> None:
+        while True:
+            frames = q.first()
+            if frames is None:
+                del self.queues[identity]
+                return
+            try:
+                self.sock.send_multipart([identity, *frames], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return  # its pipe is full: the rest waits here (replaceable) for the next pump
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                # The connection is gone (the peer reconnects as a new one): nothing here reaches it.
+                self.counts["send_unroutable"] += len(q)
+                del self.queues[identity]
+                return
+            q.pop_first()
+
+    def pump(self) -> bool:
+        for identity, q in list(self.queues.items()):
+            self._pump_one(identity, q)
+        return bool(self.queues)
+
+    def queued_bytes(self) -> int:
+        """Bytes waiting in every peer's queue."""
+        return sum(q.nbytes for q in self.queues.values())
 
     def close(self) -> None:
+        self.queues.clear()
         self.sock.close(0)
         if self.auth is not None:
             self.auth.stop()
@@ -455,13 +612,18 @@ class _HubSyncer:
     def recv(self, timeout_s: float, limit: int) -> list[Received]:
         return self.net._take(self.inbox, timeout_s, limit)
 
-    def send(self, identity: bytes, frames: Frames) -> bool:
+    def send(self, identity: bytes, frames: Frames, key: Hashable | None = None, droppable: bool = False) -> bool:
+        # No bandwidth here: every message is taken at once, so nothing ever waits to be
+        # replaced or dropped (the send queue is ZeroMQ's only).
         with self.net.cv:
             entry = self.net._routes.get(identity)
             if entry is None or entry[0].inbox.closed or entry[0].addresses[entry[1]] != self.address:
                 return True  # like a ROUTER: a message to an unknown peer vanishes
             self.net._post(entry[0].inbox, (entry[1], _copy(frames)))
         return True
+
+    def pump(self) -> bool:
+        return False
 
     def close(self) -> None:
         with self.net.cv:
