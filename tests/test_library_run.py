@@ -165,6 +165,17 @@ def test_a_library_run_writes_the_run_folder_and_reports_like_a_cli_run(tmp_path
     assert s["ended_by"] == "run.processed_tokens" and s["tokens_processed"] >= BUDGET
     assert s["failures"] is None and s["lost_steps"] is None  # nothing watched the learners for failures
     assert not any("time budget" in w for w in s["warnings"])
+    # what crossed each learner's link, counted by the syncer (issue 20): steady and one-off, vs data-parallel
+    traffic = s["traffic"]
+    n_params = sum(p.numel() for p in Net().parameters())
+    assert traffic["params"] == n_params and traffic["learners"] == 2
+    assert traffic["dp_bytes_per_step"] == 2 * (2 - 1) / 2 * n_params * 4
+    for m in ("0", "1"):
+        row = traffic["by_learner"][m]
+        assert row["steps"] > 0 and row["up_bytes_per_step"] > 0 and row["down_bytes_per_step"] > 0
+        assert row["one_off_down_bytes"] > 0  # the join's fetch of every fragment, at least
+    assert traffic["dp_ratio_up"] > 0 and traffic["dp_ratio_down"] > 0
+    assert (d / "metrics" / "traffic.json").exists()
     table = io.StringIO()
     from rich.console import Console
 
@@ -176,6 +187,7 @@ def test_a_library_run_writes_the_run_folder_and_reports_like_a_cli_run(tmp_path
         assert run_status([str(d)], as_json=True) == 0
     view = json.loads(out.getvalue())
     assert view["learners_total"] == 2 and {ln["learner"] for ln in view["learners"]} == {0, 1}
+    assert view["traffic"]["up_bytes_per_step"] > 0 and all(ln["up_bytes_per_step"] > 0 for ln in view["learners"])
 
     run = load_run(d)
     assert run.num_learners == 2 and run.method == "decoupled"

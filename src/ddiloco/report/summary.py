@@ -22,6 +22,7 @@ from typing import Any
 from ddiloco.core.counters import IncarnationCounters
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
+from ddiloco.protocol.traffic import merge_traffic, traffic_figures
 from ddiloco.report.invariants import check_run
 from ddiloco.report.plotting import pyplot
 from ddiloco.report.result import summarise_tape
@@ -63,6 +64,16 @@ SUMMARY_ROWS = [
     ("run length (s, {clock} clock)", "run_time_s", "{:.1f}"),
 ]
 """The summary table: label, summary.json key, format (every term: ``TERMS_DOC``)."""
+
+TRAFFIC_ROWS = [
+    ("bytes / learner / step up (steady)", "up_bytes_per_step", "{:,.0f}"),
+    ("bytes / learner / step down (steady)", "down_bytes_per_step", "{:,.0f}"),
+    ("one-off bytes up / down", "one_off", ""),
+    ("data-parallel fp32 bytes / learner / step", "dp_bytes_per_step", "{:,.0f}"),
+    ("x fewer bytes than data-parallel up", "dp_ratio_up", "{:,.1f}"),
+    ("x fewer bytes than data-parallel down", "dp_ratio_down", "{:,.1f}"),
+]
+"""The traffic rows of the summary table (summary.json's ``traffic``; ``protocol/traffic.py``)."""
 
 UNWATCHED = ("failures", "lost_steps")
 """Figures only a watcher of the learners' processes knows (a launcher, the simulator): null in
@@ -194,9 +205,18 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         **stats,
         # What the tape alone can vouch for (every driver keeps these; report/invariants.py).
         "invariant_violations": [f"{v.kind}: {v.detail}" for v in check_run(tape)],
+        "traffic": run_traffic(d),
     }
     summary["warnings"] = warnings_for(summary, _finite(rt_cfg.get("duration_s")))
     return summary
+
+
+def run_traffic(run_dir: str | Path) -> dict[str, Any] | None:
+    """What crossed the learners' links (``protocol.traffic.traffic_figures``), from
+    metrics/traffic*.json (one per syncer shard, or the simulator's); None when there is none."""
+    parts = [read_json(p) for p in sorted((Path(run_dir) / "metrics").glob("traffic*.json"))]
+    parts = [p for p in parts if p]
+    return traffic_figures(merge_traffic(parts)) if parts else None
 
 
 def fleet_size(config: dict[str, Any], accounting: dict[str, Any], learners: list[dict[str, Any]]) -> int:
@@ -390,6 +410,15 @@ def summary_table(summary: dict[str, Any], title: str) -> Any:
         if key == "eval_loss":  # an evaluation hook's other metrics (accuracy ...) right under its loss
             for name, v in (summary.get("eval_metrics") or {}).items():
                 table.add_row(f"  eval {name}", f"{v:.4g}")
+    traffic = summary.get("traffic")
+    if isinstance(traffic, dict):
+        for label, key, fmt in TRAFFIC_ROWS:
+            if key == "one_off":
+                text = f"{_num(traffic.get('one_off_up_bytes')):,.0f} / {_num(traffic.get('one_off_down_bytes')):,.0f}"
+            else:
+                value = traffic.get(key)
+                text = fmt.format(value) if isinstance(value, (int, float)) else "n/a"
+            table.add_row(label, text)
     table.caption = f"every term: {TERMS_DOC}"
     return table
 

@@ -18,6 +18,7 @@ from ddiloco.core.syncer import SyncerView
 from ddiloco.protocol.fleet import Progress
 from ddiloco.protocol.messages import StatusReply
 from ddiloco.protocol.syncer_session import SyncerSession
+from ddiloco.protocol.traffic import traffic_figures
 from ddiloco.service.wire import encode
 
 log = logging.getLogger(__name__)
@@ -40,15 +41,20 @@ def _behind(view: SyncerView, held: tuple[tuple[int, int], ...]) -> int | None:
 
 
 def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: float,
-                 max_listed: int = MAX_LISTED) -> dict[str, Any]:  # fmt: skip
+                 max_listed: int = MAX_LISTED, traffic: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The shard's fleet view at session time ``now`` (JSON values only, bounded by ``max_listed``).
 
     ``learners``: per learner id (lowest ids first) its state, the progress its heartbeats
     report, its pace (steps/s, from the step-time EMA), the age of its last accepted
     contribution and how many versions of this shard's fragments it lacks. ``fragments``: per
     owned fragment its version, the age of that version, how many learners its last merge
-    took (with a positive weight) and that round's grace window."""
+    took (with a positive weight) and that round's grace window. ``traffic``: the shard's
+    traffic meter (``TrafficMeter.to_dict``): each learner gets its steady-state bytes per inner
+    step up and down on this shard's link, and ``traffic`` the fleet's with the ratio to
+    data-parallel's fp32 ring all-reduce (``protocol.traffic.traffic_figures``)."""
     view = session.view(now, max_listed)
+    figures = traffic_figures(traffic) if traffic is not None else None
+    per_learner = figures.pop("by_learner") if figures is not None else {}
     learners = []
     for lv in view.learners:
         pr = session.fleet.progress.get(lv.learner) or Progress(lv.incarnation)
@@ -66,6 +72,8 @@ def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: 
                 "heard_age_s": _age(now, lv.last_heard),
                 "contribution_age_s": _age(now, lv.last_contribution_at),
                 "behind": _behind(view, lv.held),
+                "up_bytes_per_step": per_learner.get(str(lv.learner), {}).get("up_bytes_per_step"),
+                "down_bytes_per_step": per_learner.get(str(lv.learner), {}).get("down_bytes_per_step"),
             }
         )
     fragments = [
@@ -92,6 +100,7 @@ def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: 
         "fragments_total": len(session.core.owned),
         "learners": learners,
         "fragments": fragments,
+        **({"traffic": figures} if figures is not None else {}),
     }
 
 

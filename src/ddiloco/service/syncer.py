@@ -37,6 +37,7 @@ from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.messages import Register, SettingsRequest, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
+from ddiloco.protocol.traffic import Direction, TrafficMeter
 from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
@@ -184,6 +185,10 @@ class SyncerService:
             self._run_event("resume" if self.restored else "start", "")
         self._learner_metrics = LearnerMetrics(self.run_dir / "metrics" / "learners.jsonl")
         self._last_metrics = start
+        # Every frame byte of every learner's link, by kind (metrics/traffic*.json, ddiloco status).
+        self.traffic = TrafficMeter()
+        self._traffic_params = sum(t.numel() for t in params.values())  # N, for the data-parallel baseline
+        self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
 
     @property
     def core(self) -> Syncer:
@@ -206,6 +211,7 @@ class SyncerService:
         except (ValueError, TypeError) as e:  # a message out of its bounds is our bug: say it, drop it
             log.error("not sending %s to %r: %s", type(msg).__name__, identity, e)
             return
+        self._count_traffic("down", identity, msg, frames)
         self.sock.send(identity, frames, *queue_rule(msg))
 
     def _emit(self, out: SyncerOutput) -> None:
@@ -272,6 +278,7 @@ class SyncerService:
             msg = decode(frames)
         except WireError as e:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
+            self._count_traffic("up", identity, None, frames)
             return
         now = self.clock.monotonic()
         if isinstance(msg, (Register, SettingsRequest)) and not self._join_rate.allow(who, now):
@@ -283,6 +290,21 @@ class SyncerService:
             principal = None if peer is None else Principal(peer.role, peer.learner)
         self.recorder.receive(now, identity, principal, frames)
         self._emit(self.session.receive(identity, msg, now, principal))
+        self._count_traffic("up", identity, msg, frames)  # after: a Register binds its connection
+
+    def _count_traffic(self, direction: Direction, identity: bytes, msg: Any, frames: Any) -> None:
+        """Count one message's frames on ``identity``'s link, for the learner bound to it (none:
+        unattributed). Once the run's end is announced, the algorithm's messages are its final sync."""
+        learner = self._peers.get(identity)
+        if learner is None or self.session.identities.get(learner) != identity:
+            self._peers = {peer: m for m, peer in self.session.identities.items()}  # rebuilt on a miss only
+            learner = self._peers.get(identity)
+        nbytes = sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
+        self.traffic.count(msg, nbytes, direction, learner, final=self.session.end_stage is not None)
+
+    def traffic_dict(self) -> dict[str, Any]:
+        """This shard's traffic meter as JSON (metrics/traffic.json; ``protocol.traffic``)."""
+        return self.traffic.to_dict(params=self._traffic_params, learners=self.cfg.run.num_learners)
 
     def _count_bad(self, kind: str, text: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
@@ -402,11 +424,13 @@ class SyncerService:
             **getattr(self.sock, "counts", {}),  # the send queues' drops (ZeroMQ)
             "run_end": self.session.end_stage,
             "end_reason": self.session.end_reason,
-            **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age()),
+            **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age(), traffic=self.traffic_dict()),
         }
 
     def write_status(self) -> None:
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
+        name = "traffic.json" if self.num_shards == 1 else f"traffic-shard-{self.shard}.json"
+        write_status(self.run_dir / "metrics" / name, self.traffic_dict())  # the summary adds the shards up
 
     def write_learner_metrics(self) -> None:
         """Append one record per learner to metrics/learners.jsonl (shard 0 only: every shard
