@@ -132,6 +132,37 @@ def test_a_reply_too_large_for_the_wire_is_trimmed_and_merged_views_add_up():
     assert [f["fragment"] for f in both["fragments"]] == [0, 1]
 
 
+def test_the_status_shows_each_learners_traffic_per_step_and_the_shards_add_up():
+    from rich.console import Console
+
+    from ddiloco.protocol.traffic import TrafficMeter
+    from ddiloco.service.status_cmd import render
+
+    layout = balanced_layout([TensorSpec("w", (4,)), TensorSpec("b", (4,))], 2)
+    core = Syncer(DiLoCoConfig(), layout, {"w": torch.zeros(4), "b": torch.zeros(4)}, [False, False])
+    params = [["w", [4]], ["b", [4]]]
+    session = SyncerSession(core, RuntimeConfig(), Budget(), Registration(params, layout.digest()), 0.0)
+    session.receive(0, Register(0, 1, params, layout.digest()), 0.0)
+    meter = TrafficMeter()
+    meter.add(0, "up", "contribution", 400)
+    meter.add(0, "down", "version", 200)
+    meter.add(0, "down", "rejoin", 32)
+    meter.observe_steps(0, 1, 10)
+    view = fleet_status(session, 1.0, shard=0, run_time_s=1.0, traffic=meter.to_dict(params=8, learners=2))
+    assert view["learners"][0]["up_bytes_per_step"] == 40 and view["learners"][0]["down_bytes_per_step"] == 20
+    t = view["traffic"]
+    assert t["up_bytes_per_step"] == 40 and t["one_off_down_bytes"] == 32 and t["dp_bytes_per_step"] == 32
+    assert t["dp_ratio_up"] == 32 / 40 and "by_learner" not in t
+    both = merge_views([view, {**view, "shard": 1}])  # a second shard's link carries as much again
+    assert both["learners"][0]["up_bytes_per_step"] == 80 and both["traffic"]["up_bytes_per_step"] == 80
+    assert both["traffic"]["dp_ratio_up"] == 32 / 80 and both["traffic"]["one_off_down_bytes"] == 64
+    out = Console(width=200, record=True)
+    out.print(render(both, "(test)"))
+    text = out.export_text()
+    assert "traffic per learner per inner step (steady state): up 80 B, down 40 B" in text
+    assert "data-parallel fp32 32 B/step: 0.4x fewer / 0.8x fewer" in text
+
+
 def test_status_of_a_live_fleet_then_of_its_run_folder(tmp_path, capsys):
     torch.set_num_threads(1)
     torch.manual_seed(0)

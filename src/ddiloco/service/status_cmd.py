@@ -63,6 +63,9 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
             if entry.get("loss") is not None and (cur.get("loss") is None or _fresher(entry, cur)):
                 cur["loss"] = entry["loss"]
             cur["behind"] = _pick(lambda a, b: a + b, cur.get("behind"), entry.get("behind"))
+            for k in ("up_bytes_per_step", "down_bytes_per_step"):  # each shard sees its own link's bytes
+                if k in cur or k in entry:
+                    cur[k] = _pick(lambda a, b: a + b, cur.get(k), entry.get(k))
     n_frag = [max(1, v.get("fragments_total", 1)) for v in views]
     return {
         "shards": sorted(v.get("shard", 0) for v in views),
@@ -75,7 +78,25 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         "fragments_total": sum(v.get("fragments_total", 0) for v in views),
         "learners": [learners[m] for m in sorted(learners)],
         "fragments": sorted((f for v in views for f in v.get("fragments", [])), key=lambda f: f["fragment"]),
+        **_merged_traffic([v["traffic"] for v in views if isinstance(v.get("traffic"), dict)]),
     }
+
+
+def _merged_traffic(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' traffic figures as one: bytes per learner per step and one-off bytes add up
+    over the shards' links, the data-parallel baseline is the run's, the ratios follow."""
+    if not parts:
+        return {}
+    out: dict[str, Any] = {}
+    for k in ("up_bytes_per_step", "down_bytes_per_step", "one_off_up_bytes", "one_off_down_bytes"):
+        values = [p[k] for p in parts if isinstance(p.get(k), (int, float))]
+        out[k] = sum(values) if values else None
+    for k in ("params", "learners", "dp_bytes_per_step", "steps"):
+        out[k] = max((p[k] for p in parts if p.get(k) is not None), default=None)
+    for d in ("up", "down"):
+        mine, dp = out[f"{d}_bytes_per_step"], out["dp_bytes_per_step"]
+        out[f"dp_ratio_{d}"] = dp / mine if dp is not None and mine else None
+    return {"traffic": out}
 
 
 def _pick(fn: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
@@ -120,8 +141,8 @@ def render(view: dict[str, Any], source: str) -> Any:
         f"{view.get('merged_tokens', 0):,.0f} - run time {view.get('run_time_s', 0):,.0f} s",
         caption=f"terms: {TERMS}" + (f" ({len(learners)} of {total} listed)" if len(learners) < total else ""),
     )
-    for col in ("learner", "state", "step", "tokens", "steps/s", "loss", "busy", "sent", "last contribution",
-                "behind"):  # fmt: skip
+    for col in ("learner", "state", "step", "tokens", "steps/s", "loss", "busy", "sent", "up/step", "down/step",
+                "last contribution", "behind"):  # fmt: skip
         lt.add_column(col, justify="left" if col == "state" else "right")
     for ln in learners:
         lt.add_row(
@@ -133,6 +154,8 @@ def render(view: dict[str, Any], source: str) -> Any:
             _opt(ln.get("loss"), "{:.4f}"),
             f"{ln.get('busy_s', 0.0):,.0f} s",
             _bytes(ln.get("bytes_sent", 0)),
+            _opt_bytes(ln.get("up_bytes_per_step")),
+            _opt_bytes(ln.get("down_bytes_per_step")),
             _age(ln.get("contribution_age_s")),
             _opt(ln.get("behind"), "{}"),
         )
@@ -151,7 +174,30 @@ def render(view: dict[str, Any], source: str) -> Any:
             f"{f.get('grace_s', 0.0):.2f} s",
             f"{f.get('tokens_merged', 0):,}",
         )
-    return Group(lt, ft, source)
+    return Group(lt, ft, traffic_line(view.get("traffic")), source)
+
+
+def _opt_bytes(n: float | None) -> str:
+    return "-" if n is None else _bytes(n)
+
+
+def traffic_line(traffic: dict[str, Any] | None) -> str:
+    """The link's traffic in one line: steady bytes per learner per inner step, up and down, and
+    how many times fewer than data-parallel's fp32 ring all-reduce; one-off bytes beside."""
+    if not traffic:
+        return "traffic: not counted yet"
+    ratios = [traffic.get("dp_ratio_up"), traffic.get("dp_ratio_down")]
+    versus = (
+        f"; data-parallel fp32 {_bytes(traffic['dp_bytes_per_step'])}/step: "
+        + " / ".join("-" if r is None else f"{r:,.1f}x fewer" for r in ratios)
+        if traffic.get("dp_bytes_per_step")
+        else ""
+    )
+    return (
+        f"traffic per learner per inner step (steady state): up {_opt_bytes(traffic.get('up_bytes_per_step'))}, "
+        f"down {_opt_bytes(traffic.get('down_bytes_per_step'))}{versus}; one-off up "
+        f"{_opt_bytes(traffic.get('one_off_up_bytes'))}, down {_opt_bytes(traffic.get('one_off_down_bytes'))}"
+    )
 
 
 def _clock(wall: float) -> str:
