@@ -24,8 +24,11 @@ class RuntimeConfig:
     backoff_max_s: float = 5.0
     """Upper bound of that delay."""
     join_timeout_s: float = 10.0
-    """How long a starting learner waits for the global state before training from its own
-    initialisation (the fleet keeps going; its first answers will be rebased)."""
+    """How long a starting learner waits for the global state without progress: the wait ends
+    this long after the last sign of it (its start, the syncer accepting it, a fragment of the
+    state arriving), so a join over a thin link takes as long as its fragments keep coming. Then
+    it trains from what it has (the fleet keeps going; answers built on what it lacks are
+    rebased). A learner never accepted within it stops with one line."""
     give_up_after_s: float = 600.0
     """A joined learner that has heard nothing from a syncer shard for this long gives up: it
     stops with one line (``Learner.step()`` raises ``CommError``; ``ddiloco learner`` exits with

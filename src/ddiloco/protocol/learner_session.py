@@ -68,6 +68,8 @@ from ddiloco.protocol.messages import (
 from ddiloco.protocol.traffic import payload_nbytes
 
 EndStage = Literal["stop", "done"]
+JOIN_PROGRESS_S = 2.0
+"""A join over a thin link says how far it has come this often (a fast one says nothing)."""
 PEER_STATE_BURST = 2.0
 """Optimizer states a learner serves back to back before ``peer_state_interval_s`` paces it."""
 
@@ -200,7 +202,12 @@ class LearnerSession:
         self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
         self.links = [ShardLink(rt.backoff_initial_s) for _ in range(num_shards)]
         self.started_at = now
-        self._join_deadline = now + rt.join_timeout_s  # one sum, so ``ready`` and the wake agree
+        # Moved on by every sign of progress while the join is under way (``_join_progress``);
+        # one sum, so ``ready`` and the wake agree.
+        self._join_deadline = now + rt.join_timeout_s
+        self._join_got: set[int] = set()  # fragments of the join arrived (applied or not)
+        self._join_bytes = 0
+        self._join_said = now  # the last progress line (none for a join faster than JOIN_PROGRESS_S)
         self.wants_peer_state = wants_peer_state
         self.refused: str | None = None
         """Why a shard refused this learner for good (it must stop)."""
@@ -254,13 +261,43 @@ class LearnerSession:
 
     def ready(self, now: float) -> bool:
         """Training may start: a shard accepted this learner (its reply says where its data
-        resumes), and every fragment of the global model has been received or
-        ``join_timeout_s`` has passed since it started (it trains on from what it has; answers
-        built on what it lacks are rebased by the syncer). Fragments alone are not enough: they
-        can arrive while the reply that accepted the learner was lost, and it registers again."""
+        resumes), and every fragment of the global model has been received or the join went
+        ``join_timeout_s`` without progress (it trains on from what it has; answers built on what
+        it lacks are rebased by the syncer). Fragments alone are not enough: they can arrive
+        while the reply that accepted the learner was lost, and it registers again."""
         if not self.joined_once:
             return False
         return len(self.received) == self.layout.num_fragments or now >= self._join_deadline
+
+    @property
+    def join_deadline(self) -> float:
+        """When the join gives up waiting: ``join_timeout_s`` after its last progress (its start,
+        an accepted registration, a fragment arriving). A driver waiting for the join waits until
+        ``ready`` or this; never accepted by then, the learner was not answered at all."""
+        return self._join_deadline
+
+    def _join_progress(self, now: float) -> None:
+        """The join moved on: its silence is counted from now. Once past, the deadline stays
+        past (``ready`` said yes; a late fragment must not take it back)."""
+        if now < self._join_deadline and len(self.received) < self.layout.num_fragments:
+            self._join_deadline = max(self._join_deadline, now + self.rt.join_timeout_s)
+
+    def _join_fragment(self, msg: FragmentUpdate, now: float, out: LearnerOutput) -> None:
+        """A fragment of the global state arrived while joining: progress, and now and then a line."""
+        if now >= self._join_deadline or len(self.received) == self.layout.num_fragments:
+            return
+        self._join_progress(now)
+        if msg.fragment in self._join_got:
+            return
+        self._join_got.add(msg.fragment)
+        self._join_bytes += sum(v.numel() * v.element_size() for v in msg.values)
+        total, said = self.layout.num_fragments, self._join_said > self.started_at
+        if now - self._join_said >= JOIN_PROGRESS_S or (said and len(self._join_got) == total):  # and its end
+            self._join_said = now
+            out.info.append(
+                f"learner {self.learner}: joining: {len(self._join_got)}/{total} fragments of the global state, "
+                f"{self._join_bytes / 1e6:.1f} MB in {now - self.started_at:.0f} s"
+            )
 
     @property
     def stopped(self) -> bool:
@@ -333,6 +370,18 @@ class LearnerSession:
                 times.append(math.nextafter(heard + self.rt.give_up_after_s, math.inf))
         return max(min(times), now)
 
+    def heard(self, shard: int, now: float) -> None:
+        """Shard ``shard``'s link carried something (even a message that could not be decoded):
+        it is alive. Every message counts, not only heartbeats, so a heartbeat queued behind a
+        large transfer (a join's fragments, an optimizer state) does not make a live link look
+        dead. ZeroMQ hands over whole messages only: one message that takes longer than
+        ``syncer_liveness_s`` to cross the link is the limit (docs/runtime.md, Thin links)."""
+        if 0 <= shard < len(self.links):
+            link = self.links[shard]
+            link.last_heard = now
+            if link.warned and link.joined:
+                link.warned = False
+
     def receive(self, shard: int, msg: Any, now: float) -> LearnerOutput:
         """One message from shard ``shard``; anything the rules do not expect is noted and dropped."""
         out = LearnerOutput()
@@ -340,9 +389,7 @@ class LearnerSession:
             out.notes.append(f"learner {self.learner}: a message from shard {shard}, which is not one of ours")
             return out
         link = self.links[shard]
-        link.last_heard = now
-        if link.warned and link.joined:
-            link.warned = False
+        self.heard(shard, now)
         if isinstance(msg, SyncerHeartbeat):
             if link.joined and not msg.bound:
                 # The shard does not know this connection as ours (it lost it, or a newer
@@ -375,6 +422,7 @@ class LearnerSession:
                 )
             else:
                 self._inbox.append(msg)
+                self._join_fragment(msg, now, out)
         elif isinstance(msg, PeerState):
             self._on_peer_state(msg, shard, out)
         elif isinstance(msg, PeerStateRequest):
@@ -437,6 +485,7 @@ class LearnerSession:
             )
             link.lost_at = None
         link.epoch, link.joined, link.owned = msg.epoch, True, list(msg.owned)
+        self._join_progress(now)  # accepted: its fragments follow
         link.backoff, self.held = self.rt.backoff_initial_s, None
         if self.data_position is None:
             self.data_position = msg.data_position

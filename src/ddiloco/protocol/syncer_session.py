@@ -291,6 +291,8 @@ class SyncerSession:
                 out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
                 out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
                 return out
+            if not isinstance(msg, (Heartbeat, Leave)):
+                self._heard(claimed, now, out)
             if self.end_stage == "done" and isinstance(msg, Heartbeat):
                 # It did not hear the end (a lost message, a partition that healed): say it again.
                 out.send.append((peer, RunEnd("done", self.end_reason)))
@@ -415,6 +417,16 @@ class SyncerSession:
             if self.end_stage is not None:  # ending: it stops training and hands in what it has
                 out.send.append((peer, RunEnd("stop", self.end_reason)))
         out.core(core_out, self.identities)
+
+    def _heard(self, learner: int, now: float, out: SyncerOutput) -> None:
+        """A message from learner m's bound connection says m is alive, whatever it is (an ack, an
+        answer the core refuses, an optimizer state being relayed): its heartbeats may be queued
+        behind a large transfer on a thin link, and a live learner must not look dead. The core
+        counts only heartbeats and accepted answers, so it is told with a heartbeat that carries
+        no progress (step time 0 is "unknown": it moves no step clock; step 0 no maximum)."""
+        incarnation = self.core.registered(learner)
+        if incarnation is not None:
+            out.core(self.core.handle(Heartbeat(learner, incarnation, 0, 0.0), now), self.identities)
 
     def _superseded(self, learner: int, holder: int | None) -> str:
         """The line a replaced process hears (it stops): who replaced it."""

@@ -70,6 +70,8 @@ class LearnerStats:
     """Wall time spent inside ``step()``, lock-step waits excepted: the API's cost."""
     blocked_s: float = 0.0
     """Wall time a lock-step (``late_fragment = wait``) learner waited inside ``step()``."""
+    join_s: float = 0.0
+    """Wall time the constructor waited for the join (registration and the global state)."""
     applied: int = 0
     """Global fragment versions written into the model."""
     loss: float | None = None
@@ -534,11 +536,15 @@ class Learner:
 
     def _wait_for_fragments(self, comm: LearnerComm, session: LearnerSession, timeout_s: float) -> None:
         """Apply the global fragments as they arrive until the session says training may start
-        (all of them, or ``join_timeout_s`` after a shard accepted us)."""
-        deadline = self.clock.monotonic() + timeout_s
-        while self.clock.monotonic() < deadline and not comm.stop.is_set() and not session.done:
+        (all of them, or ``join_timeout_s`` without progress: a join over a thin link waits as
+        long as its fragments keep coming). The wait is ``stats.join_s``."""
+        t0 = time.perf_counter()
+        while not comm.stop.is_set() and not session.done:
             self._idle_boundary(keep=bool(self.sharded))  # an FSDP2 group's other ranks write their rows of them too
-            if session.ready(self.clock.monotonic()):
+            now = self.clock.monotonic()
+            with self._lock():
+                ready, deadline = session.ready(now), session.join_deadline
+            if ready or now >= deadline:
                 break
             self._raise_on_handshake_failure(comm.sock, comm.addresses)
             comm.arrived.wait(0.05)
@@ -552,11 +558,13 @@ class Learner:
             raise CommError(self._no_answer(comm.addresses, timeout_s))
         if session.data_position:
             self._position = self._plausible_position(session.data_position)
+        self.stats.join_s = time.perf_counter() - t0
         got, total = len(session.received), self.layout.num_fragments
         if got < total and not session.done:
             log.warning(
-                "learner %d: got %d/%d global fragments within %.0f s; training on from what it has",
-                self.id, got, total, timeout_s,
+                "learner %d: got %d/%d global fragments in %.0f s, then none for %.0f s (runtime.join_timeout_s); "
+                "training on from what it has",
+                self.id, got, total, self.stats.join_s, timeout_s,
             )  # fmt: skip
         if session.joined_once and session.run_end is None:
             versions = sorted(set(session.core.base_version))

@@ -120,6 +120,8 @@ class LearnerComm:
                 except WireError as e:
                     where = self.addresses[index]
                     self.say([f"learner {session.learner}: dropped a malformed message from {where}: {e}"])
+                    with self.lock:  # still proof the link is alive (only its shard sends on it)
+                        session.heard(index, self.clock.monotonic())
                     continue
                 with self.lock:
                     out = session.receive(index, msg, self.clock.monotonic())

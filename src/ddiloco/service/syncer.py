@@ -75,7 +75,8 @@ def queue_rule(msg: Any) -> tuple[Hashable | None, bool]:
     replaceable by a newer one, never dropped. A newer request for p supersedes the older one
     (one round per fragment at a time), and only the newest heartbeat matters."""
     if isinstance(msg, FragmentUpdate):
-        key = ("update", msg.fragment) if msg.kind == "values" else None
+        # (``kind`` comes with compressed down-links: without it every update is values)
+        key = ("update", msg.fragment) if getattr(msg, "kind", "values") == "values" else None
         return key, msg.reason == "merged"
     if isinstance(msg, FragmentRequest):
         return ("request", msg.fragment), False
