@@ -273,6 +273,22 @@ def _launcher_options(args: argparse.Namespace) -> dict:
     return {"host": args.host, "port": args.port, "insecure": args.insecure, "start_over": args.start_over}
 
 
+def cmd_link(args: argparse.Namespace) -> int:
+    from ddiloco.link.command import plan_from_flags, read_plan, run_relays
+
+    if args.plan:
+        if args.listen or args.to or args.link or args.faults:
+            raise DDiLoCoError("--plan FILE holds every route: drop --listen, --to, --link and --faults")
+        plan = read_plan(args.plan)
+    elif not (args.listen and args.to):
+        raise DDiLoCoError("ddiloco link needs --listen HOST:PORT and --to HOST:PORT (or --plan FILE)")
+    else:
+        plan = plan_from_flags(args.listen, args.to, args.link or "", args.faults or [], args.site or "", args.seed,
+                               args.horizon)  # fmt: skip
+    run_relays(plan, args.faults_log, args.ready_file)
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     """``ddiloco config``: every key with its type, default and docs, or a resolved config."""
     if args.list:
@@ -468,6 +484,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _key_args(st, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     st.set_defaults(func=cmd_status)
+    ln = sub.add_parser(
+        "link", help="a TCP relay that emulates a thin link (rate, latency, stalls, resets, partitions) to a syncer"
+    )
+    ln.add_argument("--listen", metavar="HOST:PORT", help="where learners connect (port 0: any free one)")
+    ln.add_argument("--to", metavar="HOST:PORT", help="the syncer (shard) every connection is forwarded to")
+    ln.add_argument(
+        "--link",
+        metavar="SPEC",
+        help="the link, e.g. '10mbit,50ms' or '2mbit,100ms,jitter=10ms,stall=0.01:200ms' "
+        "(docs/runtime.md#link-emulator)",
+    )
+    ln.add_argument(
+        "--faults",
+        action="append",
+        metavar="FAULT",
+        help="hold:30s@120s, cut:30s@120s, reset_every:10s, reset_mean:10s or flap:10s/5s (repeatable; times count "
+        "from the relay's start)",
+    )
+    ln.add_argument("--site", metavar="RATE", help="an aggregate cap per direction over every route, e.g. 100mbit")
+    ln.add_argument("--horizon", type=float, metavar="SECONDS", help="the run's length, for fault times given in %%")
+    ln.add_argument("--seed", type=int_range(0), default=0, help="seeds jitter, stalls and Poisson resets")
+    ln.add_argument("--plan", metavar="FILE", help="several routes from a JSON plan (what ddiloco train writes)")
+    ln.add_argument(
+        "--faults-log", metavar="PATH", help="append each fault as a JSON line (RUN_DIR/metrics/faults.jsonl)"
+    )
+    ln.add_argument("--ready-file", metavar="PATH", help="write {pid, ports} here once every route listens")
+    ln.set_defaults(func=cmd_link)
     cf = sub.add_parser("config", help="list every config key with its docs, or print a resolved config")
     _config_args(cf, ["dp", "diloco", "streaming", "decoupled"], "printed resolved, with --set applied")
     cf.add_argument(

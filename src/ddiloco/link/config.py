@@ -12,7 +12,7 @@ Keys: ``rate``, ``latency`` (or ``delay``), ``jitter``, ``stall=P:DURATION`` (ea
 forwarded is held DURATION with probability P, as a lost segment holds a TCP stream until it
 is sent again), each for both directions or prefixed ``up.`` (learner to syncer, the connecting
 side to the listened-to side) or ``down.``; ``buffer`` and ``chunk`` for the relay. Rates are
-NUMBER + bit/kbit/mbit/gbit (powers of 1000; ``inf`` for none), delays NUMBER + us/ms/s/min,
+NUMBER + bit/kbit/mbit/gbit (powers of 1000; ``inf`` for none), delays NUMBER + us/ms/s/min/h,
 sizes NUMBER + B/KB/KiB/MB/MiB, probabilities a number in [0, 1] or a percentage.
 
 Fault strings, one fault each (``LinkFaults.parse`` takes several)::
@@ -37,7 +37,7 @@ from typing import Literal
 from ddiloco.errors import ConfigError, require
 
 RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}
+DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
 SIZE_UNITS = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 _QUANTITY = re.compile(rf"^({_NUMBER})\s*([a-z]+)$", re.IGNORECASE)
