@@ -204,3 +204,42 @@ def test_header_estimates_are_close_to_the_wire() -> None:
         tensors = len(frames) - 1
         header = len(frames[0]) - tensors * TENSOR_SPEC_BYTES
         assert abs(header - HEADER_BYTES[name]) <= 0.25 * HEADER_BYTES[name], (name, header)
+
+
+def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_path) -> None:
+    """The simulator counts what it delivers as the service counts frames: per learner, steady and
+    one-off; the steady bytes per step follow from H, P and the model's size."""
+    from ddiloco.config import load_config
+    from ddiloco.methods import PRESETS
+    from ddiloco.report.rundir import write_run_dir
+    from ddiloco.sim.run import simulate
+
+    torch.set_num_threads(1)
+    settings = [
+        "workload.factory=ddiloco.workloads.synthetic:make_workload",
+        "workload.batch_size=16",
+        "run.eval_points=1",
+        "run.method=decoupled",
+        "run.num_learners=2",
+        "run.processed_tokens=6000",
+        "run.threads=1",
+    ]
+    cfg = load_config(None, settings, base=PRESETS["decoupled"])
+    result = simulate(cfg)
+    assert result.traffic is not None
+    f = traffic_figures(result.traffic)
+    n = f["params"]
+    assert n == sum(t.numel() for t in result.state.values()) and f["learners"] == 2
+    assert f["dp_bytes_per_step"] == 2 * (2 - 1) / 2 * n * 4
+    for m in ("0", "1"):
+        row = f["by_learner"][m]
+        assert row["steps"] > 0 and row["up_bytes_per_step"] > 0 and row["down_bytes_per_step"] > 0
+        assert row["one_off_down_bytes"] > 0  # the join's fetch
+    # steady state sends each value about once per H steps each way (fp32), plus headers
+    h = cfg.algo.sync_every
+    assert 0.5 * 4 * n / h < f["up_bytes_per_step"] < 2 * 4 * n / h + 1000
+    assert f["dp_ratio_up"] == pytest.approx(f["dp_bytes_per_step"] / f["up_bytes_per_step"])
+    d = write_run_dir(tmp_path / "sim", cfg, result)
+    assert json.loads((d / "metrics" / "traffic.json").read_text()) == result.traffic
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["traffic"]["up_bytes_per_step"] == pytest.approx(f["up_bytes_per_step"])

@@ -62,6 +62,9 @@ class RunResult:
     """The workload's loss unit ("nats/byte"; "" when it does not say)."""
     partial: bool = False
     """The run was interrupted before its budget was spent."""
+    traffic: dict[str, Any] | None = None
+    """What crossed the learners' links (``protocol.traffic.TrafficMeter.to_dict``;
+    metrics/traffic.json; ``traffic_figures`` gives bytes per learner per step); None: not counted."""
 
     def summary(self) -> dict[str, Any]:
         """The scalar figures (what the table and summary.json show)."""

@@ -289,6 +289,8 @@ def write_run_dir(run_dir: str | Path, cfg: Config, result: RunResult) -> Path:
         },
     }
     (d / "metrics" / "accounting.json").write_text(json.dumps(accounting, indent=2))
+    if result.traffic is not None:
+        (d / "metrics" / "traffic.json").write_text(json.dumps(result.traffic, indent=2))
     with open(d / "tape.jsonl", "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in result.tape)
     save_file({k: v.contiguous() for k, v in result.state.items()}, str(d / "final" / "model.safetensors"))

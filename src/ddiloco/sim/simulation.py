@@ -33,8 +33,8 @@ from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import RoundRecord, TapeRecord
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession, Registration
-from ddiloco.protocol.messages import GlobalState, PeerState
 from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
+from ddiloco.protocol.traffic import TrafficMeter, payload_nbytes
 from ddiloco.report.accounting import State, TimeAccount, fleet_goodput, uptime
 from ddiloco.report.invariants import Incarnation, Restore, Violation, check_run
 from ddiloco.report.result import RunResult, summarise_tape
@@ -61,7 +61,9 @@ MAX_TIME_FACTOR = 4.0
 """A token-budget run that has not processed its tokens by this multiple of T ends there (the
 syncer's time budget: a fleet that cannot get there, every learner down, still ends)."""
 HEADER_BYTES = 64
-"""What a message costs on the wire besides its tensors."""
+"""What a message costs on the wire besides its tensors (the real header is about 100-300 bytes,
+``protocol.traffic.HEADER_BYTES``; this estimate stays so that transfer times, and with them the
+golden fixtures, stay as they were)."""
 
 
 @dataclass
@@ -205,6 +207,8 @@ class Simulation:
         self.incarnations: list[Incarnation] = []
         """Every learner process: when it started and died."""
         self._wakes: set[tuple[int, float]] = set()
+        self.traffic = TrafficMeter()
+        """Every message delivered, by learner, direction and kind (metrics/traffic.json)."""
         self._last_arrival: dict[tuple[int, int], float] = {}
         self._next_sample = 0.0
         num_shards = s.syncer_shards
@@ -233,6 +237,8 @@ class Simulation:
         """Send one message over the link src -> dst: it arrives after its transfer time, never
         before an earlier message of the same link (a TCP connection keeps order)."""
         learner = src if src < SYNCER else dst
+        # As the syncer service counts: the learner's link, once the run's end is announced its final sync.
+        self.traffic.count(data[-1], nbytes, "up" if src < SYNCER else "down", learner, final=self.end_time is not None)
         for f in self.faults:
             if isinstance(f, SlowLink) and f.learner == learner and f.start_s <= self.now < f.end_s:
                 extra_s += f.extra_s
@@ -692,6 +698,10 @@ class Simulation:
 
     def _result(self) -> RunResult:
         end = self.end_time if self.end_time is not None else self.now
+        for ln in self.learners:  # the steps since each live process's last heartbeat
+            if ln.session is not None:
+                self.traffic.observe_steps(ln.id, ln.gen, ln.session.core.step)
+        n_params = sum(t.numel() for t in self.initial.values())
         gp = fleet_goodput([ln.account for ln in self.learners], end)
         need = self.cfg.algo.quorum_size or 1
         outages = [*self.outages, *((ln.id, ln.down_since, end) for ln in self.learners if ln.down_since is not None)]
@@ -715,14 +725,12 @@ class Simulation:
             num_learners=len(self.learners),
             loss_unit=loss_unit(self.wl),
             partial=self.interrupted,
+            traffic=self.traffic.to_dict(params=n_params, learners=len(self.learners)),
             **summarise_tape(tape, self.layout.num_fragments),
         )
 
 
 def _nbytes(msg: Any) -> int:
-    """What a message costs on the wire: its tensors' bytes plus a header."""
-    values = getattr(msg, "values", None)
-    tensors = [v for v in values if isinstance(v, torch.Tensor)] if isinstance(values, list) else []
-    if isinstance(msg, (PeerState, GlobalState)):
-        tensors = list(msg.tensors.values())
-    return HEADER_BYTES + sum(t.numel() * t.element_size() for t in tensors)
+    """What a message costs on the wire: its tensors' bytes (the encoded payloads of a compressed
+    one, ``protocol.traffic.payload_nbytes``) plus a header."""
+    return HEADER_BYTES + payload_nbytes(msg)
