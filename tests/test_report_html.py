@@ -296,3 +296,30 @@ def test_cli_writes_the_report(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r.html").stat().st_size > 10_000
     assert "r.html" in proc.stdout
+
+
+def test_the_summary_shows_the_links_traffic_and_a_table_per_learner(tmp_path):
+    d = make_run(tmp_path / "traffic")
+    summary = json.loads((d / "summary.json").read_text())
+    summary["traffic"] = {
+        "params": 1000, "learners": 2, "steps": 20, "up_bytes_per_step": 150.0, "down_bytes_per_step": 100.0,
+        "one_off_up_bytes": 700, "one_off_down_bytes": 9000, "dp_bytes_per_step": 4000.0,
+        "dp_ratio_up": 4000 / 150, "dp_ratio_down": 40.0,
+        "by_learner": {"1": {"steps": 10, "up_bytes_per_step": 160.0, "down_bytes_per_step": 100.0,
+                             "one_off_up_bytes": 350, "one_off_down_bytes": 4500},
+                       "unattributed": {"steps": 0, "up_bytes_per_step": None, "down_bytes_per_step": None,
+                                        "one_off_up_bytes": 0, "one_off_down_bytes": 40}},
+    }  # fmt: skip
+    (d / "summary.json").write_text(json.dumps(summary))
+    page = render_report([d], d / "report.html").read_text()
+    assert '<th>bytes / learner / inner step up (steady)</th><td class="v">150</td>' in page
+    assert '<th>one-off bytes up / down</th><td class="v">700 / 9,000</td>' in page
+    assert '<th>x fewer bytes than data-parallel up / down</th><td class="v">26.7 / 40.0</td>' in page
+    assert "<tr><th>1</th>" + "".join(f'<td class="v">{c}</td>' for c in ("10", "160", "100", "350", "4,500")) in page
+    assert "<tr><th>unattributed</th>" in page
+    # a run that counted no traffic shows dashes, and no table
+    del summary["traffic"]
+    (d / "summary.json").write_text(json.dumps(summary))
+    page = render_report([d], d / "report.html").read_text()
+    assert '<th>bytes / learner / inner step up (steady)</th><td class="v">–</td>' in page
+    assert "traffic per learner" not in page

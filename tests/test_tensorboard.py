@@ -23,7 +23,10 @@ def _run_folder(d: Path) -> Path:
     (d / "metrics" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals) + "{torn")
     (d / "metrics" / "learners.jsonl").write_text("".join(json.dumps(r) + "\n" for r in learners))
     (d / "metrics" / "run.jsonl").write_text(json.dumps({"event": "run", "time": 4.0, "what": "end"}) + "\n")
-    (d / "summary.json").write_text(json.dumps({"goodput": 0.9, "eval_loss": 1.0, "run_time_s": 4.0, "method": "x"}))
+    traffic = {"up_bytes_per_step": 150.0, "down_bytes_per_step": 100.0, "dp_ratio_up": 26.5, "dp_ratio_down": None,
+               "by_learner": {"0": {"up_bytes_per_step": 140.0, "down_bytes_per_step": 90.0}}}  # fmt: skip
+    summary = {"goodput": 0.9, "eval_loss": 1.0, "run_time_s": 4.0, "method": "x", "traffic": traffic}
+    (d / "summary.json").write_text(json.dumps(summary))
     return d
 
 
@@ -48,6 +51,9 @@ def test_every_metric_is_a_scalar_with_its_documented_name(tmp_path):
         for key in ("steps", "busy_s", "bytes_sent"):
             assert len(scalars[f"learner/{m}/{key}"]) == 4
     assert scalars["summary/goodput"] == [(4000, pytest.approx(0.9))] and "summary/method" not in scalars
+    assert scalars["traffic/up_bytes_per_step"] == [(4000, 150.0)] and scalars["traffic/dp_ratio_up"] == [(4000, 26.5)]
+    assert scalars["traffic/learner/0/down_bytes_per_step"] == [(4000, 90.0)]
+    assert "traffic/dp_ratio_down" not in scalars  # unknown: not invented
     assert n == sum(len(v) for v in scalars.values())
 
 

@@ -627,7 +627,53 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("learners per merge", _fmt(s.get("learners_per_merge"), ".2f")),
         ("merging rounds on the tape", f"{tape_rounds:,}"),
         ("run length (s)", _fmt(s.get("run_time_s", s.get("virtual_time_s")), ",.1f")),
+        *_traffic_rows(s.get("traffic") if isinstance(s.get("traffic"), dict) else {}),
     ]
+
+
+def _traffic_rows(t: dict[str, Any]) -> list[tuple[str, str]]:
+    """The link's traffic (summary.json's ``traffic``): steady bytes per learner per inner step,
+    one-off bytes, and data-parallel's fp32 ring all-reduce for the same model."""
+    ratios = [t.get("dp_ratio_up"), t.get("dp_ratio_down")]
+    return [
+        ("bytes / learner / inner step up (steady)", _fmt(t.get("up_bytes_per_step"), ",.0f")),
+        ("bytes / learner / inner step down (steady)", _fmt(t.get("down_bytes_per_step"), ",.0f")),
+        (
+            "one-off bytes up / down",
+            f"{_fmt(t.get('one_off_up_bytes'), ',.0f')} / {_fmt(t.get('one_off_down_bytes'), ',.0f')}",
+        ),
+        ("data-parallel fp32 bytes / learner / step", _fmt(t.get("dp_bytes_per_step"), ",.0f")),
+        ("x fewer bytes than data-parallel up / down", " / ".join(_fmt(r, ",.1f") for r in ratios)),
+    ]
+
+
+def _traffic_table(run: Run) -> str:
+    """Per learner: inner steps, steady bytes per step up and down, one-off bytes ("" when the
+    run counted no traffic)."""
+    t = run.summary.get("traffic")
+    by = t.get("by_learner") if isinstance(t, dict) else None
+    if not isinstance(by, dict) or not by:
+        return ""
+    e = html.escape
+    out = [
+        f'<p class="cap">{e(run.label)}: traffic per learner (steady state per inner step; one-off: joins, '
+        "rejoins, the optimizer hand-off, the final sync, the run's end)</p>",
+        "<table><tr><th>learner</th><th>inner steps</th><th>up B/step</th><th>down B/step</th>"
+        "<th>one-off up B</th><th>one-off down B</th></tr>",
+    ]
+    for m, row in sorted(by.items(), key=lambda kv: _sort_key(int(kv[0]) if kv[0].isdigit() else kv[0])):
+        if not isinstance(row, dict):
+            continue
+        cells = [
+            _fmt(row.get("steps"), ",.0f"),
+            _fmt(row.get("up_bytes_per_step"), ",.0f"),
+            _fmt(row.get("down_bytes_per_step"), ",.0f"),
+            _fmt(row.get("one_off_up_bytes"), ",.0f"),
+            _fmt(row.get("one_off_down_bytes"), ",.0f"),
+        ]
+        out.append(f"<tr><th>{e(str(m))}</th>" + "".join(f'<td class="v">{e(c)}</td>' for c in cells) + "</tr>")
+    out.append("</table>")
+    return "".join(out)
 
 
 CSS = """
@@ -674,6 +720,7 @@ def _page(runs: list[Run], colours: list[str], figures: list[Figure]) -> str:
     for i, (label, _) in enumerate(rows[0]):
         out.append(f"<tr><th>{e(label)}</th>" + "".join(f'<td class="v">{e(rr[i][1])}</td>' for rr in rows) + "</tr>")
     out.append("</table>")
+    out += [table for r in runs if (table := _traffic_table(r))]
     for r in runs:
         warns = r.summary.get("warnings")
         if isinstance(warns, str):

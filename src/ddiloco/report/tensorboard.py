@@ -13,7 +13,10 @@ the exact value):
   metrics (``metrics/eval.jsonl``);
 - ``learner/M/loss``, ``learner/M/tokens``, ``learner/M/steps``, ``learner/M/busy_s``,
   ``learner/M/bytes_sent`` (``metrics/learners.jsonl``);
-- ``summary/KEY`` for every number in ``summary.json`` (written once, at the end).
+- ``summary/KEY`` for every number in ``summary.json`` (written once, at the end);
+- ``traffic/KEY`` for summary.json's traffic figures (``TRAFFIC_KEYS``: steady bytes per learner
+  per inner step up and down, one-off bytes, data-parallel's and the ratios to it) and
+  ``traffic/learner/M/up_bytes_per_step`` and ``.../down_bytes_per_step`` (at the end too).
 """
 
 from __future__ import annotations
@@ -32,8 +35,23 @@ log = logging.getLogger(__name__)
 
 EVAL_KEYS = ("loss", "merged_tokens")
 LEARNER_KEYS = ("loss", "tokens", "steps", "busy_s", "bytes_sent")
+TRAFFIC_KEYS = ("up_bytes_per_step", "down_bytes_per_step", "one_off_up_bytes", "one_off_down_bytes",
+                "dp_bytes_per_step", "dp_ratio_up", "dp_ratio_down")  # fmt: skip
 STEP_SCALE = 1000
 """Steps are the run's time in milliseconds (TensorBoard steps are integers)."""
+
+
+def traffic_scalars(summary: dict[str, Any]) -> list[tuple[str, float]]:
+    """(tag, value) of summary.json's traffic figures (none when the run counted no traffic)."""
+    traffic = summary.get("traffic")
+    if not isinstance(traffic, dict):
+        return []
+    values = [(f"traffic/{k}", traffic.get(k)) for k in TRAFFIC_KEYS]
+    by = traffic.get("by_learner")
+    for m, row in by.items() if isinstance(by, dict) else ():
+        if isinstance(row, dict):
+            values += [(f"traffic/learner/{m}/{k}", row.get(k)) for k in ("up_bytes_per_step", "down_bytes_per_step")]
+    return [(tag, float(v)) for tag, v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def scalar_records(name: str, record: dict[str, Any]) -> list[tuple[str, float, float]]:
@@ -129,6 +147,9 @@ def export_scalars(
                         if isinstance(value, (int, float)) and not isinstance(value, bool):
                             writer.add_scalar(f"summary/{key}", float(value), global_step=step)
                             written += 1
+                    for tag, value in traffic_scalars(summary):
+                        writer.add_scalar(tag, value, global_step=step)
+                        written += 1
                 break
             writer.flush()
             time.sleep(interval_s)
