@@ -31,7 +31,7 @@ IO_MODULES = {
     "shutil",
     "tempfile",
 }
-SHARED = ("training", "report", "chaos", "goodput", "workloads")
+SHARED = ("training", "report", "chaos", "goodput", "workloads", "link")
 
 
 def module_name(path: Path, root: Path = SRC) -> str:
@@ -213,3 +213,21 @@ def test_the_two_drivers_never_import_each_other_and_shared_layers_import_neithe
                 assert layer(dep) != "sim", f"{module} imports {dep}"
             if layer(module) in SHARED:
                 assert layer(dep) not in ("sim", "service"), f"{module} imports {dep}"
+
+
+def test_the_link_emulator_imports_only_errors_and_its_scheduler_does_no_io():
+    graph = imports()
+    ours = [
+        f"{m} imports {d}"
+        for m, deps in sorted(graph.items())
+        if layer(m) == "link"
+        for d in sorted(deps)
+        if d.startswith("ddiloco.") and layer(d) not in ("link", "errors")
+    ]
+    assert ours == [], "ddiloco.link imports only ddiloco.errors of ours (chaos imports it): " + "; ".join(ours)
+    # config and shaper are the pure part, tested in virtual time: no clock, socket or event loop
+    pure = {"ddiloco.link.config", "ddiloco.link.shaper"}
+    bad = [
+        f"{m} imports {d}" for m in sorted(pure) for d in sorted(graph[m]) if d.split(".")[0] in IO_MODULES - {"random"}
+    ]
+    assert bad == []

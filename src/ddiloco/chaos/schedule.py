@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddiloco.errors import ConfigError, require
+from ddiloco.link.config import LinkFaults, parse_fault, parse_link, parse_site_rate, split_learner
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,18 @@ class ChaosConfig:
     ``syncer_down_s`` on the same run dir)."""
     syncer_down_s: float = 2.0
     """Real runtime: how long a killed syncer stays down."""
+    links: tuple[str, ...] = ()
+    """Real runtime: learners behind an emulated link (a relay between them and the syncer), as
+    'LEARNER:LINK', e.g. '1:10mbit,50ms' or '0:2mbit,100ms,jitter=10ms,stall=0.01:200ms'
+    (the syntax: docs/runtime.md#link-emulator)."""
+    site_link: str = ""
+    """Real runtime: an aggregate cap per direction that every relayed learner shares (a site's
+    link), e.g. '100mbit'; set, every learner goes through a relay. Empty: none."""
+    link_faults: tuple[str, ...] = ()
+    """Real runtime: partitions and resets of a learner's link, as 'LEARNER:FAULT' with FAULT one
+    of hold:DURATION@TIME, cut:DURATION@TIME (TIME in seconds or % of runtime.duration_s),
+    reset_every:PERIOD, reset_mean:MEAN, flap:UP/DOWN; e.g. '1:hold:30s@40%', '0:cut:30s@50%',
+    '1:reset_mean:10s', '1:flap:10s/5s'."""
 
     def validate(self, num_learners: int) -> None:
         require(0.0 <= self.downtime_fraction < 1.0, "chaos.downtime_fraction", self.downtime_fraction, "[0, 1)")
@@ -51,6 +64,33 @@ class ChaosConfig:
         for m in self.learners:
             if not 0 <= m < num_learners:
                 raise ConfigError(f"chaos.learners contains {m}; allowed: 0 .. {num_learners - 1}")
+        link_plan(self, num_learners, horizon_s=1.0)  # each bad entry: one line
+
+
+def link_plan(cfg: ChaosConfig, num_learners: int, horizon_s: float) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """Learner -> (its link string, its fault strings) for every learner behind a relay (all of
+    them when there is a site link), validated; ``horizon_s`` is what a '%' is a fraction of."""
+    links: dict[int, str] = {}
+    for text in cfg.links:
+        m, spec = split_learner(text, num_learners, "chaos.links")
+        if m in links:
+            raise ConfigError(f"chaos.links has two entries for learner {m}; give each learner one link string")
+        parse_link(spec)
+        links[m] = spec
+    faults: dict[int, list[str]] = {}
+    for text in cfg.link_faults:
+        m, spec = split_learner(text, num_learners, "chaos.link_faults")
+        parse_fault(spec, horizon_s)
+        faults.setdefault(m, []).append(spec)
+    for m, specs in faults.items():  # two partitions of one link must not overlap: say which
+        parts = LinkFaults.parse(specs, horizon_s).partitions
+        for a, b in zip(parts, parts[1:]):
+            if b.start_s < a.end_s:
+                raise ConfigError(f"chaos.link_faults: learner {m}'s {a.kind} and {b.kind} overlap; give them apart")
+    if cfg.site_link:
+        parse_site_rate(cfg.site_link)
+    relayed = range(num_learners) if cfg.site_link else sorted({*links, *faults})
+    return {m: (links.get(m, ""), tuple(faults.get(m, ()))) for m in relayed}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 import tomli_w
 
-from ddiloco.chaos.schedule import make_schedule
+from ddiloco.chaos.schedule import link_plan, make_schedule
 from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import STATES, uptime
@@ -65,6 +65,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _distinct_free_ports(host: str, n: int, taken: set[int]) -> list[int]:
+    """``n`` free ports, none in ``taken`` and no two the same (each is free now, not reserved)."""
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port(host)
+        if p not in taken and p not in out:
+            out.append(p)
+    return out
 
 
 @dataclass
@@ -173,6 +183,7 @@ class Launcher:
         if not self.cfg_path.exists():
             self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
         self.addr = f"tcp://{host}:{port or free_port(host)}"
+        self.host = host
         self.on_status = on_status
         py = [sys.executable, "-m", "ddiloco"]
         rd = str(self.run_dir)
@@ -185,11 +196,20 @@ class Launcher:
             self.keys = run_keys(self.run_dir, cfg.run.num_learners)
             secure = ["--keys", str(self.keys)]
         self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)])
+        # Chaos links: learner m talks to its relay, which forwards to the syncer (docs/runtime.md#link-emulator).
+        relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s) if cfg.chaos.enabled else {}
+        ports = _distinct_free_ports(host, len(relayed), taken={int(self.addr.rsplit(":", 1)[1])})
+        self.link_routes = {m: (port, *relayed[m]) for m, port in zip(sorted(relayed), ports)}
+        """Learner -> (its relay's port, link string, fault strings)."""
+        self.link_plan_path = self.run_dir / "links.json"
+        self.links: Proc | None = None
+        if self.link_routes:
+            self.links = Proc("links", [*py, "link", "--plan", str(self.link_plan_path), "--faults-log",
+                                        str(self.run_dir / "metrics" / "faults.jsonl"), "--ready-file",
+                                        str(self.logs / "links.ready")])  # fmt: skip
+        tail = ["--run-dir", rd, *secure, str(self.cfg_path)]
         self.learners = [
-            Proc(
-                f"learner-{m}",
-                [*py, "learner", "--syncer", self.addr, "--id", str(m), "--run-dir", rd, *secure, str(self.cfg_path)],
-            )
+            Proc(f"learner-{m}", [*py, "learner", "--syncer", self._learner_addr(host, m), "--id", str(m), *tail])
             for m in range(cfg.run.num_learners)
         ]
         self.evaluator = Proc(
@@ -206,6 +226,55 @@ class Launcher:
         self._ending = False  # the syncer announced the run's end: no more chaos
         # A resumed run (train --resume) adds this session's accounting to the earlier ones'.
         self._previous_accounting = read_json(self.run_dir / "metrics" / "accounting.json")
+
+    def _learner_addr(self, host: str, m: int) -> str:
+        """The syncer's address as learner m dials it: its relay's when its link is emulated."""
+        return f"tcp://{host}:{self.link_routes[m][0]}" if m in self.link_routes else self.addr
+
+    def link_plan(self) -> dict[str, Any]:
+        """The relays' plan (``ddiloco link --plan``): one route per relayed learner, to the
+        syncer, with the faults on the run's clock (``start_at``: when the run started)."""
+        syncer = self.addr.removeprefix("tcp://")
+        routes = [
+            {"name": f"link-{m}", "listen": f"{self.host}:{port}", "to": syncer, "link": spec, "faults": list(faults)}
+            for m, (port, spec, faults) in sorted(self.link_routes.items())
+        ]
+        return {"routes": routes, "site_link": self.cfg.chaos.site_link, "horizon_s": self.cfg.runtime.duration_s,
+                "seed": self.cfg.run.seed, "start_at": self._t0}  # fmt: skip
+
+    def _start_links(self) -> None:
+        """Write the relays' plan and start them; wait until they listen."""
+        assert self.links is not None
+        self.link_plan_path.write_text(json.dumps(self.link_plan(), indent=1))
+        ready = self.logs / "links.ready"
+        ready.unlink(missing_ok=True)
+        self.links.start(self.env, self.logs)
+        deadline = time.time() + 60
+        while time.time() < deadline and not self.stop_requested:
+            if not self.links.alive():
+                raise DDiLoCoError(
+                    f"the link relays exited at start{_last_error(self.logs / 'links.log')}; see its log"
+                )
+            st = read_json(ready)
+            if st and st.get("pid") == self.links.popen.pid:
+                return
+            time.sleep(0.05)
+        if not self.stop_requested:
+            raise DDiLoCoError(f"the link relays did not come up within 60 s; see {self.logs / 'links.log'}")
+
+    def _watch_links(self) -> None:
+        """Relays that died are started again (same ports: the learners reconnect), bounded."""
+        if self.links is None or self.links.popen is None or self.links.alive():
+            return
+        self._fault(f"exit {self.links.popen.returncode}", "links")
+        if self.links.restarts >= self.cfg.runtime.restart_limit:
+            raise DDiLoCoError(
+                f"the link relays exited {self.links.restarts + 1} times (runtime.restart_limit); see "
+                f"{self.logs / 'links.log'}"
+            )
+        self.links.restarts += 1
+        self._start_links()
+        self._fault("restart", "links")
 
     def request_stop(self) -> None:
         """Stop early (from a signal handler): ``run`` stops the learners, then the syncer, and
@@ -250,13 +319,15 @@ class Launcher:
         return self.finish(end)
 
     def _procs(self) -> list[Proc]:
-        return [*self.learners, self.evaluator, self.syncer]
+        return [*self.learners, self.evaluator, self.syncer, *([self.links] if self.links else [])]
 
     def _supervise(self) -> None:
         self._t0 = run_started_at(self.run_dir) or time.time()
         plan = _Plan.of(self.cfg, len(self.learners))
         self.syncer.start(self.env, self.logs)
         self._wait_syncer_ready()
+        if self.links is not None:
+            self._start_links()
         self._t_learners = time.time()  # the learners' allocated time starts: every account at once
         self.books = [LearnerBook.starting_at(self._t_learners) for _ in self.learners]
         for p in self.learners:
@@ -274,10 +345,13 @@ class Launcher:
                 self._ending = bool((read_status(self.run_dir / "status" / "syncer-0.json") or {}).get("run_end"))
                 if self._ending:
                     self._release_stragglers()
+                    if self.links is not None:  # no more link faults: the final sync must get through
+                        self.links.signal(signal.SIGUSR1)
             if not self._ending:
                 self._inject_chaos(plan, now)
             self._reap_dead(plan, now)
             self._restart_due(plan, now)
+            self._watch_links()
             self._track_first_steps()
             if now - last_view >= 0.5 and self.on_status:
                 last_view = now
@@ -398,6 +472,9 @@ class Launcher:
                     self.books[m].bank(st)
             if self._t_learners is not None:
                 self.books[m].close(end)
+        if self.links is not None:  # the learners are gone: their relays may go
+            self.links.signal(signal.SIGTERM)
+            self.links.wait(timeout=10)
         self.evaluator.signal(signal.SIGTERM)
         if self.syncer.alive():
             self.syncer.signal(signal.SIGTERM)  # it flushes, writes the final model and summary
