@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, decode, encode, encoded_nbytes
+from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, Encoded, check, decode, encode, encoded_nbytes
 from ddiloco.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -43,8 +44,8 @@ def test_bf16_relative_error(shape: tuple[int, ...]) -> None:
     assert ((out - t).abs() <= t.abs() * 2.0**-8).all()
 
 
-@pytest.mark.parametrize("encoding,qmax", [("int8", 127), ("int4", 7)])
-@pytest.mark.parametrize("shape", [(1000,), (7, 13), (BLOCK_SIZE,), (3, BLOCK_SIZE + 1), (1,), (5,), ()])
+@pytest.mark.parametrize("encoding,qmax", [("int8", 127), ("int4", 7), ("int2", 1)])
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (BLOCK_SIZE,), (3, BLOCK_SIZE + 1), (1,), (5,), (6,), (7,), ()])
 def test_int_blockwise_error_bound(encoding: str, qmax: int, shape: tuple[int, ...]) -> None:
     t = _sample(math.prod(shape), seed=len(shape)).reshape(shape)
     out = decode(encode(t, encoding))
@@ -110,17 +111,78 @@ def test_unknown_encoding() -> None:
     with pytest.raises(ConfigError, match="allowed: fp32, bf16, int8, int4"):
         encode(torch.ones(3), "fp8")
     with pytest.raises(ConfigError, match="unknown encoding"):
-        encoded_nbytes(3, "int2")
+        encoded_nbytes(3, "int3")
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     values=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=0, max_size=300),
-    encoding=st.sampled_from(["int8", "int4"]),
+    encoding=st.sampled_from(["int8", "int4", "int2"]),
 )
 def test_int_bound_property(values: list[float], encoding: str) -> None:
     t = torch.tensor(values, dtype=torch.float32)
     out = decode(encode(t, encoding))
-    qmax = 127 if encoding == "int8" else 7
+    qmax = {"int8": 127, "int4": 7, "int2": 1}[encoding]
     bound = _blockwise_absmax(t) / qmax / 2
     assert ((out - t).abs() <= bound * (1 + 1e-5) + 1e-30).all()
+
+
+# -- what a receiver checks before decoding a payload from the network ------------------------
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("numel", [0, 1, 5, BLOCK_SIZE, 1000])
+def test_honest_payloads_pass_the_check(encoding: str, numel: int) -> None:
+    assert check(encode(_sample(numel), encoding)) is None
+
+
+def _forged(e: Encoded, **changes: object) -> Encoded:
+    return dataclasses.replace(e, **changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4", "int2"])
+def test_hostile_scales_are_refused(encoding: str) -> None:
+    e = encode(_sample(300), encoding)
+    assert e.scales is not None
+    for bad, reason in [(math.nan, "not finite"), (math.inf, "not finite"), (-1.0, "outside"), (1e30, "outside")]:
+        scales = e.scales.clone()
+        scales[1] = bad
+        assert reason in (check(_forged(e, scales=scales)) or "")
+    assert "blocks" in (check(_forged(e, scales=e.scales[:-1])) or "")  # a wrong block count
+    assert "scales" in (check(_forged(e, scales=None)) or "")
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_truncated_or_padded_codes_are_refused(encoding: str) -> None:
+    e = encode(_sample(300), encoding)
+    assert "expected" in (check(_forged(e, data=e.data[:-1])) or "")
+    assert "expected" in (check(_forged(e, data=torch.cat([e.data, e.data[:1]]))) or "")
+    wrong = e.data.view(torch.uint8) if encoding == "int8" else e.data.to(torch.float64)
+    assert check(_forged(e, data=wrong)) is not None
+
+
+def test_codes_out_of_range_are_refused() -> None:
+    e8 = encode(_sample(10), "int8")
+    data = e8.data.clone()
+    data[3] = -128
+    assert "-128" in (check(_forged(e8, data=data)) or "")
+    e4 = encode(_sample(10), "int4")
+    data = e4.data.clone()
+    data[0] = data[0] & 0xF0  # a stored nibble of 0 is code -8, outside [-7, 7]
+    assert "range" in (check(_forged(e4, data=data)) or "")
+    e4 = encode(_sample(9), "int4")  # the last byte's high nibble is padding, which must be 0
+    data = e4.data.clone()
+    data[-1] = data[-1] | 0x30
+    assert "padding" in (check(_forged(e4, data=data)) or "")
+    e2 = encode(_sample(8), "int2")
+    data = e2.data.clone()
+    data[0] = data[0] | 0x03  # a stored 3 is code 2, outside [-1, 1]
+    assert "range" in (check(_forged(e2, data=data)) or "")
+    assert "unknown" in (check(_forged(e2, encoding="int3")) or "")
+
+
+def test_int2_is_ternary_and_packs_four_per_byte() -> None:
+    t = torch.tensor([3.0, -3.0, 0.2, 1.6, -1.4, 0.0, 2.9])
+    e = encode(t, "int2")
+    assert e.data.numel() == 2 and e.nbytes == 2 + 4
+    assert decode(e).tolist() == pytest.approx([3.0, -3.0, 0.0, 3.0, 0.0, 0.0, 3.0])

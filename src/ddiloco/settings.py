@@ -18,6 +18,7 @@ Which settings, and why (the rule itself is ``protocol.settings``):
 | ``algo.late_fragment`` | whether the learner waits for a late fragment (the lock-step baselines) |
 | ``algo.alpha`` | how a received fragment is applied (overwrite or blend) |
 | ``algo.keep_versions`` | how far ahead a merged version may be before the learner ignores it |
+| ``algo.up_encoding``, ``algo.down_encoding``, ``algo.error_feedback`` | how payloads travel both ways |
 
 ``ddiloco learner`` also trains with the run's seed (its data order) and inner optimizer, so it
 claims ``INNER_LOOP`` too: ``run.seed`` and the ``inner.*`` LR schedule and AdamW settings. A
@@ -45,6 +46,9 @@ EVERY_LEARNER = (
     "algo.late_fragment",
     "algo.alpha",
     "algo.keep_versions",
+    "algo.up_encoding",
+    "algo.down_encoding",
+    "algo.error_feedback",
 )
 """What every learner must agree with the syncer on (and claims, when it was given a config)."""
 INNER_LOOP = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypeGuard, get_args
 
+from ddiloco.core.compress import Encoding
 from ddiloco.errors import require, require_one_of
 
 # Each choice is a Literal type (what mypy and the config loader see); the allowed tuples are
@@ -22,6 +23,7 @@ MERGES: tuple[Merge, ...] = get_args(Merge)
 ANCHORS: tuple[Anchor, ...] = get_args(Anchor)
 LATE_FRAGMENT: tuple[LateFragment, ...] = get_args(LateFragment)
 STALENESS: tuple[Staleness, ...] = get_args(Staleness)
+ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,16 @@ class DiLoCoConfig:
     takeover_after_s: float = 1.0
     """A new process may take over a learner id only once its holder has been silent this
     long (at least 2 heartbeat intervals); before that the join is refused, to retry."""
+    up_encoding: Encoding = "fp32"
+    """How a learner's contributions travel (fp32, bf16, int8, int4, int2; blockwise with a float32
+    scale per 128 values for the int ones). Lossy up or down makes every contribution a delta
+    against the learner's base; buffers always travel exactly."""
+    down_encoding: Encoding = "fp32"
+    """How merged versions travel to the learners: lossy ones as encoded changes that chain from
+    the version the syncer last served the learner (a learner off the chain gets it in full)."""
+    error_feedback: bool = False
+    """Whether a learner adds what its lossy encoding dropped (its residual) to its next
+    contribution of that fragment."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
@@ -234,11 +246,18 @@ class DiLoCoConfig:
         )
         _check(self.max_learners >= 1, "max_learners", self.max_learners, ">= 1")
         _check(self.takeover_after_s > 0, "takeover_after_s", self.takeover_after_s, "> 0")
+        _one_of("up_encoding", self.up_encoding, ENCODING_NAMES)
+        _one_of("down_encoding", self.down_encoding, ENCODING_NAMES)
 
     @property
     def fixed_fragments(self) -> int | None:
         """P as a number, or None for the model default."""
         return None if self.num_fragments == "auto" else int(self.num_fragments)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether payloads travel as deltas against the learner's base (either direction lossy)."""
+        return self.up_encoding != "fp32" or self.down_encoding != "fp32"
 
     @property
     def quorum_size(self) -> int | None:

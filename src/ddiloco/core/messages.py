@@ -13,6 +13,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from ddiloco.core.compress import Encoded
+
 PayloadKind = Literal["values", "delta"]
 UpdateReason = Literal["merged", "join", "stale"]
 
@@ -136,7 +138,11 @@ class Contribution:
     step: int = field(metadata=COUNT)
     """The learner's inner step count when it answered."""
     kind: PayloadKind = "values"
-    """'values' (theta) or 'delta' (local base minus theta, e.g. after lossy encoding)."""
+    """'values' (theta) or 'delta' (local base minus theta, after lossy encoding). In a delta,
+    buffers and counts still carry their values: statistics are levels, not progress."""
+    encoded: list[Encoded] = field(default_factory=list)
+    """What goes on the wire, one encoding per piece (``values`` are what it decodes to); empty:
+    ``values`` go as they are."""
 
     @property
     def identity(self) -> ContributionId:
@@ -189,6 +195,14 @@ class FragmentUpdate:
     """Highest learner step the syncer has seen (aligns a rejoining lock-step learner)."""
     reason: UpdateReason = "merged"
     """Why it was sent: merged, join (a fetch), stale (the learner's base was too old)."""
+    kind: PayloadKind = "values"
+    """'values' (the version itself) or 'delta' (its change from ``base_version`` as the learner
+    holds it: parameters add it, buffers and counts carry their values)."""
+    base_version: int = field(default=0, metadata=COUNT)
+    """For a delta: the version it applies to (the learner ignores a delta that does not chain)."""
+    encoded: list[Encoded] = field(default_factory=list)
+    """What goes on the wire, one encoding per piece (``values`` are what it decodes to); empty:
+    ``values`` go as they are."""
 
 
 LearnerMessage = Join | Leave | Heartbeat | Contribution | Ack

@@ -21,6 +21,8 @@ import torch
 
 from ddiloco.core import admission, robust
 from ddiloco.core.admission import STRIKES, screened
+from ddiloco.core.codec import Chain
+from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
 from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment
@@ -217,6 +219,8 @@ class FragmentState:
     """Learners merged with a positive weight in its last merge (fleet view only)."""
     last_grace_s: float = 0.0
     """The grace window of its last merged round (seconds)."""
+    chain: Chain | None = None
+    """The down-link chain (a lossy ``down_encoding`` only): what learners on it hold."""
     scratch: list[torch.Tensor] | None = None
     """Merge accumulators of this fragment's open round, reused round after round (one round
     of a fragment is open at a time): large fresh allocations cost page faults every time."""
@@ -326,6 +330,8 @@ class Syncer:
             history = deque([(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
             frag = FragmentState(0, history, outer, norm=_norm(vals))
+            if is_lossy(cfg.down_encoding):
+                frag.chain = Chain(0, vals, start=0)
             self.fragments.append(frag)
         flat = list(embedding_like)
         if len(flat) != sum(len(f) for f in layout.fragments):
@@ -456,9 +462,9 @@ class Syncer:
         # takes ownership of the tensors it is handed.
         values = list(c.values)
         buffers, raw = self._buffers[c.fragment], []
-        if buffers:  # statistics are merged as values (a delta payload's are rebuilt), checked against the base
+        if buffers:  # statistics are merged as values, checked against the base
             pieces = self.layout.fragments[c.fragment]
-            raw = [c.values[i] if c.kind == "values" else base[i] - c.values[i] for i in buffers]
+            raw = [c.values[i] for i in buffers]  # a delta payload carries its statistics as values too
             problem = check_buffers(raw, [base[i] for i in buffers], [pieces[i] for i in buffers], c.steps, self.cfg)
             if problem is not None:
                 self._reject(c, *problem, now, out)
@@ -852,6 +858,10 @@ class Syncer:
             for i, value in stats.items():
                 new_values[i] = value
             frag.history.append((frag.version, new_values, now))
+            if frag.chain is not None:
+                frag.chain.advance(
+                    frag.version, new_values, self.layout.fragments[rnd.fragment], self.cfg.down_encoding
+                )
             frag.norm = _norm(new_values)
             frag.tokens_merged += sum(_tokens(pd) for pd in pending)
             frag.last_merged, frag.last_grace_s = sum(1 for w in weights if w > 0), rnd.grace_s
@@ -946,10 +956,25 @@ class Syncer:
     # -- outputs -----------------------------------------------------------------------------
 
     def _update(self, learner: int, p: int, reason: UpdateReason, now: float) -> FragmentUpdate:
+        """Fragment p's current version for ``learner``: with a lossy down-link, the chain's change
+        when the learner holds the version before it, else the chain's values in full (exact)."""
         frag = self.fragments[p]
         live = max(1, len(self.live(now)))
+        chain = frag.chain
+        if chain is None:
+            return FragmentUpdate(
+                learner, p, frag.version, frag.values, self.merged_tokens, live, self.max_step_seen, reason
+            )
+        info = self.learners.get(learner)
+        held = info.held.get(p) if info is not None else None
+        if reason == "merged" and chain.can_chain(held) and chain.delta is not None:
+            encoded, decoded = chain.delta
+            return FragmentUpdate(
+                learner, p, frag.version, decoded, self.merged_tokens, live, self.max_step_seen, reason,
+                kind="delta", base_version=chain.version - 1, encoded=encoded,
+            )  # fmt: skip
         return FragmentUpdate(
-            learner, p, frag.version, frag.values, self.merged_tokens, live, self.max_step_seen, reason
+            learner, p, frag.version, chain.served, self.merged_tokens, live, self.max_step_seen, reason
         )
 
     def global_state(self) -> dict[str, torch.Tensor]:
@@ -1011,6 +1036,10 @@ class Syncer:
         frag.history.append((rec.version, [v.float().clone() for v in rec.values], -math.inf))
         frag.norm = _norm(frag.values)
         frag.outer.load_state_dict({"buffers": rec.momentum})
+        if frag.chain is not None:
+            # What learners hold of versions served before is not known: deltas chain again only
+            # from versions this process serves.
+            frag.chain = Chain(rec.version, frag.values, start=rec.version + 1)
 
     def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None) -> None:
         """Take back what a store made durable (``fragment_record`` and ``meta_state`` output).

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from ddiloco.core.codec import LearnerCodec
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import FragmentLayout
 from ddiloco.core.learner import LearnerCore, Receipt
@@ -174,6 +175,33 @@ class ShardLink:
 
 
 
+PIECE = "ddiloco_piece"
+"""Marks a piece of an optimizer state that more pieces follow: its param_groups are only
+``[{PIECE: index}]`` (the last piece carries the real ones; a receiver loads its own anyway)."""
+
+
+def is_piece(msg: PeerState) -> bool:
+    """``msg`` is a piece of an optimizer state that more pieces follow (``peer_state_chunks``)."""
+    return len(msg.param_groups) == 1 and set(msg.param_groups[0]) == {PIECE}
+
+
+def peer_state_chunks(ps: PeerState, limit_bytes: int) -> list[PeerState]:
+    """``ps`` as messages of at most about ``limit_bytes`` each (whole tensors: a larger one goes
+    alone), the param_groups in the last: on a thin link each crosses within the liveness
+    timeouts (any message is liveness), and the syncer's relay timeout follows the pieces."""
+    pieces: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in ps.tensors.items():
+        n = t.numel() * t.element_size()
+        if pieces[-1] and size + n > limit_bytes:
+            pieces.append({})
+            size = 0
+        pieces[-1][name] = t
+        size += n
+    *first, last = pieces
+    marked = [PeerState(ps.learner, ps.source, [{PIECE: i}], p) for i, p in enumerate(first)]
+    return [*marked, PeerState(ps.learner, ps.source, ps.param_groups, last)]
+
 
 class LearnerSession:
     """The protocol of one learner process (one incarnation) against its syncer shards."""
@@ -200,6 +228,8 @@ class LearnerSession:
         self.learner, self.incarnation = learner, incarnation
         self.layout, self.registration = layout, registration
         self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
+        # Base copies and error-feedback residuals of a compressed run (idle otherwise).
+        self.codec = LearnerCodec(cfg, layout.fragments)
         self.links = [ShardLink(rt.backoff_initial_s) for _ in range(num_shards)]
         self.started_at = now
         # Moved on by every sign of progress while the join is under way (``_join_progress``);
@@ -242,6 +272,14 @@ class LearnerSession:
         self._inbox: list[FragmentUpdate] = []
         self._peer_state: PeerState | None = None
         self._awaiting_peer_state = False
+        # The optimizer hand-off arrives in pieces (``peer_state_chunks``): what came so far.
+        self._ps_pieces: dict[str, torch.Tensor] = {}
+        self._ps_source: int | None = None
+        self._ps_numel = 0
+        self._ps_said = now
+        # More state than any optimizer keeps for this model (AdamW: 2 moments per parameter;
+        # with amsgrad 3) is a peer's mistake or attack: the pieces are dropped past this.
+        self._ps_max_numel = 4 * sum(math.prod(pc.shape) for f in layout.fragments for pc in f) + (1 << 20)
         self._asked_peer_state = False
         self._peer_requests: list[int] = []
         # Serving costs a copy of the optimizer state: one per peer_state_interval_s, bursts of 2
@@ -424,7 +462,7 @@ class LearnerSession:
                 self._inbox.append(msg)
                 self._join_fragment(msg, now, out)
         elif isinstance(msg, PeerState):
-            self._on_peer_state(msg, shard, out)
+            self._on_peer_state(msg, shard, now, out)
         elif isinstance(msg, PeerStateRequest):
             self._on_peer_request(msg, shard, now, out)
         elif isinstance(msg, RunSettings):
@@ -433,13 +471,34 @@ class LearnerSession:
             out.notes.append(f"learner {self.learner}: unexpected {type(msg).__name__} from shard {shard}")
         return out
 
-    def _on_peer_state(self, msg: PeerState, shard: int, out: LearnerOutput) -> None:
+    def _on_peer_state(self, msg: PeerState, shard: int, now: float, out: LearnerOutput) -> None:
         """Only the answer to this process's own pending request, once, relayed by shard 0 (which
-        relays only the peer it chose), and never from itself. Its values are validated by the
-        driver when it loads them (``training.peer_state.load_state``)."""
-        if self._awaiting_peer_state and msg.learner == self.learner and shard == 0 and msg.source != self.learner:
-            self._awaiting_peer_state = False
-            self._peer_state = msg
+        relays only the peer it chose), and never from itself. It may come in pieces, all from
+        one peer (``peer_state_chunks``): the last one, with the param_groups, completes it. Its
+        values are validated by the driver when it loads them (``training.peer_state.load_state``)."""
+        ours = msg.learner == self.learner and shard == 0 and msg.source != self.learner
+        if self._awaiting_peer_state and ours and self._ps_source in (None, msg.source):
+            if not is_piece(msg):
+                self._awaiting_peer_state = False
+                tensors = {**self._ps_pieces, **msg.tensors}
+                self._peer_state = PeerState(msg.learner, msg.source, msg.param_groups, tensors)
+                self._ps_pieces, self._ps_source = {}, None
+                return
+            self._ps_source = msg.source
+            self._ps_pieces.update(msg.tensors)
+            self._ps_numel += sum(t.numel() for t in msg.tensors.values())
+            if self._ps_numel > self._ps_max_numel:
+                self._awaiting_peer_state, self._ps_pieces = False, {}
+                out.notes.append(
+                    f"learner {self.learner}: dropped learner {msg.source}'s optimizer state: more than any "
+                    "optimizer of this model keeps; training on with its own"
+                )
+            elif now - self._ps_said >= JOIN_PROGRESS_S:
+                self._ps_said = now
+                out.info.append(
+                    f"learner {self.learner}: taking learner {msg.source}'s optimizer state: {len(self._ps_pieces)} "
+                    f"tensors so far ({self._ps_numel * 4 / 1e6:.1f} MB as fp32)"
+                )
         else:
             out.notes.append(
                 f"learner {self.learner}: ignored an optimizer state (from learner {msg.source}, shard {shard}) "
@@ -530,7 +589,12 @@ class LearnerSession:
         """Plan a step boundary (also without a step: while joining, blocked, or finishing)."""
         plan = BoundaryPlan()
         pieces = self.layout.fragments
-        for u in self._inbox:
+        for arrived in self._inbox:
+            u = self.codec.expand(arrived) if 0 <= arrived.fragment < len(pieces) else arrived
+            if isinstance(u, str):  # a delta off this learner's chain: the syncer sends the next one in full
+                what = f"fragment {arrived.fragment} version {arrived.version}"
+                plan.notes.append(f"learner {self.learner}: ignored {what}: {u}")
+                continue
             receipt = self.core.on_update(u, pieces[u.fragment] if 0 <= u.fragment < len(pieces) else None)
             if receipt.mode == "ignore":
                 if receipt.problem:
@@ -539,6 +603,7 @@ class LearnerSession:
                     )
                 continue
             self.received.add(u.fragment)
+            self.codec.received(u)
             self._prepared.pop(u.fragment, None)  # built on the old version: it would count that progress twice
             plan.apply.append((u, receipt))
         self._inbox.clear()
@@ -566,7 +631,8 @@ class LearnerSession:
         for p in dict.fromkeys([*plan.answer, *plan.push]):  # a fragment both asked for and due goes once
             out.send.append(self._sent(self.core.contribution(p, values[p], self.position)))
         self._prepared = {p: self.core.contribution(p, values[p], self.position) for p in plan.prepare}
-        out.send += [Send(0, ps) for ps in peer_states]
+        limit = int(self.rt.peer_state_chunk_mb * (1 << 20))
+        out.send += [Send(0, piece) for ps in peer_states for piece in peer_state_chunks(ps, limit)]
         if self.wants_peer_state and not self._asked_peer_state and len(self.received) == self.layout.num_fragments:
             # In a fresh run nobody has a state worth taking; in a run under way a warm one saves
             # the first steps from AdamW's cold start.
@@ -577,6 +643,10 @@ class LearnerSession:
         return out
 
     def _sent(self, c: Contribution) -> Send:
+        # Encoded only now, when it leaves: a snapshot prepared and then dropped must not move
+        # the error-feedback residual.
+        c, residual = self.codec.encode(c)
+        self.codec.sent(c.fragment, residual)
         self.core.sent(c)
         self.bytes_sent += payload_nbytes(c)  # what goes on the wire: the encoded payload when there is one
         return Send(self.shard_of(c.fragment), c)

@@ -25,7 +25,7 @@ MAX_PARAM_DIMS = 8
 MAX_PARAM_DIM = 2**31
 MAX_SETTINGS = 64
 """Most run settings a ``Register`` claims or a ``RunSettings`` carries."""
-SettingValue = int | float | str
+SettingValue = bool | int | float | str
 """A run setting's value (``ddiloco.settings`` says which settings there are)."""
 SETTINGS: dict[str, Any] = {"max_len": MAX_SETTINGS, "min": -MAX_SERIAL, "max": MAX_SERIAL}
 """Bounds of a settings dict: its entries, and each number's range (strings: 1024 characters)."""

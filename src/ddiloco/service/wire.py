@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddiloco.core import compress
+from ddiloco.core.compress import Encoded
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.protocol.messages import (
     FetchGlobal,
@@ -49,8 +51,9 @@ from ddiloco.protocol.messages import (
     SyncerHeartbeat,
 )
 
-SCHEMA = 5  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens;
-# 5: run settings (Register.settings, SettingsRequest, RunSettings), JoinReply.superseded
+SCHEMA = 6  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens;
+# 5: run settings (Register.settings, SettingsRequest, RunSettings), JoinReply.superseded; 6: encoded payloads
+# (Contribution.encoded, FragmentUpdate.kind/base_version/encoded)
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 _OTHERS = (PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, *_OTHERS, SettingsRequest, RunSettings)}
@@ -139,6 +142,16 @@ def _is_tensor_dict(tp: Any) -> bool:
     return typing.get_origin(tp) is dict and typing.get_args(tp) == (str, torch.Tensor)
 
 
+def _is_encoded_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is list and typing.get_args(tp) == (Encoded,)
+
+
+ENCODED_FOR = {"encoded": "values"}
+"""An encoded field and the tensor field it stands for: a message whose encoded list is not empty
+sends it instead (one frame per piece: its float32 scales, if any, then its codes), and the
+receiver's ``values`` are what it decodes to."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """What decode and encode need to know about one message class."""
@@ -151,6 +164,8 @@ class _Plan:
     """Tensor fields (a list or a dict of tensors), in declaration order."""
     tensor_lists: frozenset[str]
     tensor_dicts: frozenset[str]
+    encoded: frozenset[str]
+    """Lists of ``Encoded`` (sent in place of their ``ENCODED_FOR`` tensor list when not empty)."""
     names: frozenset[str]
     """Every non-tensor field name."""
 
@@ -163,17 +178,29 @@ def _plan(cls: type) -> _Plan:
     required: set[str] = set()
     lists: set[str] = set()
     dicts: set[str] = set()
+    encoded: set[str] = set()
     for fl in dataclasses.fields(cls):
         tp = hints[fl.name]
-        if _is_tensor_list(tp) or _is_tensor_dict(tp):
+        if _is_tensor_list(tp) or _is_tensor_dict(tp) or _is_encoded_list(tp):
             tensors.append(fl.name)
-            (lists if _is_tensor_list(tp) else dicts).add(fl.name)
+            if _is_encoded_list(tp):
+                encoded.add(fl.name)
+            else:
+                (lists if _is_tensor_list(tp) else dicts).add(fl.name)
         else:
             values.append((fl.name, _checker(tp, fl.metadata, f"{cls.__name__}.{fl.name}", 3)))
             if fl.default is dataclasses.MISSING and fl.default_factory is dataclasses.MISSING:
                 required.add(fl.name)
     names = frozenset(n for n, _ in values)
-    return _Plan(tuple(values), frozenset(required), tuple(tensors), frozenset(lists), frozenset(dicts), names)
+    return _Plan(
+        tuple(values),
+        frozenset(required),
+        tuple(tensors),
+        frozenset(lists),
+        frozenset(dicts),
+        frozenset(encoded),
+        names,
+    )
 
 
 def _range(meta: Mapping[str, Any], where: str, tp: Any) -> tuple[Any, Any]:
@@ -384,8 +411,19 @@ def encode(msg: Any) -> list[Any]:
             value = getattr(msg, f)
             check(value)
             fields[f] = value
+        replaced = {ENCODED_FOR[f] for f in plan.encoded if getattr(msg, f)}
         for f in plan.tensors:
             value = getattr(msg, f)
+            if f in replaced:
+                continue  # its encoded list goes instead
+            if f in plan.encoded:
+                for i, e in enumerate(value):
+                    problem = compress.check(e) if isinstance(e, Encoded) else "not an Encoded"
+                    if problem is not None or len(e.shape) > MAX_DIMS or any(d > MAX_DIM for d in e.shape):
+                        raise WireError(f"{name}.{f}[{i}]: {problem or 'shape out of bounds'}")
+                    specs.append([f, i, e.encoding, list(e.shape)])
+                    frames.append(_encoded_frame(e))
+                continue
             items = enumerate(value) if f in plan.tensor_lists else value.items()
             for key, t in items:
                 if f in plan.tensor_dicts:
@@ -408,6 +446,33 @@ def encode(msg: Any) -> list[Any]:
     if len(header) > MAX_HEADER:
         raise ValueError(f"refusing to encode {name}: header of {len(header)} bytes exceeds {MAX_HEADER}")
     return [header, *frames]
+
+
+def _encoded_frame(e: Encoded) -> Any:
+    """One frame for an encoded piece: its scales (float32), if any, then its data."""
+    data = e.data.detach().cpu().contiguous()
+    data = data.view(_NP_VIEW.get(data.dtype, data.dtype)).numpy()
+    if e.scales is None:
+        return data
+    return np.concatenate([e.scales.detach().cpu().contiguous().numpy().view(np.uint8), data.view(np.uint8)])
+
+
+def _decode_encoded(where: str, encoding: str, shape: list[int], buf: memoryview) -> Encoded:
+    """An encoded piece from its frame (sizes already checked), checked before it is decoded."""
+    n = math.prod(shape)
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    scales = None
+    if encoding in ("int8", "int4", "int2"):
+        cut = 4 * compress.num_blocks(n)
+        scales = torch.from_numpy(raw[:cut].copy().view(np.float32))
+        raw = raw[cut:]
+    dtype = compress.DATA_DTYPE[encoding]
+    data = torch.from_numpy(raw.copy().view(_NP_DTYPE[_DTYPE_NAMES[dtype]])).view(dtype)
+    e = Encoded(encoding, tuple(shape), torch.float32, data, scales)
+    problem = compress.check(e)
+    if problem is not None:
+        raise WireError(f"{where}: {problem}")
+    return e
 
 
 # -- decode -------------------------------------------------------------------------------------
@@ -520,11 +585,16 @@ def _decode(frames: Any) -> Any:
         elif f in plan.required:
             raise WireError(f"{cls.__name__}: missing field {f!r}")
     layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
-    for f in plan.tensor_lists:
+    for f in (*plan.tensor_lists, *plan.encoded):
         kwargs[f] = []
     for f in plan.tensor_dicts:
         kwargs[f] = {}
     for f, key, dtype, shape, buf in layout:
+        if f in plan.encoded:
+            if key != len(kwargs[f]):
+                raise WireError(f"{cls.__name__}.{f}: piece index {_show(key)} out of order")
+            kwargs[f].append(_decode_encoded(f"{cls.__name__}.{f}[{key}]", dtype, shape, buf))
+            continue
         arr = np.frombuffer(buf, dtype=_NP_DTYPE[dtype]).copy()  # own the bytes
         t = torch.from_numpy(arr).view(DTYPES[dtype]).reshape(shape)
         if f in plan.tensor_lists:
@@ -535,6 +605,12 @@ def _decode(frames: Any) -> Any:
             if key in kwargs[f]:
                 raise WireError(f"{cls.__name__}.{f}: tensor {key!r} sent twice")
             kwargs[f][key] = t
+    for f in plan.encoded:
+        if kwargs[f]:
+            target = ENCODED_FOR[f]
+            if kwargs[target]:
+                raise WireError(f"{cls.__name__}: both {target} and {f} sent")
+            kwargs[target] = [compress.decode(e) for e in kwargs[f]]
     return cls(**kwargs)
 
 
@@ -546,19 +622,24 @@ def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str,
     if not isinstance(f, str) or f not in plan.tensors:
         raise WireError(f"{name}: tensor for unknown field {_show(f)}")
     where = f"{name}.{f}"
-    if f in plan.tensor_lists:
+    if f in plan.tensor_lists or f in plan.encoded:
         if type(key) is not int:
             raise WireError(f"{where}: tensor index {_show(key)} is not an integer")
     else:
         _check_str(key, where=f"{where} key")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise WireError(f"{where}[{_show(key)}]: unsupported dtype {_show(dtype)}")
+    allowed = compress.ENCODINGS if f in plan.encoded else DTYPES
+    if not isinstance(dtype, str) or dtype not in allowed:
+        what = "encoding" if f in plan.encoded else "dtype"
+        raise WireError(f"{where}[{_show(key)}]: unsupported {what} {_show(dtype)}")
     if not (
         isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
     ):
         raise WireError(f"{where}[{_show(key)}]: bad shape {_show(shape)} (at most {MAX_DIMS} dims in [0, {MAX_DIM}])")
     buf = _buffer(frame)
-    expected = math.prod(shape) * _ITEMSIZE[dtype]
+    if f in plan.encoded:
+        expected = compress.encoded_nbytes(math.prod(shape), dtype)
+    else:
+        expected = math.prod(shape) * _ITEMSIZE[dtype]
     if buf.nbytes != expected:
         raise WireError(f"{where}[{_show(key)}]: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
     return f, key, dtype, shape, buf

@@ -1,0 +1,135 @@
+"""Compressed payloads, both ways (pure: tensors in, tensors out).
+
+Up: with a lossy encoding in either direction (``DiLoCoConfig.compressed``), a contribution is
+its delta against the learner's base, the version it last received *as it holds it*: parameters
+in the up-link encoding, plus the residual its last encoding dropped when error feedback is on;
+buffers and counts exactly, as values (statistics are levels, not progress).
+
+Down: a merged version goes as the encoded change from the previous version *as served*, and
+the syncer keeps that reconstruction (``Chain``), so a learner on the chain and the syncer hold
+the same bits and never drift. A learner off the chain (it missed a version, a delta was lost or
+reordered, it rejoined, the syncer restarted) gets the reconstruction in full, exactly.
+
+The learner's side is ``LearnerCodec``; the syncer's is ``Chain`` (one per fragment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from ddiloco.core.compress import Encoded, decode, encode
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import Piece
+from ddiloco.core.messages import Contribution, FragmentUpdate
+
+
+def _exact(t: torch.Tensor) -> Encoded:
+    return encode(t, "fp32")
+
+
+def encode_pieces(
+    values: Sequence[torch.Tensor], pieces: Sequence[Piece], encoding: str
+) -> tuple[list[Encoded], list[torch.Tensor]]:
+    """Each piece encoded (parameters in ``encoding``, buffers and counts exactly) and what each
+    decodes to."""
+    encoded = [encode(v, encoding) if pc.kind == "param" else _exact(v) for v, pc in zip(values, pieces)]
+    return encoded, [decode(e) for e in encoded]
+
+
+class LearnerCodec:
+    """A learner's base copies (one per fragment it received) and error-feedback residuals.
+
+    The residual is the learner's own, not the version's: it survives an overwrite by a merged
+    version, a rebase and a re-registration (only a new process starts without one).
+    """
+
+    def __init__(self, cfg: DiLoCoConfig, fragments: Sequence[Sequence[Piece]]) -> None:
+        self.cfg = cfg
+        self.pieces = fragments
+        self.base: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        """Fragment -> (version, its values as this learner holds them)."""
+        self.residual: dict[int, list[torch.Tensor]] = {}
+        """Fragment -> what its last lossy encoding dropped, per parameter piece (others: empty)."""
+
+    @property
+    def active(self) -> bool:
+        return self.cfg.compressed
+
+    def expand(self, u: FragmentUpdate) -> FragmentUpdate | str:
+        """``u`` as the full version it stands for, or why it cannot be applied (a delta that
+        does not chain from the version this learner holds). Full versions pass unchanged."""
+        if u.kind != "delta":
+            return u
+        held = self.base.get(u.fragment)
+        if held is None or held[0] != u.base_version:
+            have = "none" if held is None else f"version {held[0]}"
+            return f"a delta from version {u.base_version}, holding {have}: waiting for the full version"
+        pieces = self.pieces[u.fragment]
+        if len(u.values) != len(pieces) or any(d.shape != b.shape for d, b in zip(u.values, held[1])):
+            return "a delta that does not fit the fragment's pieces"
+        full = [b + d if pc.kind == "param" else d.clone() for b, d, pc in zip(held[1], u.values, pieces)]
+        return dataclasses.replace(u, values=full, kind="values", encoded=[])
+
+    def received(self, u: FragmentUpdate) -> None:
+        """A full version was applied: it is the base the next delta (either way) starts from."""
+        if self.active:
+            self.base[u.fragment] = (u.version, [v.float() for v in u.values])
+
+    def encode(self, c: Contribution) -> tuple[Contribution, list[torch.Tensor] | None]:
+        """``c`` (values) as this run sends it, and the residual to keep once it is sent (None:
+        nothing to keep). Without a base for the fragment (never received) it goes as values."""
+        held = self.base.get(c.fragment)
+        if not self.active or held is None or held[0] != c.base_version:
+            return c, None
+        pieces = self.pieces[c.fragment]
+        residual = self.residual.get(c.fragment)
+        payload: list[torch.Tensor] = []
+        for i, (b, v, pc) in enumerate(zip(held[1], c.values, pieces)):
+            if pc.kind != "param":
+                payload.append(v.float())
+                continue
+            delta = b - v.float()
+            if residual is not None and self.cfg.error_feedback:
+                delta += residual[i]
+            payload.append(delta)
+        encoded, decoded = encode_pieces(payload, pieces, self.cfg.up_encoding)
+        kept = None
+        if self.cfg.error_feedback:
+            kept = [p - d if pc.kind == "param" else torch.empty(0) for p, d, pc in zip(payload, decoded, pieces)]
+        return dataclasses.replace(c, values=decoded, kind="delta", encoded=encoded), kept
+
+    def sent(self, fragment: int, residual: list[torch.Tensor] | None) -> None:
+        """The contribution whose ``encode`` gave ``residual`` went out: keep what it dropped."""
+        if residual is not None:
+            self.residual[fragment] = residual
+
+
+@dataclasses.dataclass
+class Chain:
+    """The syncer's down-link chain of one fragment: what a learner on it holds (``served``, at
+    ``version``) and the encoded change that made that version from the one before."""
+
+    version: int
+    """The version ``served`` reconstructs."""
+    served: list[torch.Tensor]
+    """The values a learner on the chain holds at ``version`` (what a full version sends)."""
+    start: int
+    """The oldest version a delta may chain from: served copies from before this syncer process
+    (restored, or initial) are exact only at the version it started with, for learners it served."""
+    delta: tuple[list[Encoded], list[torch.Tensor]] | None = None
+    """(encoded, decoded) change from ``version - 1`` to ``version``; None before the first merge."""
+
+    def advance(self, version: int, values: Sequence[torch.Tensor], pieces: Sequence[Piece], encoding: str) -> None:
+        """The fragment's global values became ``version``: encode the change from what the chain
+        serves (so the encoding's error does not accumulate: the next change carries it)."""
+        change = [v - s if pc.kind == "param" else v for v, s, pc in zip(values, self.served, pieces)]
+        encoded, decoded = encode_pieces(change, pieces, encoding)
+        self.served = [s + d if pc.kind == "param" else d for s, d, pc in zip(self.served, decoded, pieces)]
+        self.version, self.delta = version, (encoded, decoded)
+
+    def can_chain(self, held: int | None) -> bool:
+        """Whether a learner holding ``held`` (as the syncer last knew it) takes the delta."""
+        return self.delta is not None and held is not None and held == self.version - 1 and held >= self.start
