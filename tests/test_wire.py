@@ -308,7 +308,7 @@ def test_values_at_the_bounds_round_trip():
         contribution([torch.zeros([1] * 9)]),
         Register(1, 5, [["w", [2, 3, -1]]], "abc"),
         Register(1, 5, [["w" * 2000, [2]]], "abc"),
-        Register(1, 5, [], "abc", settings={"run.seed": True}),
+        Register(1, 5, [], "abc", settings={"run.seed": [1]}),  # type: ignore[dict-item]
         RunSettings({f"k{i}": i for i in range(65)}),
         RunSettings({"inner.lr": float("nan")}),
         RunSettings({"run.processed_tokens": 2**64}),
