@@ -241,7 +241,7 @@ def test_nelder_mead_finds_quadratic_minimum() -> None:
         (lambda: SimConfig(seeds=0), "seeds"),
         (lambda: BandwidthConfig(params=-1), "params"),
         (lambda: BandwidthConfig(fragments=48, sync_every=24), "fragments"),
-        (lambda: BandwidthConfig(encoding="int2"), "encoding"),
+        (lambda: BandwidthConfig(encoding="fp64"), "encoding"),
     ],
 )
 def test_bad_input_names_the_field(make, field: str) -> None:
@@ -301,6 +301,41 @@ def test_bits_per_value_match_the_wire_encoder() -> None:
         assert compress.encoded_nbytes(n, enc) * 8 == pytest.approx(bits * n)
 
 
+def test_bits_per_value_cover_every_encoding_of_the_wire() -> None:
+    from ddiloco.core.compress import ENCODINGS
+    from ddiloco.goodput.bandwidth import BITS_PER_VALUE
+
+    assert tuple(BITS_PER_VALUE) == ENCODINGS  # read from the wire's table, not a copy of it
+    assert BITS_PER_VALUE["fp32"] == 32 and BITS_PER_VALUE["int8"] == 8 + 32 / 128
+
+
+def test_traffic_per_step_by_hand() -> None:
+    from ddiloco.goodput import traffic_per_step
+    from ddiloco.protocol.traffic import HEADER_BYTES, TENSOR_SPEC_BYTES
+
+    # N = 1000 fp32 values, P = 2, H = 4, M = 2, no heartbeats: 1000 * 4 / 4 bytes of payload a step
+    t = traffic_per_step(1000, 2, 4, 2)
+    assert t.up_payload == t.down_payload == 1000
+    assert t.up_overhead == pytest.approx(2 * (HEADER_BYTES["contribution"] + HEADER_BYTES["ack"]) / 4)
+    assert t.down_overhead == pytest.approx(2 * (HEADER_BYTES["request"] + HEADER_BYTES["version"]) / 4)
+    assert t.dp_bytes == 4000  # 2 (M - 1) / M * N * 4
+    j = t.to_json()
+    assert j["up_bytes_per_step"] == pytest.approx(t.up_payload + t.up_overhead)
+    assert j["dp_ratio_up"] == pytest.approx(4000 / j["up_bytes_per_step"])
+    assert traffic_per_step(1000, 2, 4, 4).dp_bytes == 6000
+    # int8 up (one float32 scale per 128 values), bf16 down; tensor specs; heartbeats: 2 shards, 2 a second, 0.5 s steps
+    t = traffic_per_step(1280, 2, 4, 2, "int8", "bf16", tensors=3, step_s=0.5, heartbeat_interval_s=0.5, shards=2)
+    assert t.up_payload == (1280 + 4 * 10) / 4 and t.down_payload == 1280 * 2 / 4
+    beats_up = 2 * HEADER_BYTES["heartbeat"]
+    assert t.up_overhead == pytest.approx(
+        (2 * (HEADER_BYTES["contribution"] + HEADER_BYTES["ack"]) + 3 * TENSOR_SPEC_BYTES) / 4 + beats_up
+    )
+    with pytest.raises(ConfigError, match="encoding"):
+        traffic_per_step(1000, 2, 4, 2, "fp64")
+    with pytest.raises(ConfigError, match="learners"):
+        traffic_per_step(1000, 2, 4, 0)
+
+
 # ---- CLI ------------------------------------------------------------------------------------
 
 
@@ -319,3 +354,9 @@ def test_cli_tables(capsys) -> None:
     assert "Decoupled DiLoCo" in capsys.readouterr().out
     assert main(["bandwidth", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["methods"]) == 4
+    args = ["bandwidth", "--params", "1000", "--sites", "2", "-P", "2", "-H", "4", "--encoding", "fp32", "--json"]
+    assert main(args) == 0
+    per_step = json.loads(capsys.readouterr().out)["per_step"]
+    assert per_step["up_payload"] == 1000 and per_step["dp_bytes_per_step"] == 4000
+    assert main(["bandwidth"]) == 0
+    assert "bytes per learner per inner step" in capsys.readouterr().out

@@ -9,7 +9,7 @@ cross-site bandwidth each training method needs. See docs/goodput.md.
 """
 
 from ddiloco.goodput.bands import Band, ConsistentSet, bands, consistent_set, median_member
-from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement, required_bandwidth
+from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement, StepTraffic, required_bandwidth, traffic_per_step
 from ddiloco.goodput.calibrate import (
     PAPER_DDILOCO,
     PAPER_DP,
@@ -50,6 +50,7 @@ __all__ = [
     "Requirement",
     "SimConfig",
     "Stat",
+    "StepTraffic",
     "Strategy",
     "ValleyConfig",
     "ValleyMap",
@@ -66,4 +67,5 @@ __all__ = [
     "required_bandwidth",
     "run_strategy",
     "simulate_grid",
+    "traffic_per_step",
 ]

@@ -14,8 +14,13 @@ first term is the sustained rate, the second the peak that the overlap window al
   the merged one every H / P steps, within tau steps. The figure is per learner link and per
   direction; the syncer's site aggregates S such links.
 
-Bits per value mirror ``ddiloco.core.compress`` (int8/int4 carry one float32 scale per block
-of 128 values), without importing torch.
+Bits per value come from the wire's own encoding table (``ddiloco.core.compress``: its
+``ENCODINGS`` and ``encoded_nbytes``, scales included), and data-parallel's all-reduce from
+``ddiloco.protocol.traffic.dp_ring_bytes``, the baseline the runtime's traffic reports use.
+
+``traffic_per_step`` gives the figure a run's measured traffic (metrics/traffic.json, summary.json's
+``traffic``) is compared with: Decoupled DiLoCo's steady-state bytes per learner per inner step on
+one learner's link, up and down, payload and modelled protocol overhead apart.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, encoded_nbytes
 from ddiloco.errors import ConfigError
+from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.traffic import HEADER_BYTES, TENSOR_SPEC_BYTES, dp_ring_bytes, ratio
 
-BITS_PER_VALUE: dict[str, float] = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0 + 32.0 / 128, "int4": 4.0 + 32.0 / 128}
-"""Wire bits per value of each encoding, scales included (see ddiloco.core.compress)."""
+_WHOLE_BLOCKS = 1024 * BLOCK_SIZE  # a length every encoding's blocks divide: no rounding in the rate
+BITS_PER_VALUE: dict[str, float] = {e: 8.0 * encoded_nbytes(_WHOLE_BLOCKS, e) / _WHOLE_BLOCKS for e in ENCODINGS}
+"""Wire bits per value of each encoding of ``ddiloco.core.compress``, scales included."""
 METHODS = ("data-parallel", "DiLoCo", "Streaming DiLoCo", "Decoupled DiLoCo")
 
 
@@ -104,11 +113,11 @@ class Requirement:
 def required_bandwidth(cfg: BandwidthConfig) -> list[Requirement]:
     """Bandwidth each method in ``METHODS`` needs to keep compute fully overlapped."""
     n, s, t = cfg.params, cfg.sites, cfg.step_s
-    ring = 2.0 * (s - 1) / s  # share of the buffer each site sends in a ring all-reduce
+    ring = dp_ring_bytes(1.0, s, bytes_per_value=1.0)  # share of the buffer each site sends in a ring all-reduce
     b_dp, b = BITS_PER_VALUE[cfg.dp_encoding], BITS_PER_VALUE[cfg.encoding]
     frag_interval = cfg.sync_every / cfg.fragments
     rows = [
-        ("data-parallel", ring * n * b_dp, 1.0, 1.0, 1),
+        ("data-parallel", dp_ring_bytes(n, s, b_dp / 8) * 8, 1.0, 1.0, 1),
         ("DiLoCo", ring * n * b, float(cfg.sync_every), float(cfg.overlap), 1),
         ("Streaming DiLoCo", ring * n * b / cfg.fragments, frag_interval, float(cfg.overlap), 1),
         ("Decoupled DiLoCo", n * b / cfg.fragments, frag_interval, float(cfg.overlap), s),
@@ -118,3 +127,94 @@ def required_bandwidth(cfg: BandwidthConfig) -> list[Requirement]:
         rate = max(bits / (interval * t), bits / (window * t)) / 1e9
         out.append(Requirement(method, bits, interval, window, rate, rate * fan_in))
     return out
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Decoupled DiLoCo's steady-state traffic on one learner's link, per inner step (bytes)."""
+
+    up_payload: float
+    """Contribution payloads: every value once per H steps, in the up encoding."""
+    down_payload: float
+    """Merged versions' payloads: every value once per H steps, in the down encoding."""
+    up_overhead: float
+    """Headers of the contributions (one per fragment per H steps, a tensor spec per tensor), the
+    acks (one per version) and the learner's heartbeats to each shard."""
+    down_overhead: float
+    """Headers of the requests (one per fragment per H steps), the versions (a tensor spec per
+    tensor) and each shard's heartbeats."""
+    dp_bytes: float
+    """Data-parallel's bytes per learner per step for the same model and fleet: an fp32 ring
+    all-reduce (``protocol.traffic.dp_ring_bytes``), sent, and as many received."""
+
+    @property
+    def up_bytes(self) -> float:
+        """Bytes per inner step, learner -> syncer."""
+        return self.up_payload + self.up_overhead
+
+    @property
+    def down_bytes(self) -> float:
+        """Bytes per inner step, syncer -> learner."""
+        return self.down_payload + self.down_overhead
+
+    def to_json(self) -> dict[str, float | None]:
+        return {
+            "up_bytes_per_step": self.up_bytes,
+            "down_bytes_per_step": self.down_bytes,
+            "up_payload": self.up_payload,
+            "down_payload": self.down_payload,
+            "up_overhead": self.up_overhead,
+            "down_overhead": self.down_overhead,
+            "dp_bytes_per_step": self.dp_bytes,
+            "dp_ratio_up": ratio(self.dp_bytes, self.up_bytes),
+            "dp_ratio_down": ratio(self.dp_bytes, self.down_bytes),
+        }
+
+
+def traffic_per_step(
+    params: int,
+    fragments: int,
+    sync_every: int,
+    learners: int,
+    encoding: str = "fp32",
+    down_encoding: str | None = None,
+    *,
+    tensors: int = 0,
+    step_s: float | None = None,
+    heartbeat_interval_s: float = RuntimeConfig.heartbeat_interval_s,
+    shards: int = 1,
+) -> StepTraffic:
+    """Predicted steady-state bytes per learner per inner step on its link, up and down: what a
+    run's measured ``traffic`` (``up_bytes_per_step``, ``down_bytes_per_step``) is compared with.
+
+    ``params`` values (N) in ``fragments`` (P), each synced every ``sync_every`` (H) steps, among
+    ``learners`` (M, for the data-parallel baseline); contributions in ``encoding``, merged versions
+    in ``down_encoding`` (default: the same). Every H steps a learner answers one request per
+    fragment with a contribution and acknowledges one merged version per fragment. Overhead: the
+    headers of those messages (``protocol.traffic.HEADER_BYTES``, ``tensors`` tensor specs per
+    model copy), and, given ``step_s``, one heartbeat each way per ``heartbeat_interval_s`` per
+    syncer shard. Not included: one-off traffic (joins, rejoins, the optimizer hand-off, the final
+    sync), ZeroMQ's and TCP's framing, and each tensor's rounding to whole blocks (a few bytes
+    per tensor for int8/int4)."""
+    down_encoding = encoding if down_encoding is None else down_encoding
+    for name, v in (("params", params), ("fragments", fragments), ("sync_every", sync_every), ("learners", learners),
+                    ("shards", shards)):  # fmt: skip
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{name} = {v!r}: must be an integer >= 1")
+    for name, e in (("encoding", encoding), ("down_encoding", down_encoding)):
+        if e not in BITS_PER_VALUE:
+            raise ConfigError(f"{name} = {e!r}: must be one of {', '.join(BITS_PER_VALUE)}")
+    if tensors < 0 or heartbeat_interval_s <= 0 or (step_s is not None and not step_s > 0):
+        raise ConfigError("tensors must be >= 0, heartbeat_interval_s and step_s > 0")
+    h, p = float(sync_every), float(fragments)
+    beats = shards * step_s / heartbeat_interval_s if step_s is not None else 0.0  # heartbeats per step, each way
+    specs = tensors * TENSOR_SPEC_BYTES  # one model copy's tensor specs, per direction per H steps
+    return StepTraffic(
+        up_payload=encoded_nbytes(params, encoding) / h,
+        down_payload=encoded_nbytes(params, down_encoding) / h,
+        up_overhead=(p * (HEADER_BYTES["contribution"] + HEADER_BYTES["ack"]) + specs) / h
+        + beats * HEADER_BYTES["heartbeat"],
+        down_overhead=(p * (HEADER_BYTES["request"] + HEADER_BYTES["version"]) + specs) / h
+        + beats * HEADER_BYTES["syncer_heartbeat"],
+        dp_bytes=dp_ring_bytes(params, learners),
+    )

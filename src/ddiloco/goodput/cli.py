@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from ddiloco.chaos import parse_distribution, parse_duration
 from ddiloco.errors import ConfigError
-from ddiloco.goodput.bandwidth import BITS_PER_VALUE, BandwidthConfig, required_bandwidth
+from ddiloco.goodput.bandwidth import BITS_PER_VALUE, BandwidthConfig, required_bandwidth, traffic_per_step
 from ddiloco.goodput.calibrate import (
     PAPER_DDILOCO,
     PAPER_DP,
@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--overlap", "--tau", type=int, default=d.overlap, help="tau (steps)")
     b.add_argument("--encoding", default=d.encoding, choices=list(BITS_PER_VALUE))
     b.add_argument("--dp-encoding", default=d.dp_encoding, choices=list(BITS_PER_VALUE))
+    b.add_argument("--down-encoding", default=None, choices=list(BITS_PER_VALUE),
+                   help="encoding of the merged versions the syncer sends (default: --encoding)")  # fmt: skip
+    b.add_argument("--tensors", type=int, default=0, help="tensors in the model (their header specs)")
+    b.add_argument("--heartbeat", default="0.5s", help="runtime.heartbeat_interval_s (heartbeat overhead)")
+    b.add_argument("--shards", type=int, default=1, help="syncer shards (each exchanges heartbeats)")
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     c = sub.add_parser("calibrate", help="fit the model to the paper's data-parallel rows")
@@ -284,7 +289,7 @@ def _band_set(a: argparse.Namespace) -> dict:
 
 
 def _bandwidth(a: argparse.Namespace) -> int:
-    from ddiloco.goodput.report import bandwidth_rows, bandwidth_title, print_table
+    from ddiloco.goodput.report import bandwidth_rows, bandwidth_title, print_table, step_rows
 
     try:
         params = float(a.params)
@@ -301,10 +306,21 @@ def _bandwidth(a: argparse.Namespace) -> int:
         dp_encoding=a.dp_encoding,
     )
     reqs = required_bandwidth(cfg)
+    step = traffic_per_step(
+        round(params), cfg.fragments, cfg.sync_every, cfg.sites, cfg.encoding, a.down_encoding,
+        tensors=a.tensors, step_s=cfg.step_s, heartbeat_interval_s=parse_duration(a.heartbeat, "heartbeat"),
+        shards=a.shards,
+    )  # fmt: skip
     if a.json:
-        print(json.dumps({"config": asdict(cfg), "methods": [r.to_json() for r in reqs]}, indent=2))
+        methods = [r.to_json() for r in reqs]
+        print(json.dumps({"config": asdict(cfg), "methods": methods, "per_step": step.to_json()}, indent=2))
         return 0
     print_table(bandwidth_title(cfg), *bandwidth_rows(reqs))
+    print_table(
+        "Decoupled DiLoCo steady state, bytes per learner per inner step (one learner's link; "
+        "data-parallel: fp32 ring all-reduce)",
+        *step_rows(step),
+    )
     return 0
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddiloco.goodput.bands import Band
-from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement
+from ddiloco.goodput.bandwidth import BandwidthConfig, Requirement, StepTraffic
 from ddiloco.goodput.calibrate import Calibration, Residual
 from ddiloco.goodput.simulate import Cell
 
@@ -113,6 +113,26 @@ def bandwidth_rows(reqs: Sequence[Requirement]) -> tuple[list[str], list[list[st
             f"{r.hub_gbps:.3g}",
         ]
         for r in reqs
+    ]
+    return header, rows
+
+
+def step_rows(step: StepTraffic) -> tuple[list[str], list[list[str]]]:
+    """The predicted bytes per learner per inner step, up and down, against data-parallel's."""
+    header = ["direction", "payload (B)", "overhead (B)", "total (B)", "data-parallel fp32 (B)", "x fewer"]
+    rows = [
+        [
+            name,
+            f"{payload:,.0f}",
+            f"{overhead:,.0f}",
+            f"{payload + overhead:,.0f}",
+            f"{step.dp_bytes:,.0f}",
+            f"{step.dp_bytes / (payload + overhead):,.1f}" if payload + overhead > 0 else "-",
+        ]
+        for name, payload, overhead in (
+            ("up", step.up_payload, step.up_overhead),
+            ("down", step.down_payload, step.down_overhead),
+        )
     ]
     return header, rows
 
