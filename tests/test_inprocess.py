@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FAST_RUNTIME, merges, wait_for
 
 from ddiloco.config import load_config
@@ -38,8 +39,8 @@ SETTINGS = [
 class Fleet:
     """A syncer and learners as threads on one in-process network."""
 
-    def __init__(self, run_dir: Path, faults: FaultInjector) -> None:
-        self.cfg = load_config(None, SETTINGS)
+    def __init__(self, run_dir: Path, faults: FaultInjector, extra: tuple[str, ...] = ()) -> None:
+        self.cfg = load_config(None, [*SETTINGS, *extra])
         self.net = InProcessNetwork(faults)
         # The processes' monotonic clocks start far from zero, as they do on a real host.
         self.clock = SkewedClock(monotonic_offset=12_345.0)
@@ -73,9 +74,13 @@ class Fleet:
         return merges(self.run_dir)
 
 
-def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path):
+COMPRESSED = ("algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true")
+
+
+@pytest.mark.parametrize("extra", [(), COMPRESSED], ids=["fp32", "int4"])
+def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path, extra):
     faults = FaultInjector(seed=7, drop=0.10, duplicate=0.05, delay=0.05, delay_s=1.5)
-    fleet = Fleet(tmp_path, faults)
+    fleet = Fleet(tmp_path, faults, extra)
     fleet.threads[0].start()
     try:
         for m in range(3):
@@ -107,3 +112,17 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path)
     assert not any(e.learner == 1 and e.incarnation == old_incarnation for e in late)
     # every learner that was stopped cleanly exited 0
     assert fleet.exits[0] == [0] and fleet.exits[2] == [0]
+    if extra:
+        # Lost, duplicated and delayed versions never leave a learner's copy apart from the
+        # syncer's: wherever a learner holds the version the chain serves, the bits are the same.
+        same = 0
+        for m in (0, 2):
+            learner = fleet.learners[m].learner
+            assert learner is not None and learner.session is not None
+            for p, (version, values) in learner.session.codec.base.items():
+                chain = fleet.syncer.core.fragments[p].chain
+                assert chain is not None
+                if version == chain.version and version >= chain.start:
+                    assert all(torch.equal(a, b) for a, b in zip(values, chain.served)), (m, p, version)
+                    same += 1
+        assert same > 0
