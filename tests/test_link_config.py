@@ -174,3 +174,35 @@ def test_the_launchers_relays_forward_to_the_syncer_and_log_their_faults(tmp_pat
         for p in la._procs():
             p.kill_groups()
         fake_syncer.close()
+
+
+@pytest.mark.slow
+def test_train_chaos_runs_to_its_end_with_learners_behind_relays(tmp_path):
+    """`ddiloco train --chaos` with both learners behind relays (one shaped and stalling, one cut
+    for a while, a hold and resets): the run still ends on its token budget with merges, and the
+    relays' faults are in faults.jsonl, whole lines among the launcher's own."""
+    import subprocess
+    import sys
+
+    from test_runtime import ENV, SETTINGS
+
+    links = ['chaos.links=["1:2mbit,20ms,jitter=5ms,stall=0.05:100ms"]', "chaos.site_link=50mbit",
+             'chaos.link_faults=["1:hold:2s@12s", "1:reset_every:3s", "0:cut:2s@16s", "0:hold:13s@1s"]',
+             "chaos.failures_per_learner=0"]  # fmt: skip
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", "train", "--chaos", "--run-dir", str(run_dir), *SETTINGS,
+         "--set", "run.processed_tokens=6000", *[a for c in links for a in ("--set", c)]],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    faults = [json.loads(line) for line in (run_dir / "metrics" / "faults.jsonl").read_text().splitlines()]
+    link = [(f["kind"], f["target"]) for f in faults if f["target"].startswith("link-")]
+    for kind, target in [("hold", 1), ("hold end", 1), ("reset", 1), ("cut", 0), ("cut end", 0), ("hold end", 0)]:
+        assert (f"link {kind}", f"link-{target}") in link, (kind, target, link)
+    first = next(f for f in faults if f["target"] == "link-0")  # a hold under way when the relays started
+    assert first["kind"] == "link hold" and first["time"] > 1.0 and first["duration_s"] < 13.0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "(run.processed_tokens)" in summary["ended"] and summary["tokens_processed"] > 0
+    assert summary["failures"] == 0  # link faults are not learner failures
+    assert json.loads((run_dir / "links.json").read_text())["site_link"] == "50mbit"

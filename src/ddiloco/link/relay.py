@@ -231,6 +231,9 @@ class Relay:
 
     async def _tick(self) -> None:
         last = self.clock()
+        for kind, end in (("hold", self.timeline.hold_end(last)), ("cut", self.timeline.cut_end(last))):
+            if end is not None and self.on_event is not None:  # under way before we started: say so
+                self.on_event(self.route.name, LinkEvent(last, kind, end - last))  # type: ignore[arg-type]
         while True:
             await asyncio.sleep(FAULT_TICK_S)
             now = self.clock()
