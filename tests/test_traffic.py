@@ -243,3 +243,34 @@ def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_
     assert json.loads((d / "metrics" / "traffic.json").read_text()) == result.traffic
     summary = json.loads((d / "summary.json").read_text())
     assert summary["traffic"]["up_bytes_per_step"] == pytest.approx(f["up_bytes_per_step"])
+
+
+def test_a_restarted_syncer_goes_on_counting_from_its_traffic_file(tmp_path) -> None:
+    import ddiloco
+    from ddiloco.config import load_config
+    from ddiloco.service.transport import InProcessNetwork
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, ["run.num_learners=2", "algo.sync_every=4"])
+    net = InProcessNetwork()
+    d = tmp_path / "run"
+
+    def server(address: str) -> ddiloco.SyncerServer:
+        torch.manual_seed(0)
+        return ddiloco.SyncerServer(torch.nn.Linear(4, 2), address, d, config=cfg, transport=net.syncer(address),
+                                    fsync=False).start()  # fmt: skip
+
+    first = server("inproc://a")
+    first.service.traffic.add(0, "up", "contribution", 500)
+    first.service.traffic.observe_steps(0, 1, 10)
+    first.stop()  # its shutdown writes its status, and with it metrics/traffic.json
+    saved = json.loads((d / "metrics" / "traffic.json").read_text())
+    assert saved["params"] == 10 and saved["learners"] == 2
+    assert saved["by_learner"]["0"]["up"]["contribution"]["bytes"] == 500
+    second = server("inproc://b")
+    second.service.traffic.add(0, "up", "contribution", 300)
+    second.service.traffic.observe_steps(0, 1, 12)  # the same process, heard again: its steps are cumulative
+    got = second.service.traffic_dict()["by_learner"]["0"]
+    assert got["up"]["contribution"] == {"bytes": 800, "messages": 2} and got["steps"] == 12
+    second.stop()
+    assert json.loads((d / "summary.json").read_text())["traffic"]["by_learner"]["0"]["up_bytes"] == 800

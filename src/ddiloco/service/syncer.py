@@ -37,11 +37,11 @@ from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.messages import Register, SettingsRequest, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
-from ddiloco.protocol.traffic import Direction, TrafficMeter
+from ddiloco.protocol.traffic import Direction, TrafficMeter, merge_traffic
 from ddiloco.report.model_file import save_state_dict
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
-from ddiloco.report.tape import append_run_event, read_jsonl
+from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.keys import ServerKeys, is_local
@@ -188,6 +188,10 @@ class SyncerService:
         self._last_metrics = start
         # Every frame byte of every learner's link, by kind (metrics/traffic*.json, ddiloco status).
         self.traffic = TrafficMeter()
+        self._traffic_path = (
+            self.run_dir / "metrics" / ("traffic.json" if num_shards == 1 else f"traffic-shard-{shard}.json")
+        )
+        self._traffic_before = read_json(self._traffic_path)  # a restart goes on counting from there
         self._traffic_params = sum(t.numel() for t in params.values())  # N, for the data-parallel baseline
         self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
 
@@ -305,7 +309,9 @@ class SyncerService:
 
     def traffic_dict(self) -> dict[str, Any]:
         """This shard's traffic meter as JSON (metrics/traffic.json; ``protocol.traffic``)."""
-        return self.traffic.to_dict(params=self._traffic_params, learners=self.cfg.run.num_learners)
+        now = self.traffic.to_dict(params=self._traffic_params, learners=self.cfg.run.num_learners)
+        # Bytes add up over this shard's processes; steps are the learners' own (cumulative) counts.
+        return merge_traffic([now, self._traffic_before]) if self._traffic_before else now
 
     def _count_bad(self, kind: str, text: str) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + 1
@@ -430,8 +436,7 @@ class SyncerService:
 
     def write_status(self) -> None:
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
-        name = "traffic.json" if self.num_shards == 1 else f"traffic-shard-{self.shard}.json"
-        write_status(self.run_dir / "metrics" / name, self.traffic_dict())  # the summary adds the shards up
+        write_status(self._traffic_path, self.traffic_dict())  # the summary adds the shards up
 
     def write_learner_metrics(self) -> None:
         """Append one record per learner to metrics/learners.jsonl (shard 0 only: every shard
