@@ -38,7 +38,7 @@ from ddiloco.errors import ConfigError, require
 
 RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
-SIZE_UNITS = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
+SIZE_UNITS: dict[str, float] = {"b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 _QUANTITY = re.compile(rf"^({_NUMBER})\s*([a-z]+)$", re.IGNORECASE)
 DIRECTION_KEYS = ("rate", "latency", "delay", "jitter", "stall")
@@ -51,10 +51,9 @@ LINK_SYNTAX = (
 
 def _quantity(text: str, units: dict[str, float], what: str, where: str) -> float:
     m = _QUANTITY.match(text.strip())
-    unit = m.group(3).lower() if m else ""
-    if not m or unit not in units:
+    if m is None or m.group(3).lower() not in units:
         raise ConfigError(f"{where}: {text!r} is not {what} (a number and one of {', '.join(units)})")
-    return float(m.group(1)) * units[unit]
+    return float(m.group(1)) * units[m.group(3).lower()]
 
 
 def parse_rate(text: str, where: str = "link") -> float:
@@ -192,7 +191,7 @@ def parse_link(text: str) -> LinkConfig:
 
 def _is(text: str, units: dict[str, float]) -> bool:
     m = _QUANTITY.match(text)
-    return bool(m) and m.group(3).lower() in units
+    return m is not None and m.group(3).lower() in units
 
 
 def _direction_item(name: str, value: str, where: str) -> dict[str, float]:
