@@ -16,7 +16,7 @@ from ddiloco.config import load_config
 from ddiloco.errors import ConfigError
 from ddiloco.link.command import LinkPlan, parse_hostport
 from ddiloco.link.config import DirectionConfig, LinkConfig, LinkFaults, Partition, parse_fault, parse_link
-from ddiloco.service.launcher import Launcher
+from ddiloco.service.launcher import Launcher, check_chaos_horizon
 
 torch.set_num_threads(1)
 
@@ -101,6 +101,11 @@ def test_the_chaos_section_takes_links_and_says_what_is_wrong_in_one_line():
                              'chaos.link_faults=["0:cut:30s@50%", "1:hold:5s@10%", "1:reset_mean:10s"]'])  # fmt: skip
     plan = link_plan(cfg.chaos, 3, horizon_s=100.0)
     assert plan == {0: ("", ("cut:30s@50%",)), 1: ("10mbit,50ms", ("hold:5s@10%", "reset_mean:10s"))}
+    overlap = ChaosConfig(link_faults=("0:hold:30s@10%", "0:cut:5s@20s"))
+    assert link_plan(overlap, 3) == {0: ("", ("hold:30s@10%", "cut:5s@20s"))}  # the run's length unknown: fine
+    with pytest.raises(ConfigError, match="learner 0's hold and cut overlap"):
+        link_plan(overlap, 3, horizon_s=100.0)  # 10 .. 40 s and 20 .. 25 s
+    assert link_plan(overlap, 3, horizon_s=300.0)  # 30 .. 60 s and 20 .. 25 s
     site = ChaosConfig(links=("1:10mbit",), site_link="100mbit")
     assert sorted(link_plan(site, 3, 1.0)) == [0, 1, 2]  # a site link: every learner goes through it
     assert link_plan(ChaosConfig(), 3, 1.0) == {}  # the default: no relays, nothing changes
@@ -110,7 +115,6 @@ def test_the_chaos_section_takes_links_and_says_what_is_wrong_in_one_line():
         ('chaos.links=["1:10mbyte"]', "'10mbyte' is neither a rate nor a latency"),
         ('chaos.links=["1:1mbit", "1:2mbit"]', "two entries for learner 1"),
         ('chaos.link_faults=["1:hold:30s"]', "needs its start"),
-        ('chaos.link_faults=["0:hold:30s@10s", "0:cut:5s@20s"]', "learner 0's hold and cut overlap"),
         ('chaos.site_link="fast"', "site link 'fast': 'fast' is not a rate"),
     ]:
         with pytest.raises(ConfigError) as e:
@@ -140,6 +144,10 @@ def test_train_chaos_puts_a_relay_in_front_of_each_configured_learner(tmp_path):
     assert plan["horizon_s"] == 60 and plan["start_at"] == la._t0
     assert LinkPlan.from_json(plan).routes[1].faults.reset_every_s == 1.0  # the child reads it back
     assert la.links is not None and la.links in la._procs() and "--faults-log" in la.links.argv
+    overlapping = load_config(None, [*SYNTHETIC, "chaos.enabled=true", "runtime.duration_s=100",
+                                     'chaos.link_faults=["0:hold:30s@10%", "0:cut:5s@20s"]'])  # fmt: skip
+    with pytest.raises(ConfigError, match="learner 0's hold and cut overlap"):
+        check_chaos_horizon(overlapping)  # ddiloco train says so before it makes a run folder
     off = Launcher(load_config(None, [*SYNTHETIC, "run.num_learners=2", 'chaos.links=["1:10mbit"]']),
                    tmp_path / "off", insecure=True)  # fmt: skip
     assert off.links is None and all(p.argv[p.argv.index("--syncer") + 1] == off.addr for p in off.learners)

@@ -64,12 +64,15 @@ class ChaosConfig:
         for m in self.learners:
             if not 0 <= m < num_learners:
                 raise ConfigError(f"chaos.learners contains {m}; allowed: 0 .. {num_learners - 1}")
-        link_plan(self, num_learners, horizon_s=1.0)  # each bad entry: one line
+        link_plan(self, num_learners)  # each bad entry: one line
 
 
-def link_plan(cfg: ChaosConfig, num_learners: int, horizon_s: float) -> dict[int, tuple[str, tuple[str, ...]]]:
+def link_plan(
+    cfg: ChaosConfig, num_learners: int, horizon_s: float | None = None
+) -> dict[int, tuple[str, tuple[str, ...]]]:
     """Learner -> (its link string, its fault strings) for every learner behind a relay (all of
-    them when there is a site link), validated; ``horizon_s`` is what a '%' is a fraction of."""
+    them when there is a site link), validated; ``horizon_s``: the run's length, what a '%' is a
+    fraction of (None: unknown yet, so overlapping partitions are not looked for)."""
     links: dict[int, str] = {}
     for text in cfg.links:
         m, spec = split_learner(text, num_learners, "chaos.links")
@@ -80,9 +83,9 @@ def link_plan(cfg: ChaosConfig, num_learners: int, horizon_s: float) -> dict[int
     faults: dict[int, list[str]] = {}
     for text in cfg.link_faults:
         m, spec = split_learner(text, num_learners, "chaos.link_faults")
-        parse_fault(spec, horizon_s)
+        parse_fault(spec, 1.0 if horizon_s is None else horizon_s)
         faults.setdefault(m, []).append(spec)
-    for m, specs in faults.items():  # two partitions of one link must not overlap: say which
+    for m, specs in faults.items() if horizon_s is not None else ():  # partitions of one link must not overlap
         parts = LinkFaults.parse(specs, horizon_s).partitions
         for a, b in zip(parts, parts[1:]):
             if b.start_s < a.end_s:

@@ -59,6 +59,8 @@ def check_chaos_horizon(cfg: Config) -> None:
             "time budget: set one (e.g. --set runtime.duration_s=300; the run still ends at its tokens if those come "
             "first)"
         )
+    if cfg.chaos.enabled:  # the links' partitions, now that the run's length is known (one line if they overlap)
+        link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
