@@ -6,15 +6,15 @@ make a live peer look dead. No wall clock anywhere: every time is handed in."""
 from __future__ import annotations
 
 import torch
-from helpers import SESSION_CFG, SESSION_LAYOUT, SESSION_REGISTRATION
+from helpers import SESSION_CFG, SESSION_LAYOUT, SESSION_REGISTRATION, SESSION_RT
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Ack, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.protocol.config import RuntimeConfig
-from ddiloco.protocol.learner_session import LearnerSession, Registration
-from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
+from ddiloco.protocol.learner_session import LearnerSession, Registration, is_piece, peer_state_chunks
+from ddiloco.protocol.messages import JoinReply, PeerState, PeerStateRequest, Register, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, SyncerSession
 
 torch.set_num_threads(1)
@@ -152,3 +152,100 @@ def test_acks_keep_a_learner_live_at_the_syncer() -> None:
     # a stranger's message for learner 0 is no sign of learner 0's life
     syncer.receive(b"other", Ack(0, 1, 0, 0), now + 1.01 * timeout)
     assert syncer.core.live(now + 1.01 * timeout) == []
+
+
+# -- the optimizer hand-off goes in pieces ------------------------------------------------------
+
+
+def adamw_state() -> tuple[torch.optim.AdamW, PeerState]:
+    from ddiloco.training.peer_state import state_message
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 16)).square().sum().backward()
+        opt.step()
+    return opt, state_message(opt, to=0, source=1)
+
+
+def test_a_state_is_cut_into_pieces_of_whole_tensors_and_the_last_carries_the_param_groups() -> None:
+    _, ps = adamw_state()
+    pieces = peer_state_chunks(ps, 1100)  # one 16x16 fp32 moment is 1024 bytes
+    assert len(pieces) > 2
+    assert all(is_piece(p) for p in pieces[:-1]) and not is_piece(pieces[-1])
+    assert pieces[-1].param_groups == ps.param_groups
+    assert all(sum(t.numel() * t.element_size() for t in p.tensors.values()) <= 1100 for p in pieces)
+    merged = {k: v for p in pieces for k, v in p.tensors.items()}
+    assert list(merged) == list(ps.tensors) and all(merged[k] is ps.tensors[k] for k in merged)
+    assert peer_state_chunks(ps, 1 << 20) == [ps]  # small enough: one message, as before
+    empty = PeerState(0, -1, [], {})
+    assert peer_state_chunks(empty, 100) == [empty] and not is_piece(empty)
+    big = peer_state_chunks(ps, 10)  # a tensor larger than the limit goes alone
+    assert all(len(p.tensors) == 1 for p in big)
+
+
+def test_a_learner_takes_a_state_in_pieces_from_its_peer_only_and_loads_it() -> None:
+    from ddiloco.training.peer_state import load_state
+
+    opt, ps = adamw_state()
+    s = joined()
+    s._awaiting_peer_state = True  # as after its request (complete() asks once the join is whole)
+    pieces = peer_state_chunks(ps, 1100)
+    now = 1.0
+    for piece in pieces[:-1]:
+        now += 1.0
+        assert not s.receive(0, piece, now).notes
+        intruder = PeerState(0, 2, [{"ddiloco_piece": 0}], {"0.exp_avg": torch.ones(16, 16)})
+        assert s.receive(0, intruder, now).notes  # another peer's piece is not taken
+        assert s.boundary(now).peer_state is None  # not whole yet
+    s.receive(0, pieces[-1], now + 1.0)
+    got = s.boundary(now + 1.0).peer_state
+    assert got is not None and got.source == 1 and got.param_groups == ps.param_groups
+    assert set(got.tensors) == set(ps.tensors)
+    _, fresh = adamw_state()
+    assert load_state(opt, got, torch.device("cpu")) is None
+    assert fresh.tensors.keys() == got.tensors.keys()
+
+
+def test_a_learner_drops_a_state_larger_than_any_optimizer_of_its_model_keeps() -> None:
+    s = joined()
+    s._awaiting_peer_state = True
+    huge = torch.zeros(4 * 16 * P + (1 << 20) + 1)
+    out = s.receive(0, PeerState(0, 1, [{"ddiloco_piece": 0}], {"0.exp_avg": huge}), 1.0)
+    assert out.notes and not s._awaiting_peer_state
+
+
+def relay_syncer() -> SyncerSession:
+    initial = {"w": torch.zeros(3, 2), "b": torch.zeros(2)}
+    core = Syncer(SESSION_CFG, SESSION_LAYOUT, initial, [False] * sum(len(f) for f in SESSION_LAYOUT.fragments))
+    syncer = SyncerSession(core, SESSION_RT, Budget(), SESSION_REGISTRATION, 0.0)
+    r = SESSION_REGISTRATION
+    for m, peer in ((0, "a"), (1, "b")):
+        syncer.receive(peer, Register(m, 1, r.params, r.layout, []), 0.0)
+    return syncer
+
+
+def test_the_relay_waits_as_long_as_pieces_keep_coming_and_forgets_a_silent_one() -> None:
+    syncer = relay_syncer()
+    syncer.receive("b", PeerStateRequest(1, 1), 0.5)  # relayed to learner 0 ("a")
+    gap = 0.9 * SESSION_RT.peer_state_timeout_s
+    now = 0.5
+    for i in range(5):  # 5 gaps of 0.9 x the timeout: far past it in all, never silent that long
+        now += gap
+        piece = PeerState(1, 0, [{"ddiloco_piece": i}], {f"{i}.exp_avg": torch.zeros(3)})
+        out = syncer.receive("a", piece, now)
+        assert out.send == [("b", piece)] and not out.notes
+    final = PeerState(1, 0, [{"lr": 0.1}], {"5.exp_avg": torch.zeros(3)})
+    assert syncer.receive("a", final, now + gap).send == [("b", final)]
+    assert 1 not in syncer.handoffs  # done: a further copy is refused
+    assert not syncer.receive("a", final, now + gap).send
+
+    syncer = relay_syncer()
+    syncer.receive("b", PeerStateRequest(1, 1), 0.5)
+    piece = PeerState(1, 0, [{"ddiloco_piece": 0}], {"0.exp_avg": torch.zeros(3)})
+    assert syncer.receive("a", piece, 1.0).send
+    late = 1.0 + SESSION_RT.peer_state_timeout_s
+    out = syncer.receive("a", PeerState(1, 0, [{"ddiloco_piece": 1}], {"1.exp_avg": torch.zeros(3)}), late)
+    assert not out.send and out.notes[0].kind == "refused_relay"  # silent for the timeout: forgotten

@@ -184,7 +184,8 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
-        require(0 < rt.send_queue_mb < 1 << 30, "runtime.send_queue_mb", rt.send_queue_mb, "> 0 MiB, finite")
+        for name in ("send_queue_mb", "peer_state_chunk_mb"):
+            require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")
         for name in (
             "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
             "give_up_after_s",

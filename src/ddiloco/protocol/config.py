@@ -86,8 +86,15 @@ class RuntimeConfig:
     many seconds (others are refused at once, cheaply), and the syncer relays at most one request
     per requester per this many seconds."""
     peer_state_timeout_s: float = 30.0
-    """How long the syncer waits for the chosen peer's optimizer state before it forgets the
-    request (the requester then trains on with its own, cold state)."""
+    """How long the syncer waits for the chosen peer's optimizer state without progress before
+    it forgets the request (the requester then trains on with its own, cold state): counted from
+    the request, then from each piece of the state it relays (``peer_state_chunk_mb``), so a
+    hand-off over a thin link takes as long as its pieces keep coming."""
+    peer_state_chunk_mb: float = 1.0
+    """The optimizer hand-off goes in pieces of about this many MiB (whole tensors: a larger one
+    goes alone), so that on a thin link each crosses within the liveness timeouts (any message
+    is liveness, but ZeroMQ delivers whole messages only) and the relay's timeout follows the
+    pieces: keep it below the slowest link's rate x ``syncer_liveness_s`` (1 MiB: 4.2 s at 2 Mbit/s)."""
     record_mb: float = 0.0
     """Flight recorder: each syncer shard records what its session is handed (messages, with
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to

@@ -14,7 +14,8 @@ It owns the algorithm's ``Syncer`` core and every protocol rule around it:
   told so (``SyncerHeartbeat(bound=False)``) and registers again, on a fresh connection;
 - the optimizer hand-off: a rejoining learner's request is relayed to one live peer that is
   not serving another, at most one outstanding per requester and one per
-  ``peer_state_interval_s``; only the chosen peer's answer is relayed back, once;
+  ``peer_state_interval_s``; only the chosen peer's answer is relayed back, once (in pieces,
+  each moving the request's expiry on: it follows progress);
 - reads (``FetchGlobal``, ``StatusRequest``) at most ``max_fetches_per_s`` per key;
 - the learners' reported progress (``fleet.FleetBook``) and the run's budget: tokens processed
   by the fleet, tokens merged, the run's age;
@@ -43,7 +44,7 @@ from ddiloco.core.syncer import FragmentRecord, Output, Syncer, SyncerView
 from ddiloco.core.tape import TapeRecord
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.fleet import FleetBook
-from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.learner_session import Registration, is_piece
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     FetchGlobal,
@@ -122,7 +123,8 @@ class Handoff:
     source: int
     """The live peer chosen to answer (only its answer is relayed, once)."""
     until: float
-    """When the request is forgotten (``peer_state_timeout_s`` after it was relayed)."""
+    """When the request is forgotten (``peer_state_timeout_s`` after it was relayed, or after
+    the last piece of the answer was)."""
 
 
 @dataclass(frozen=True)
@@ -438,8 +440,10 @@ class SyncerSession:
         """Optimizer state for a rejoining learner goes from one live peer through the syncer,
         only as asked: one outstanding request per requester, at most one per
         ``peer_state_interval_s``, to a peer not serving another; only that peer's answer is
-        relayed, once. Anything else is refused with a note (a flood of requests costs no peer
-        a copy of its state, and no one can push a state nobody asked for)."""
+        relayed, once (in pieces, ``learner_session.peer_state_chunks``: each piece relayed moves
+        the request's expiry on, so a thin link's hand-off is not cut off midway). Anything else
+        is refused with a note (a flood of requests costs no peer a copy of its state, and no
+        one can push a state nobody asked for)."""
         for m in [m for m, h in self.handoffs.items() if now >= h.until]:
             del self.handoffs[m]  # the chosen peer never answered: forget it
         if isinstance(msg, PeerStateRequest):
@@ -470,7 +474,10 @@ class SyncerSession:
                 text = f"PeerState from learner {msg.source} for learner {msg.learner} refused: {why}"
                 out.notes.append(Note("refused_relay", text))
                 return
-            del self.handoffs[msg.learner]
+            if is_piece(msg):  # more pieces follow: the wait for them starts again (it follows progress)
+                h.until = now + self.rt.peer_state_timeout_s
+            else:
+                del self.handoffs[msg.learner]
             out.send.append((target, msg))
 
     def _broadcast(self, msg: Any, out: SyncerOutput) -> None:
