@@ -48,7 +48,9 @@ class LinkEvent:
     """A fault the relay acts on (resets) and logs."""
 
     time: float
+    """When it happens, on the relay's clock."""
     kind: EventKind
+    """A hold or cut starting or ending, or a reset of every connection."""
     duration_s: float = 0.0
     """How long a hold or cut lasts (at its start)."""
 
