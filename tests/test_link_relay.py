@@ -85,6 +85,48 @@ def test_bytes_arrive_intact_and_in_order_through_a_small_buffer():
     asyncio.run(go())
 
 
+def test_a_stalled_receiver_fills_the_relays_bounded_queue_and_no_more():
+    async def go() -> None:
+        release, received = asyncio.Event(), bytearray()
+
+        async def slow_sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await release.wait()  # reads nothing until told: the relay's queue must stop filling
+            while data := await reader.read(65536):
+                received.extend(data)
+            writer.close()
+
+        sink = await asyncio.start_server(slow_sink, LOOP, 0)
+        link = parse_link("buffer=64KiB,chunk=16KiB")
+        relay = Relay(Route("link-b", (LOOP, 0), (LOOP, port_of(sink)), link), time.monotonic)
+        port = await relay.start()
+        payload = random.Random(1).randbytes(16 * 1024 * 1024)
+        try:
+            _, writer = await asyncio.open_connection(LOOP, port)
+            writer.write(payload)  # far more than every buffer on the way holds
+            sending = asyncio.create_task(writer.drain())
+            peak = 0
+            for _ in range(60):
+                await asyncio.sleep(0.01)
+                for c in relay.connections:
+                    peak = max(peak, c.up.queued_bytes)
+            assert peak == link.buffer_bytes  # it filled, to its bound and not a byte past it
+            assert not sending.done()  # the sender is held back: backpressure reached it
+            release.set()
+            await asyncio.wait_for(sending, 30)
+            writer.write_eof()
+            for _ in range(3000):
+                if len(received) == len(payload):
+                    break
+                await asyncio.sleep(0.01)
+            assert bytes(received) == payload
+            writer.close()
+        finally:
+            await relay.close()
+            sink.close()
+
+    asyncio.run(go())
+
+
 async def _reset_or_closed(reader: asyncio.StreamReader) -> bool:
     """True when the connection was reset or closed (no bytes came)."""
     try:
