@@ -49,6 +49,7 @@ from ddiloco.sim.faults import (
     SlowLink,
     poisoned_state,
 )
+from ddiloco.sim.links import SimLinks
 from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
@@ -210,6 +211,8 @@ class Simulation:
         self.traffic = TrafficMeter()
         """Every message delivered, by learner, direction and kind (metrics/traffic.json)."""
         self._last_arrival: dict[tuple[int, int], float] = {}
+        # The links of chaos.links / chaos.site_link, from their own seeded stream.
+        self.links = SimLinks(cfg.chaos, m_count, np.random.default_rng([r.seed, 0x11A7]))
         self._next_sample = 0.0
         num_shards = s.syncer_shards
         self.shards = [
@@ -242,7 +245,11 @@ class Simulation:
         for f in self.faults:
             if isinstance(f, SlowLink) and f.learner == learner and f.start_s <= self.now < f.end_s:
                 extra_s += f.extra_s
-        arrival = max(self.now + extra_s + self._transfer_s(nbytes), self._last_arrival.get((src, dst), 0.0))
+        if self.links.covers(learner):  # an emulated link (chaos.links, chaos.site_link)
+            sent = self.links.transfer_end(self.now + extra_s, learner, "up" if src < SYNCER else "down", nbytes)
+        else:
+            sent = self.now + extra_s + self._transfer_s(nbytes)
+        arrival = max(sent, self._last_arrival.get((src, dst), 0.0))
         self._last_arrival[(src, dst)] = arrival
         self._at(arrival, dst, kind, data)
 
