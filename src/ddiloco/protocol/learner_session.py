@@ -3,8 +3,10 @@
 It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
 
 - the link to each syncer shard: registration (again, with backoff, when a shard goes silent or
-  restarts), the shard's epoch, its liveness, heartbeats; all timing is deadlines on the time it
-  is handed (``tick`` and ``next_deadline``);
+  restarts), the shard's epoch, its liveness (any message from it counts, not only heartbeats),
+  heartbeats; all timing is deadlines on the time it is handed (``tick`` and ``next_deadline``);
+- the join: it waits for the global state as long as it keeps coming, and gives up after
+  ``join_timeout_s`` without progress (a thin link's join is slow, not dead);
 - the step boundary, in one order: apply what arrived (in arrival order), load a requested
   optimizer state, answer the requests that could not be answered at once, push what a
   lock-step learner sends on its own schedule, and snapshot the fragments the syncer will ask
@@ -12,8 +14,9 @@ It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
 - the optimizer hand-off: a learner that joins a run under way (some fragment past version 0)
   asks once, when its join is complete, for a live peer's optimizer state, and takes only the
   answer to its own request (once, from another learner, through shard 0, which relays only
-  the peer it chose); it serves its own state when asked, at most one at a time and once per
-  ``peer_state_interval_s``, refusing others at once with an empty state (cheap);
+  the peer it chose), in pieces (``peer_state_chunks``); it serves its own state when asked,
+  in pieces, at most one at a time and once per ``peer_state_interval_s``, refusing others at
+  once with an empty state (cheap);
 - a link that goes silent, or a shard that says this connection is not bound to the learner
   (``SyncerHeartbeat(bound=False)``), makes the driver reconnect that link on a fresh
   connection (``LearnerOutput.reconnect``) and register again; a shard silent for
