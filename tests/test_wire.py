@@ -3,9 +3,12 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
+from ddiloco.core import compress
+from ddiloco.core.compress import Encoded
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.protocol.messages import (
     FetchGlobal,
@@ -40,14 +43,32 @@ def contribution(values, **kw):
     return Contribution(**{**fields, **kw})
 
 
+def _pieces(encoding: str) -> tuple[list[torch.Tensor], list[Encoded]]:
+    """A fragment of a parameter (in ``encoding``; 130 values: two blocks, odd) and a buffer (exact)."""
+    encoded = [compress.encode(torch.randn(10, 13), encoding), compress.encode(torch.randn(3), "fp32")]
+    return [compress.decode(e) for e in encoded], encoded
+
+
+def compressed(encoding: str) -> Contribution:
+    values, encoded = _pieces(encoding)
+    return contribution(values, kind="delta", encoded=encoded)
+
+
+def compressed_update(encoding: str) -> FragmentUpdate:
+    values, encoded = _pieces(encoding)
+    return FragmentUpdate(1, 2, 6, values, 1300.0, 3, kind="delta", base_version=5, encoded=encoded)
+
+
 MESSAGES = [
     Heartbeat(1, 5, 20, 0.125),
     Heartbeat(1, 5, 20, 0.125, tokens=4096, busy_s=12.5, loss=2.75, bytes_sent=1_000_000),
     contribution([torch.randn(3, 4), torch.randn(5)]),
     contribution([torch.randn(2)], kind="delta"),
+    *[compressed(enc) for enc in ("bf16", "int8", "int4", "int2")],
     Ack(1, 5, 2, 3),
     FragmentRequest(1, 2, 17),
     FragmentUpdate(1, 2, 5, [torch.randn(2, 2)], 1234.0, 3, 99, "join"),
+    compressed_update("int4"),
     Register(1, 5, [["w", [2, 3]], ["b", [3]]], "abc123", [0, 4], 1234, "cuda:0"),
     Register(1, 5, [["w", [2]]], "abc", [], 1, "cpu", {"run.processed_tokens": 10**6, "algo.num_fragments": "auto"}),
     JoinReply(False, "model does not match", 15, 10, [0, 2]),
@@ -76,6 +97,9 @@ MESSAGES = [
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, Encoded):
+        scales = a.scales is None and b.scales is None or same(a.scales, b.scales)
+        return (a.encoding, a.shape) == (b.encoding, b.shape) and same(a.data, b.data) and scales
     if isinstance(a, list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
@@ -371,3 +395,62 @@ def test_a_non_contiguous_frame_is_a_wire_error():
     frames = encode(contribution([torch.zeros(2, 2)]))
     with pytest.raises(WireError, match="contiguous"):
         decode([frames[0], torch.zeros(2, 4).numpy()[:, ::2]])
+
+
+# -- compressed payloads: checked before they are decoded -------------------------------------------
+
+
+def _frames(msg) -> list[bytes]:
+    return [bytes(memoryview(f)) for f in encode(msg)]
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4", "int2"])
+def test_compressed_payloads_travel_as_their_codes(encoding):
+    msg = compressed(encoding)
+    frames = _frames(msg)
+    assert [len(f) for f in frames[1:]] == [e.nbytes for e in msg.encoded]  # codes and scales only
+    out = decode(frames)
+    assert out.kind == "delta" and all(torch.equal(a, b) for a, b in zip(out.values, msg.values))
+
+
+@pytest.mark.parametrize(
+    "forge,reason",
+    [
+        (lambda f: np.float32(np.nan).tobytes() + f[4:], "not finite"),
+        (lambda f: np.float32(np.inf).tobytes() + f[4:], "not finite"),
+        (lambda f: np.float32(1e30).tobytes() + f[4:], "outside"),
+        (lambda f: np.float32(-1.0).tobytes() + f[4:], "outside"),
+        (lambda f: f[:-1], "expected"),
+        (lambda f: f + b"\x00", "expected"),
+        (lambda f: f[:4], "expected"),  # a block's scale and no codes: a truncated payload
+        (lambda f: f[:8] + bytes([0x00]) + f[9:], "range"),  # a stored nibble of 0: code -8
+    ],
+    ids=["nan-scale", "inf-scale", "huge-scale", "negative-scale", "truncated", "padded", "codes-missing", "code"],
+)
+def test_hostile_compressed_payloads_are_refused_with_a_reason(forge, reason):
+    frames = _frames(compressed("int4"))
+    frames[1] = forge(frames[1])
+    with pytest.raises(WireError, match=reason):
+        decode(frames)
+
+
+def test_a_wrong_block_count_or_encoding_is_refused():
+    frames = _frames(compressed("int4"))
+    header = json.loads(frames[0])
+    header["tensors"][0][3] = [10, 14]  # the shape claims 140 values: 2 blocks still, more codes
+    with pytest.raises(WireError, match="expected"):
+        decode([json.dumps(header).encode(), *frames[1:]])
+    header["tensors"][0][2] = "int3"
+    with pytest.raises(WireError, match="unsupported encoding"):
+        decode([json.dumps(header).encode(), *frames[1:]])
+
+
+def test_values_and_their_codes_together_are_refused():
+    msg = compressed("int8")
+    frames = _frames(msg)
+    header = json.loads(frames[0])
+    extra = _frames(contribution([torch.randn(10, 13), torch.randn(3)]))
+    spec = json.loads(extra[0])["tensors"]
+    header["tensors"] += spec
+    with pytest.raises(WireError, match="both values and encoded"):
+        decode([json.dumps(header).encode(), *frames[1:], *extra[1:]])
