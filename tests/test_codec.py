@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_syncer import BASE
 
 from ddiloco.core.codec import LearnerCodec
 from ddiloco.core.compress import decode
@@ -23,19 +24,12 @@ from ddiloco.service import wire
 
 torch.set_num_threads(1)
 
-CFG = DiLoCoConfig(
-    robust=False,
-    max_delta_floor=1e6,
-    weight_cap=0.0,
-    norm_screen_factor=0.0,
-    quarantine_after=0,
-    num_fragments=1,
-    sync_every=4,
+# The scripted syncer's toy settings (no influence bounds, no robust merge), compressed both ways.
+CFG = dataclasses.replace(
+    BASE,
     overlap=1,
-    quorum=1,
     grace=False,
     late_fragment="wait",  # a push opens its round at once: rounds without a step clock
-    merge="mean",
     outer_lr=0.7,
     outer_momentum=0.9,
     up_encoding="int4",
