@@ -290,7 +290,7 @@ def fetch_times(tape_rounds: list[Any], evals: list[dict[str, Any]]) -> list[flo
             out.append(None)
             continue
         ts = [made.get((int(p), int(v)), 0.0) for p, v in versions.items() if int(v) > 0]
-        out.append(max(ts) if ts else 0.0)
+        out.append(max(ts) if ts else None)  # nothing merged yet: the initial model, at no known time
     return out
 
 
@@ -317,7 +317,7 @@ def analyse(run_dir: Path, seen: dict[str, Any]) -> dict[str, Any]:
     fetched = fetch_times(rounds, evals)
     eval_points = []
     for e, tf in zip(evals, fetched):
-        tok = processed if e.get("final") else tokens_at(steps, tf if tf is not None else float(e["time"]))
+        tok = processed if e.get("final") else (tokens_at(steps, tf) if tf is not None else None)
         eval_points.append({"time": e.get("time"), "fetched_at": tf, "tokens": tok, "loss": e.get("loss"),
                             "final": bool(e.get("final"))})  # fmt: skip
     faults = _jsonl(run_dir / "metrics" / "faults.jsonl")
@@ -445,6 +445,9 @@ def fault_figures(run_dir: Path, a: dict[str, Any], f: Fault, seen: dict[str, An
         out["l0_steps_per_s_before"] = rate(l0, start + 2, a0)
         out["l0_steps_per_s_during"] = rate(l0, a0, b0)
         out["l0_steps_per_s_after"] = rate(l0, b0, b0 + 30)
+        before = sorted(d for t, d, _ in l0 if start + 2 <= t < a0)
+        out["l0_p99_step_before_s"] = before[int(0.99 * (len(before) - 1))] if before else None
+        out["l0_max_step_during_s"] = max((d for t, d, _ in l0 if a0 <= t < b0), default=None)
         out["l1_steps_per_s_before"] = rate(l1, start + 2, a0)
         out["l1_steps_per_s_during"] = rate(l1, a0, b0)
         m1 = a["learners"].get("1", {}).get("merge_times", [])
@@ -806,13 +809,15 @@ def build_report(cells: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any
         group = {lk: cells[f"{lk}-{enc}"] for lk in LINKS if f"{lk}-{enc}" in cells}
         base = group.get("i")
         # eval loss at equal processed tokens: the smallest last periodic evaluation's tokens
-        finals = [max((p["tokens"] for p in g["evals"] if not p["final"]), default=0) for g in group.values()]
+        finals = [max((p["tokens"] or 0 for p in g["evals"] if not p["final"]), default=0) for g in group.values()]
         common = min(finals) if finals else 0
         for lk, rec in group.items():
             s = rec["summary"]
             tr = s.get("traffic") or {}
             base_tr = (base["summary"].get("traffic") or {}) if base else {}
-            loss_eq = interp([(p["tokens"], p["loss"]) for p in rec["evals"] if not p["final"]], common)
+            loss_eq = interp(
+                [(p["tokens"], p["loss"]) for p in rec["evals"] if not p["final"] and p["tokens"] is not None], common
+            )
             need = need_bps(rec, base_tr, LINKS[lk])
             row = {
                 "link": lk, "label": LINKS[lk].label, "encoding": enc,
@@ -833,7 +838,10 @@ def build_report(cells: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any
                 row["share_vs_i"] = _ratio(s.get("merged_share"), b.get("merged_share"))
                 row["steady_share_vs_i"] = _ratio(rec.get("steady_merged_share"), base.get("steady_merged_share"))
                 row["latency_vs_i"] = _ratio(row["latency_median"], base["round_latency_s"]["median"])
-                base_loss = interp([(p["tokens"], p["loss"]) for p in base["evals"] if not p["final"]], common)
+                base_loss = interp(
+                    [(p["tokens"], p["loss"]) for p in base["evals"] if not p["final"] and p["tokens"] is not None],
+                    common,
+                )
                 row["loss_vs_i"] = _ratio(loss_eq, base_loss)
                 row["final_loss_vs_i"] = _ratio(s.get("eval_loss"), b.get("eval_loss"))
             rep["links"].append(row)
@@ -1072,15 +1080,17 @@ def to_markdown(rep: dict[str, Any]) -> str:
             "unless said)",
             "",
             "| fault | what | goodput | merged share | invariant violations | learner 0 steps/s before / during | "
-            "learner 1 steps/s during | learner 1 merges before / during / after | first merge after the end |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "learner 0 step p99 before / longest during | learner 1 steps/s during | learner 1 merges before / "
+            "during / after | first merge after the end |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, f in rep["faults"].items():
             if "window" in f:
                 L.append(
                     f"| {name} | {f['note']} | {_f(f['goodput'], '{:.1%}')} | {_f(f['merged_share'])} | "
                     f"{len(f['violations'])} | {_f(f['l0_steps_per_s_before'], '{:.2f}')} / "
-                    f"{_f(f['l0_steps_per_s_during'], '{:.2f}')} | {_f(f['l1_steps_per_s_during'], '{:.2f}')} | "
+                    f"{_f(f['l0_steps_per_s_during'], '{:.2f}')} | {_f(f.get('l0_p99_step_before_s'), '{:.3f}')} / "
+                    f"{_f(f.get('l0_max_step_during_s'), '{:.3f}')} s | {_f(f['l1_steps_per_s_during'], '{:.2f}')} | "
                     f"{f['l1_merges_before']} / {f['l1_merges_during']} / {f['l1_merges_after']} | "
                     f"{_f(f['l1_first_merge_after_s'], '{:.1f} s')} |"
                 )
@@ -1088,6 +1098,7 @@ def to_markdown(rep: dict[str, Any]) -> str:
                 L.append(
                     f"| {name} | {f['note']} | {_f(f['goodput'], '{:.1%}')} | {_f(f['merged_share'])} | "
                     f"{len(f['violations'])} | {_f(f.get('l0_steps_per_s'), '{:.2f}')} (whole run) | "
+                    "- | "
                     f"{_f(f.get('l1_steps_per_s'), '{:.2f}')} (whole run) | merges/min: learner 0 "
                     f"{_f(f.get('l0_merges_per_min'), '{:.1f}')}, "
                     f"learner 1 {_f(f.get('l1_merges_per_min'), '{:.1f}')} | "
@@ -1175,23 +1186,29 @@ def main() -> int:
     bench = Bench(cache, ROOT / "runs" / "bench-wan" / ("quick" if args.quick else "full"),
                   QUICK_TOKENS if args.quick else TOKENS, args.quick, only, args.report)  # fmt: skip
     cells: dict[str, dict[str, Any]] = {}
-    order = [(lk, e) for e in ("int4", "fp32") for lk in LINKS] + [(lk, e) for e in ("int8", "bf16") for lk in LINKS]
-    order += [("i", e) for e in BYTES_ONLY]
-    for lk, enc in order:
-        rec = bench.link_cell(lk, enc)
-        if rec is not None:
-            cells[f"{lk}-{enc}"] = rec
     fault_recs: dict[str, dict[str, Any]] = {}
-    for name in FAULTS:
-        rec = bench.fault_cell(name)
-        if rec is not None:
-            fault_recs[name] = rec
     relay = bench.cached("relay")
-    if relay is None and not args.report and bench.wanted("relay"):
-        print(f"[{time.strftime('%H:%M:%S')}] relay accuracy ...", flush=True)
-        relay = relay_accuracy()
-        bench.store("relay", relay)
-        bench.trained.append("relay")
+    # What must be there first (an interrupted run resumes; if the budget runs out, what is left
+    # is int8 and bf16 on the slower links): int4 and fp32 everywhere, every encoding's bytes,
+    # the faults, the relay's accuracy; then int8 and bf16 on links (ii)-(vi).
+    first = [(lk, e) for e in ("int4", "fp32") for lk in LINKS] + [("i", e) for e in ("int8", "bf16", *BYTES_ONLY)]
+    later = [(lk, e) for e in ("int8", "bf16") for lk in LINKS if lk != "i"]
+    for stage in ("first", "faults", "later"):
+        if stage == "faults":
+            for name in FAULTS:
+                rec = bench.fault_cell(name)
+                if rec is not None:
+                    fault_recs[name] = rec
+            if relay is None and not args.report and bench.wanted("relay"):
+                print(f"[{time.strftime('%H:%M:%S')}] relay accuracy ...", flush=True)
+                relay = relay_accuracy()
+                bench.store("relay", relay)
+                bench.trained.append("relay")
+            continue
+        for lk, enc in first if stage == "first" else later:
+            rec = bench.link_cell(lk, enc)
+            if rec is not None:
+                cells[f"{lk}-{enc}"] = rec
     sims: dict[str, dict[str, Any]] = {}
     if not args.no_sim:
         sim_encs = {e.strip() for e in args.sim_encodings.split(",")}
