@@ -177,7 +177,6 @@ class ShardLink:
     connection): the next acceptance is a rejoin."""
 
 
-
 PIECE = "ddiloco_piece"
 """Marks a piece of an optimizer state that more pieces follow: its param_groups are only
 ``[{PIECE: index}]`` (the last piece carries the real ones; a receiver loads its own anyway)."""
