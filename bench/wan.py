@@ -5,6 +5,7 @@ faults on the link, and the relay's accuracy, with real processes on this machin
     python bench/wan.py --only i-int4,hold   # some cells only (cached ones are reused)
     python bench/wan.py --quick              # short cells into bench/cache/wan/quick (a smoke test, not a result)
     python bench/wan.py --report             # the report from cached cells only, training nothing
+    python bench/wan.py --sim-encodings int4,fp32   # the simulator's rows for fp32 too (~3 min more)
 
 Every cell is one ``ddiloco train --chaos`` run (syncer, 2 learners at one thread each, the
 evaluator, and the relays of ``ddiloco link``) of the default workload (byte-level GPT on
@@ -1174,7 +1175,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="short cells in bench/cache/wan/quick (not a result)")
     ap.add_argument("--report", action="store_true", help="cached cells only: train nothing")
     ap.add_argument("--no-sim", action="store_true", help="skip the simulator rows")
-    ap.add_argument("--sim-encodings", default="int4,fp32", help="encodings the simulator predicts (all links)")
+    ap.add_argument("--sim-encodings", default="int4",
+                    help="encodings the simulator predicts, on every link (int4,fp32: ~3 min more)")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args()
     started = time.time()
