@@ -763,7 +763,8 @@ def planner(rec: dict[str, Any]) -> dict[str, Any]:
     tr = rec["summary"]["traffic"]
     st = traffic_per_step(int(tr["params"]), int(rec["summary"]["num_fragments"]), cfg.algo.sync_every,
                           cfg.run.num_learners, cfg.algo.up_encoding, cfg.algo.down_encoding, tensors=tensors,
-                          step_s=rec["step_s_mean"], heartbeat_interval_s=cfg.runtime.heartbeat_interval_s)  # fmt: skip
+                          step_s=rec["step_s_mean"] or None,
+                          heartbeat_interval_s=cfg.runtime.heartbeat_interval_s)  # fmt: skip
     return {"tensors": tensors, "H": cfg.algo.sync_every, **st.to_json()}
 
 
