@@ -564,6 +564,7 @@ class Bench:
         step_s = rec.get("step_s_mean") or 0.2
         rec["invariants"] = check_invariants(self.runs / key, rec["summary"].get("num_fragments") or 24,
                                              3 * 24 * step_s + 10)  # fmt: skip
+        rec["cadence"] = contribution_cadence(self.runs / key, rec["summary"].get("num_fragments") or 24)
         self.store(key, rec)
         self.trained.append(name)
         _say(rec)
@@ -798,6 +799,9 @@ def build_report(cells: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any
         tr = rec["summary"]["traffic"]
         pred = planner(rec)
         by = tr.get("by_learner", {})
+        cadence = rec.get("cadence") or contribution_cadence(
+            ROOT / rec["run_dir"], int(rec["summary"]["num_fragments"])
+        )
         rep["bytes"].append({
             "encoding": enc + (" +EF" if "algo.error_feedback=true" in rec["settings"] else ""),
             "up": tr["up_bytes_per_step"], "down": tr["down_bytes_per_step"],
@@ -809,7 +813,7 @@ def build_report(cells: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any
             "one_off_up_learners": sum(v.get("one_off_up_bytes", 0) for k, v in by.items() if k != "unattributed"),
             "one_off_down_learners": sum(v.get("one_off_down_bytes", 0) for k, v in by.items() if k != "unattributed"),
             "one_off_down_observers": (by.get("unattributed") or {}).get("one_off_down_bytes", 0),
-            "steps": tr.get("steps"), "step_s": rec["step_s_mean"], "planner": pred,
+            "steps": tr.get("steps"), "step_s": rec["step_s_mean"], "planner": pred, **cadence,
         })  # fmt: skip
     # 2. links: each cell against (i) of its encoding
     for enc in LINK_ENCODINGS:
@@ -882,6 +886,20 @@ def build_report(cells: dict[str, dict[str, Any]], sims: dict[str, dict[str, Any
         }  # fmt: skip
     checks(rep)
     return rep
+
+
+def contribution_cadence(run_dir: Path, fragments: int, H: int = 24) -> dict[str, Any]:
+    """How often the learners answered, against the planner's one contribution per fragment per H
+    steps (metrics/traffic.json of the run folder, when it is still there), and the measured
+    bytes of one contribution."""
+    t = _json(run_dir / "metrics" / "traffic.json").get("by_learner") or {}
+    rows = [v for k, v in t.items() if k != "unattributed" and isinstance(v, dict)]
+    steps = sum(v.get("steps", 0) for v in rows)
+    msgs = sum(((v.get("up") or {}).get("contribution") or {}).get("messages", 0) for v in rows)
+    nbytes = sum(((v.get("up") or {}).get("contribution") or {}).get("bytes", 0) for v in rows)
+    if not steps or not msgs:
+        return {}
+    return {"cadence": msgs / steps * H / fragments, "bytes_per_contribution": nbytes / msgs}
 
 
 def need_bps(rec: dict[str, Any], base_tr: dict[str, Any], link: Link) -> dict[str, Any]:
@@ -997,7 +1015,7 @@ def to_markdown(rep: dict[str, Any]) -> str:
         "",
         f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['machine']['platform']}; "
         f"{len(rep['trained_this_invocation'])} cells trained in {rep['wall_s_this_invocation'] / 60:.0f} min this "
-        "invocation, the rest from bench/cache/wan/).",
+        "invocation, the rest from bench/cache/wan/)." + (f" {rep['note']}" if rep.get("note") else ""),
         "",
         "Every cell is one `ddiloco train --chaos` run: a syncer, 2 learners at one thread each, the evaluator, and "
         "one relay per learner (`ddiloco link`), on this machine's loopback, with the default workload (byte-level "
@@ -1014,17 +1032,25 @@ def to_markdown(rep: dict[str, Any]) -> str:
         f"{rep['bytes'][0]['dp'] if rep['bytes'] else 0:,.0f} bytes per learner per step each way.",
         "",
         "| encoding | up measured | up predicted | error | down measured | down predicted | error | x fewer than "
-        "DP (up / down) | predicted x fewer | one-off up / down, learners | one-off down, evaluator |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "DP (up / down) | predicted x fewer | contributions per fragment per H steps | bytes per contribution "
+        "| one-off up / down, learners | one-off down, evaluator |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["bytes"]:
         L.append(
             f"| {r['encoding']} | {r['up']:,.0f} | {r['pred_up']:,.0f} | {r['err_up']:+.1%} | {r['down']:,.0f} | "
             f"{r['pred_down']:,.0f} | {r['err_down']:+.1%} | {r['dp_ratio_up']:.1f} / {r['dp_ratio_down']:.1f} | "
-            f"{r['pred_dp_ratio_up']:.1f} / {r['pred_dp_ratio_down']:.1f} | {r['one_off_up_learners']:,.0f} / "
+            f"{r['pred_dp_ratio_up']:.1f} / {r['pred_dp_ratio_down']:.1f} | {_f(r.get('cadence'))} | "
+            f"{_f(r.get('bytes_per_contribution'), '{:,.0f}')} | {r['one_off_up_learners']:,.0f} / "
             f"{r['one_off_down_learners']:,.0f} | {r['one_off_down_observers']:,.0f} |"
         )
     L += [
+        "",
+        "The planner assumes one contribution per fragment per H inner steps (1.000 in the cadence column); the "
+        "runs answered less often (the syncer's round clock ticks at its estimate of the step time, the median of "
+        "the learners' reported step-time EMAs, and the start and the final sync have no steady rounds), which is "
+        "where measured bytes per step fall short of the planner; per contribution the bytes are the planner's "
+        "payload plus headers.",
         "",
         "One-off bytes (not in the per-step figures): registration, each learner's join (the full model in fp32), "
         "rejoins, the final sync and the run's end; the evaluator's fetches of the global model (fp32, never "
@@ -1174,6 +1200,43 @@ def reading(rep: dict[str, Any]) -> str:
             f"On 10mbit,50ms, int4 keeps {iii['share_vs_i']:.3f}x (i)'s merged share and "
             f"{_f(iii.get('loss_vs_i'), '{:.4f}')}x its eval loss at equal processed tokens."
         )
+    v = next((r for r in rep["links"] if r["link"] == "v" and r["encoding"] == "int4"), None)
+    if v and v.get("share_vs_i") is not None:
+        parts.append(
+            f"One learner on 2 Mbit/s (v) costs the whole fleet: int4's merged share falls to {v['share_vs_i']:.2f}x "
+            f"(i)'s and the median round takes {v['latency_median']:.2f} s, though int4 needs only "
+            f"{_f(v.get('load'), '{:.2f}')} of that link: with M = 2 the robust merge waits for both answers (up to "
+            "H steps), the fast learner's progress made while a round waits is overwritten by the version, and a "
+            "learner that misses a version gets it in full, in fp32."
+        )
+    if rep["sim"]:
+        ok_s = sum(1 for r in rep["sim"] if r["share_err"] is not None and abs(r["share_err"] - 1) <= 0.15)
+        ok_l = sum(1 for r in rep["sim"] if r["latency_err"] is not None and abs(r["latency_err"] - 1) <= 0.15)
+        parts.append(
+            f"The simulator given the same link predicts the merged share within 15% on {ok_s} of {len(rep['sim'])} "
+            f"links and the median round latency on {ok_l}: it has no term for the real round's fixed cost (relay "
+            "hops, ZeroMQ, the syncer's loop: about 30 ms on (i)), so it is low wherever that dominates."
+        )
+    fl = rep["faults"]
+    if fl:
+        bad = sum(len(f["violations"]) for f in fl.values())
+        parts.append(f"Link faults: {bad} invariant violations over {len(fl)} runs.")
+        h = fl.get("hold")
+        if h and h.get("l0_steps_per_s_before"):
+            parts.append(
+                f"During a 30 s hold learner 0 kept {h['l0_steps_per_s_during'] / h['l0_steps_per_s_before']:.2f}x "
+                f"its steps/s and learner 1 trained on ({h['l1_steps_per_s_during']:.2f} steps/s); learner 1's "
+                f"first merge came {h['l1_first_merge_after_s']:.1f} s after the hold, but what it trained during "
+                "the hold was not merged: it rejoined (its link silent past the liveness timeout) and took the "
+                "global state, overwriting that progress."
+            )
+        j = (fl.get("join") or {}).get("join")
+        if j and j.get("join_s") is not None:
+            parts.append(
+                f"A restarted learner logged its join over 2 Mbit/s {j['join_s']:.1f} s after the launcher restarted "
+                "it (its process start and 3.5 MB of fp32 state); taking a peer's optimizer state (6.4 MB) over the "
+                "same link then kept that link busy for about 30 s more."
+            )
     return " ".join(parts)
 
 
@@ -1188,6 +1251,7 @@ def main() -> int:
     ap.add_argument("--sim-encodings", default="int4",
                     help="encodings the simulator predicts, on every link (int4,fp32: ~3 min more)")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--note", default="", help="a sentence for the report on how its cells were made")
     args = ap.parse_args()
     started = time.time()
     import torch
@@ -1234,7 +1298,7 @@ def main() -> int:
     fault_plan = faults(args.quick)
     rep = build_report(cells, sims, fault_recs, relay)
     params = next((c["summary"]["traffic"]["params"] for c in cells.values() if c["summary"].get("traffic")), 0)
-    argv = " ".join(sys.argv[1:])
+    argv = " ".join(x for x in sys.argv[1:] if x != args.note and not x.startswith("--note"))
     rep.update({
         "command": "python bench/wan.py" + (f" {argv}" if argv else ""),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -1243,6 +1307,7 @@ def main() -> int:
         "trained_this_invocation": bench.trained,
         "tokens": bench.tokens,
         "skipped": sorted(skip),
+        "note": args.note,
         "params": params,
         "config": {"common": COMMON, "encodings": ENCODINGS, "links": {k: list(v.settings) for k, v in LINKS.items()},
                    "faults": {k: [*FAULT_SETTINGS, *v.settings] for k, v in fault_plan.items()}, "cap_s": CAP_S},
