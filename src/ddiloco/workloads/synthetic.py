@@ -1,4 +1,4 @@
-"""A fast synthetic workload for tests: a small MLP student regresses a fixed random teacher.
+"""A fast synthetic workload for tests: an MLP student regresses a fixed random teacher.
 
 Inputs are Gaussian vectors, targets the outputs of a fixed random teacher MLP plus a little
 noise. Data is infinite: batch ``k`` of shard ``s`` is drawn from a generator seeded by
@@ -6,14 +6,20 @@ noise. Data is infinite: batch ``k`` of shard ``s`` is drawn from a generator se
 The student's first layer is called ``embed`` and is reported as embedding-like, so both
 merge paths (weighted mean and RDA) see traffic. A "token" is one example.
 
-Options (``workload.options``): ``d_in`` (16), ``hidden`` (64), ``d_out`` (8),
-``noise`` (0.01, target noise std), ``teacher_seed`` (1234), ``batchnorm`` (false: a
-BatchNorm1d after the hidden layer, so the model has buffers to sync).
+Options (``workload.options``): ``d_in`` (16), ``hidden`` (64), ``depth`` (1: hidden
+``hidden x hidden`` layers), ``d_out`` (8), ``teacher_hidden`` (the teacher's width; default
+``hidden``), ``noise`` (0.01, target noise std), ``teacher_seed`` (1234), ``batchnorm`` (false: a
+BatchNorm1d after the last hidden layer, so the model has buffers to sync).
+
+**The scale workload** is this task with ``teacher_hidden = 64``: the teacher (one hidden layer of
+64 units) and the data stay small and fixed whatever the student's size, so every byte that grows
+with ``hidden`` and ``depth`` is the model's own. The student then holds about
+``depth * hidden^2 + (depth + 25) * hidden`` parameters (``bench/scale.py`` names its sizes so).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,9 +41,14 @@ class SyntheticOptions:
     d_in: int = 16
     """Input features."""
     hidden: int = 64
-    """Student (and teacher) hidden width."""
+    """Student hidden width (the teacher's too unless ``teacher_hidden`` is set)."""
+    depth: int = 1
+    """Student hidden layers of ``hidden x hidden`` (the first is ``hidden``, more are ``layers.i``)."""
     d_out: int = 8
     """Regression targets."""
+    teacher_hidden: int | None = None
+    """The teacher's hidden width (it always has one hidden layer); None: ``hidden``, as before
+    this option. Set it (64: the scale workload) to keep the task fixed while the student grows."""
     noise: float = 0.01
     """Standard deviation of Gaussian noise added to the teacher's outputs."""
     teacher_seed: int = 1234
@@ -51,9 +62,11 @@ class SyntheticOptions:
         """Parse ``workload.options``, rejecting unknown keys and bad values."""
         check_known_options(options, list(cls.__dataclass_fields__), "synthetic")
         opts = cls(**options)  # type: ignore[arg-type]
-        for name in ("d_in", "hidden", "d_out"):
+        for name in ("d_in", "hidden", "depth", "d_out", "teacher_hidden"):
             value = getattr(opts, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "teacher_hidden" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"workload.options.{name} must be an integer >= 1, got {value!r}")
         if not isinstance(opts.batchnorm, bool):
             raise ConfigError(f"workload.options.batchnorm must be true or false, got {opts.batchnorm!r}")
@@ -63,22 +76,27 @@ class SyntheticOptions:
 
 
 class Student(nn.Module):
-    """embed -> tanh -> hidden (-> BatchNorm) -> tanh -> head."""
+    """embed -> tanh -> hidden [-> tanh -> layers.i]* (-> BatchNorm) -> tanh -> head."""
 
     def __init__(self, opts: SyntheticOptions) -> None:
         super().__init__()
         self.embed = nn.Linear(opts.d_in, opts.hidden)
         self.hidden = nn.Linear(opts.hidden, opts.hidden)
+        # depth = 1 adds no tensor, so names and state dicts are those from before the option
+        self.layers = nn.ModuleList(nn.Linear(opts.hidden, opts.hidden) for _ in range(opts.depth - 1))
         self.norm = nn.BatchNorm1d(opts.hidden) if opts.batchnorm else nn.Identity()
         self.head = nn.Linear(opts.hidden, opts.d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.norm(self.hidden(torch.tanh(self.embed(x))))))
+        h = self.hidden(torch.tanh(self.embed(x)))
+        for layer in self.layers:
+            h = layer(torch.tanh(h))
+        return self.head(torch.tanh(self.norm(h)))
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Uniform(+-1/sqrt(fan_in)) weights (PyTorch's default scale), zero biases."""
-        for layer in (self.embed, self.hidden, self.head):
+        for layer in (self.embed, self.hidden, *self.layers, self.head):
             bound = layer.in_features**-0.5
             layer.weight.uniform_(-bound, bound, generator=generator)
             layer.bias.zero_()
@@ -121,8 +139,10 @@ class SyntheticWorkload:
         require_ints(cfg, ("eval_windows",))
         self.cfg = cfg
         self.opts = SyntheticOptions.from_dict(cfg.options)
-        # The teacher is a wider-scaled student, so its outputs vary by O(1) over the inputs.
-        self.teacher = Student(self.opts)
+        # The teacher is a wider-scaled one-layer student, so its outputs vary by O(1) over the
+        # inputs; built at its own (small) width, never the student's when teacher_hidden is set.
+        width = self.opts.hidden if self.opts.teacher_hidden is None else self.opts.teacher_hidden
+        self.teacher = Student(replace(self.opts, hidden=width, depth=1))
         self.teacher.init_weights(_generator(self.opts.teacher_seed))
         with torch.no_grad():
             for p in self.teacher.parameters():
