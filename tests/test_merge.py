@@ -7,8 +7,19 @@ import torch
 
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
-from ddiloco.core.merge import CHUNK, Accumulator, make_delta, token_weight, weighted_mean, weighted_rda
+from ddiloco.core.merge import (
+    CHUNK,
+    PER_THREAD,
+    Accumulator,
+    chunk_elements,
+    make_delta,
+    spans,
+    token_weight,
+    weighted_mean,
+    weighted_rda,
+)
 from ddiloco.core.messages import Contribution, Join
+from ddiloco.core.outer import OuterNesterov
 from ddiloco.core.syncer import Syncer
 
 
@@ -138,3 +149,96 @@ def test_non_finite_values_give_a_non_finite_norm():
     v[CHUNK + 2] = math.nan
     assert not math.isfinite(make_delta(torch.zeros_like(v), v.clone()))
     assert not math.isfinite(make_delta(None, v))
+
+
+def _reference_nesterov(lr, momentum, p, grads):
+    """The whole-tensor operations the chunked outer step must equal bit for bit."""
+    b, out = None, []
+    for g in grads:
+        g = g.clone()
+        if b is None:
+            b = g.clone()
+        else:
+            torch.add(g, b, alpha=momentum, out=b)
+        g.add_(b, alpha=momentum)
+        p = torch.add(p, g, alpha=-lr)
+        out.append(p)
+    return out
+
+
+def _same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and a.numpy().tobytes() == b.numpy().tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_chunked_outer_step_is_bit_identical_to_whole_tensor_operations(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(3)
+        n = 2 * CHUNK + 77
+        start = torch.randn(n, generator=g)
+        grads = [torch.randn(n, generator=g) for _ in range(3)]
+        want = _reference_nesterov(0.7, 0.9, start, grads)
+        outer, p, recycled = OuterNesterov(0.7, 0.9), start, torch.empty(n)
+        for i, (gr, w) in enumerate(zip(grads, want)):
+            out = [recycled] if i == 2 else None  # a recycled version is written in place
+            (p,) = outer.step([p], [gr.clone()], out=out)
+            assert _same_bits(p, w)
+        assert p is recycled
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_outer_step_without_momentum_and_on_a_non_contiguous_gradient():
+    g = torch.Generator().manual_seed(4)
+    p, grad = torch.randn(300, 200, generator=g), torch.randn(200, 300, generator=g).t()
+    (new,) = OuterNesterov(0.5, 0.0).step([p], [grad.clone()])
+    assert _same_bits(new, torch.add(p, grad, alpha=-0.5))
+    outer = OuterNesterov(0.5, 0.9)
+    scratch = grad.clone()
+    assert not scratch.is_contiguous()
+    (a,) = outer.step([p], [scratch])  # one chunk: the whole tensor
+    assert _same_bits(a, _reference_nesterov(0.5, 0.9, p, [grad.contiguous()])[0])
+    with pytest.raises(ValueError, match="out has 2 tensors for 1"):
+        outer.step([p], [grad], out=[p, p])
+
+
+@pytest.mark.parametrize("rda", [True, False])
+def test_the_lazily_cleared_sum_equals_zero_then_add(rda):
+    g = torch.Generator().manual_seed(5)
+    n = CHUNK + 1000
+    deltas = [torch.randn(n, generator=g) for _ in range(3)]
+    deltas[0][:10] = -0.0  # 0 + (-0) is +0: the fused clear must keep that
+    weights = [1.0, 0.5, 2.0]
+    ref_acc = torch.zeros(n)  # the former way: zero_() at the open, then add_() per answer
+    for d, w in zip(deltas, weights):
+        norm = float(d.norm())
+        ref_acc.add_(d, alpha=(w / norm) if rda else w)
+    acc = Accumulator(torch.full((n,), float("nan")), rda)
+    for d, w in zip(deltas, weights):
+        acc.add(d, float(d.norm()), w)
+    assert _same_bits(acc.acc, ref_acc)
+    first = Accumulator(torch.full((n,), float("nan")), rda)
+    first.add(deltas[0], float(deltas[0].norm()), 1.0)
+    assert not torch.signbit(first.acc[:10]).any()  # +0, as zero_() then add_() gives
+
+
+def test_a_sum_with_nothing_added_is_cleared_at_the_close():
+    z = torch.zeros(CHUNK + 3)
+    acc = Accumulator(torch.full_like(z, float("nan")), rda=True)
+    acc.add(z.clone(), 0.0, 1.0)  # norm 0: unit(0) = 0, nothing is added
+    acc.add(z.clone(), 0.0, 2.0)
+    assert _same_bits(acc.result(), z)
+
+
+def test_chunks_grow_with_the_thread_count():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert chunk_elements() == CHUNK
+        torch.set_num_threads(16)
+        assert chunk_elements() == 16 * PER_THREAD > CHUNK
+        assert spans(chunk_elements() + 5) == [(0, chunk_elements()), (chunk_elements(), chunk_elements() + 5)]
+    finally:
+        torch.set_num_threads(before)

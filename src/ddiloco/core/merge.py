@@ -7,9 +7,17 @@ contributions arrive, so each is read from memory as few times as the maths allo
 - ``make_delta`` turns the received tensor into its outer gradient in place and measures its
   norm in the same pass, chunk by chunk while the chunk is in cache (the norm is needed anyway:
   to validate the contribution, and by RDA);
-- ``Accumulator.add`` adds it, weighted, into the round's running sum: in the same pass for the
-  weighted mean, in one more pass for RDA (which needs the norm first);
+- ``Accumulator.add`` adds it, weighted, into the round's running sum in one more pass (the
+  weight is only known once the contribution is accepted, and RDA needs the norm first); the
+  first addition zeroes the sum chunk by chunk in the same pass, so the sum is never cleared
+  through memory on its own;
 - ``Accumulator.result`` turns the sum into the merged outer gradient when the round closes.
+
+Threads: the element-wise operations use torch's intra-op threads (``torch.set_num_threads``),
+which split an operation into pieces of at least 32768 elements. Chunks grow with the thread
+count (``chunk_elements``) so that every thread gets a piece worth its start-up cost. Results are
+bit-identical for a given thread count: element-wise results do not depend on the chunking; the
+chunked norms (a sum in another order) may differ in the last bits when the chunk size changes.
 
 RDA, with weights w and deltas d of norms n: ``(sum w n / sum w) * unit(sum w unit(d))``, the
 mean norm along the mean direction (unit(0) = 0). Outer gradients of different learners are
@@ -25,8 +33,17 @@ from collections.abc import Sequence
 import torch
 
 CHUNK = 1 << 18
-"""Elements per chunk (1 MB of fp32): a chunk stays in the L2 cache between two operations, and
-chunks are large enough that Python's per-operation cost stays small."""
+"""Elements per chunk at up to 4 threads (1 MB of fp32): a chunk stays in the cache between two
+operations, and chunks are large enough that Python's per-operation cost stays small."""
+
+PER_THREAD = 1 << 16
+"""Elements of a chunk per intra-op thread above 4 threads (256 KB of fp32 each: a piece that
+stays in a core's L2 and is large against the cost of starting a parallel region)."""
+
+
+def chunk_elements() -> int:
+    """Elements per chunk for torch's current intra-op thread count."""
+    return max(CHUNK, torch.get_num_threads() * PER_THREAD)
 
 
 def token_weight(tokens: float, steps: float) -> float:
@@ -36,8 +53,10 @@ def token_weight(tokens: float, steps: float) -> float:
     return float(tokens) * float(tokens) / float(steps)
 
 
-def _spans(numel: int) -> list[tuple[int, int]]:
-    return [(s, min(s + CHUNK, numel)) for s in range(0, numel, CHUNK)]
+def spans(numel: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk of a flat tensor of ``numel`` elements."""
+    chunk = chunk_elements()
+    return [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
 
 
 def make_delta(anchor: torch.Tensor | None, values: torch.Tensor) -> float:
@@ -48,7 +67,7 @@ def make_delta(anchor: torch.Tensor | None, values: torch.Tensor) -> float:
         return float(torch.linalg.vector_norm(v))
     a = anchor.reshape(-1)
     total = 0.0
-    for s, e in _spans(v.numel()):
+    for s, e in spans(v.numel()):
         d = torch.sub(a[s:e], v[s:e], out=v[s:e])
         total += float(torch.linalg.vector_norm(d)) ** 2
     return math.sqrt(total)
@@ -58,8 +77,10 @@ class Accumulator:
     """The running token-weighted merge of one tensor in one round."""
 
     def __init__(self, out: torch.Tensor, rda: bool) -> None:
-        """``out`` is scratch space of the tensor's shape (its contents are overwritten)."""
-        self.acc = out.zero_()
+        """``out`` is scratch space of the tensor's shape (its contents are overwritten: zeroed
+        by the first addition, or by ``result`` if nothing was added)."""
+        self.acc = out
+        self.cleared = False  # the sum is zero only once cleared (lazily, fused with the first add)
         self.rda = rda
         self.weight = 0.0  # sum of w
         self.radius = 0.0  # sum of w * n
@@ -79,8 +100,17 @@ class Accumulator:
             self.members = [(d, s) for d, s in self.members if d is not delta]
         # RDA only takes the direction from the sum: a scale changes the radius, not the direction.
         coef = (weight / norm if norm > 0 else 0.0) if self.rda else weight * scale
-        if coef != 0.0:
+        if coef == 0.0:
+            return
+        if self.cleared:
             self.acc.add_(delta, alpha=sign * coef)
+            return
+        # The first addition: clear and add chunk by chunk, while the chunk is in cache (the
+        # same numbers as zero_() then add_(): 0 + x, so -0 still becomes +0).
+        acc, d = self.acc.view(-1), delta.reshape(-1)
+        for s, e in spans(acc.numel()):
+            acc[s:e].zero_().add_(d[s:e], alpha=sign * coef)
+        self.cleared = True
 
     def result(self) -> torch.Tensor:
         """The merged outer gradient (the scratch tensor, handed over; or, for a lone learner,
@@ -90,6 +120,9 @@ class Accumulator:
         if len(self.members) == 1:
             delta, scale = self.members[0]
             return delta if scale == 1.0 else delta.mul_(scale)
+        if not self.cleared:  # nothing was added (all coefficients 0): the sum is zero
+            self.acc.zero_()
+            self.cleared = True
         if not self.rda:
             return self.acc.div_(self.weight)
         direction = float(torch.linalg.vector_norm(self.acc))

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ddiloco.core.merge import spans
+
 
 class OuterNesterov:
     """SGD with Nesterov momentum, step for step equal to ``torch.optim.SGD(nesterov=True)``.
@@ -24,27 +26,60 @@ class OuterNesterov:
         self.pending_share = 0.0
 
     def step(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], share: float = 1.0
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        share: float = 1.0,
+        out: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Return the new parameter values. ``params`` are not modified; ``grads`` are used as
         scratch space and overwritten (the syncer hands over its merge buffers).
 
         ``share`` is the part of the fleet this gradient stands for (1: a whole round). Only a
         ``delayed`` optimizer uses it: see ``_delayed_step``.
+
+        ``out``: tensors of the parameters' shapes to write the new values into (a caller that
+        recycles a version nobody holds any more saves the allocation and its page faults);
+        None allocates them.
         """
         if self.delayed and (share < 1.0 or self.pending is not None):
             return self._delayed_step(params, grads, share)
-        if self.momentum > 0:
-            if self.buffers is None:
-                # torch's SGD starts the buffer at the first gradient, not at zero.
-                self.buffers = [g.detach().clone() for g in grads]
-            else:
-                for b, g in zip(self.buffers, grads):
-                    torch.add(g, b, alpha=self.momentum, out=b)  # b = momentum * b + g, in one pass
-            # the same operations as torch.optim.SGD(nesterov=True), in place of the gradient
-            for g, b in zip(grads, self.buffers):
-                g.add_(b, alpha=self.momentum)
-        return [torch.add(p, g, alpha=-self.lr) for p, g in zip(params, grads)]
+        if out is not None and len(out) != len(params):
+            raise ValueError(f"out has {len(out)} tensors for {len(params)} parameters")
+        if out is None:
+            out = [
+                torch.empty(p.shape, dtype=torch.promote_types(p.dtype, g.dtype), device=p.device)
+                for p, g in zip(params, grads)
+            ]
+        new = list(out)
+        first = self.momentum > 0 and self.buffers is None
+        if first:  # torch's SGD starts the buffer at the first gradient, not at zero
+            self.buffers = [g.detach().clone() for g in grads]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            b = self.buffers[i] if self.momentum > 0 and self.buffers is not None else None
+            self._chunked(p, g, b, new[i], first)
+        return new
+
+    def _chunked(
+        self, p: torch.Tensor, g: torch.Tensor, b: torch.Tensor | None, new: torch.Tensor, first: bool
+    ) -> None:
+        """One tensor's step, chunk by chunk so that each chunk is read from memory once. The
+        operations are element-wise, so the chunking changes no bit."""
+        if not all(t.is_contiguous() for t in (g, new) + (() if b is None else (b,))):
+            self._apply(p, g, b, new, first)  # no flat views: the tensor as one chunk
+            return
+        pf, gf, nf = p.reshape(-1), g.view(-1), new.view(-1)
+        bf = None if b is None else b.view(-1)
+        for s, e in spans(gf.numel()):
+            self._apply(pf[s:e], gf[s:e], None if bf is None else bf[s:e], nf[s:e], first)
+
+    def _apply(self, p: torch.Tensor, g: torch.Tensor, b: torch.Tensor | None, new: torch.Tensor, first: bool) -> None:
+        """The operations of torch.optim.SGD(nesterov=True), with the gradient as scratch."""
+        if b is not None:
+            if not first:
+                torch.add(g, b, alpha=self.momentum, out=b)  # b = momentum * b + g, in one pass
+            g.add_(b, alpha=self.momentum)
+        torch.add(p, g, alpha=-self.lr, out=new)
 
     def _delayed_step(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], share: float
