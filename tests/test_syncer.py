@@ -44,14 +44,35 @@ class Driver:
         self.core = core
         self.tape: list[dict] = []
         self.durable: list[int] = []
+        # Every version each fragment had, as the learners hold them (their base copies).
+        self.seen: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._remember()
 
     def __getattr__(self, name):
         return getattr(self.core, name)
 
+    def _remember(self) -> None:
+        for p in self.core.owned:
+            f = self.core.fragments[p]
+            self.seen.setdefault((p, f.version), [v.clone() for v in f.values])
+
     def _keep(self, out: Output) -> list:
         self.tape += [r.to_json() for r in out.tape]
         self.durable += out.durable
+        self._remember()
         return out.messages
+
+    def as_learners_send(self, c: Contribution) -> Contribution:
+        """A values payload as a learner sends it: the exact delta against its base copy (the
+        syncer keeps no past parameters). Payloads it cannot anchor go as they are."""
+        base = self.seen.get((c.fragment, c.base_version))
+        if c.kind != "values" or base is None or len(base) != len(c.values):
+            return c
+        if any(not isinstance(v, torch.Tensor) or v.shape != b.shape or v.dtype != b.dtype for v, b in zip(c.values, base)):
+            return c
+        pieces = self.core.layout.fragments[c.fragment]
+        values = [b - v if pc.kind == "param" else v for b, v, pc in zip(base, c.values, pieces)]
+        return dataclasses.replace(c, values=values, kind="delta")
 
     def on_join(self, m, t, incarnation=0, bases=()):
         return self._keep(self.core.handle(Join(m, incarnation, list(bases)), t))
@@ -60,7 +81,7 @@ class Driver:
         return self._keep(self.core.handle(hb, t))
 
     def on_contribution(self, c, t):
-        return self._keep(self.core.handle(c, t))
+        return self._keep(self.core.handle(self.as_learners_send(c), t))
 
     def on_leave(self, m, t, incarnation=0):
         return self._keep(self.core.handle(Leave(m, incarnation), t))

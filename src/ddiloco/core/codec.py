@@ -1,9 +1,10 @@
 """Compressed payloads, both ways (pure: tensors in, tensors out).
 
-Up: with a lossy encoding in either direction (``DiLoCoConfig.compressed``), a contribution is
-its delta against the learner's base, the version it last received *as it holds it*: parameters
-in the up-link encoding, plus the residual its last encoding dropped when error feedback is on;
-buffers and counts exactly, as values (statistics are levels, not progress).
+Up: a contribution is its delta against the learner's base, the version it last received *as it
+holds it*: parameters in the up-link encoding (plain fp32 values when nothing is lossy), plus the
+residual its last encoding dropped when error feedback is on; buffers and counts exactly, as
+values (statistics are levels, not progress). The learner keeps that one base copy, so the
+syncer needs no past versions to anchor contributions on: it keeps only the current one.
 
 Down: a merged version goes as the encoded change from the previous version *as served*, and
 the syncer keeps that reconstruction (``Chain``), so a learner on the chain and the syncer hold
@@ -40,7 +41,8 @@ def encode_pieces(
 
 
 class LearnerCodec:
-    """A learner's base copies (one per fragment it received) and error-feedback residuals.
+    """A learner's base copies (one per fragment it received) and error-feedback residuals
+    (``active``: a lossy encoding either way; otherwise contributions are exact deltas).
 
     The residual is the learner's own, not the version's: it survives an overwrite by a merged
     version, a rebase and a re-registration (only a new process starts without one).
@@ -75,16 +77,20 @@ class LearnerCodec:
 
     def received(self, u: FragmentUpdate) -> None:
         """A full version was applied: it is the base the next delta (either way) starts from."""
-        if self.active:
-            self.base[u.fragment] = (u.version, [v.float() for v in u.values])
+        self.base[u.fragment] = (u.version, [v.float() for v in u.values])
 
     def encode(self, c: Contribution) -> tuple[Contribution, list[torch.Tensor] | None]:
         """``c`` (values) as this run sends it, and the residual to keep once it is sent (None:
-        nothing to keep). Without a base for the fragment (never received) it goes as values."""
+        nothing to keep). Without a base for the fragment (never received, or a contribution
+        from another version) it goes as values: the syncer anchors it on its current version
+        or answers with that version (a rebase)."""
         held = self.base.get(c.fragment)
-        if not self.active or held is None or held[0] != c.base_version:
+        if held is None or held[0] != c.base_version:
             return c, None
         pieces = self.pieces[c.fragment]
+        if not self.active:  # exact: the delta itself, computed once here instead of at the syncer
+            exact = [b - v.float() if pc.kind == "param" else v.float() for b, v, pc in zip(held[1], c.values, pieces)]
+            return dataclasses.replace(c, values=exact, kind="delta"), None
         residual = self.residual.get(c.fragment)
         payload: list[torch.Tensor] = []
         for i, (b, v, pc) in enumerate(zip(held[1], c.values, pieces)):

@@ -198,13 +198,30 @@ class SyncerView:
 
 
 @dataclass
+class Version:
+    """One version of a fragment the syncer still accepts contributions on."""
+
+    number: int
+    """The version (0 = the initial values)."""
+    values: list[torch.Tensor]
+    """Its values. Past versions keep only their buffer pieces (empty tensors stand for the
+    parameters) unless the run anchors on the current version (``anchor = "current"``, an
+    ablation): learners send deltas against their own base copy, so a parameter's past value
+    is never needed, and keeping S of them would cost S times the model."""
+    made_at: float
+    """When it was made (-inf: the initial or a restored version)."""
+    full: bool = True
+    """Whether ``values`` holds the parameters too."""
+
+
+@dataclass
 class FragmentState:
     """Global values of one fragment, its recent versions and its outer optimizer."""
 
     version: int
     """Current version (0 = the initial values)."""
-    history: deque[tuple[int, list[torch.Tensor], float]]
-    """(version, values, time it was made), newest last, at most keep_versions + 1 long."""
+    history: deque[Version]
+    """Its recent versions, newest last, at most keep_versions + 1 long (the current one full)."""
     outer: OuterNesterov
     """This fragment's outer optimizer."""
     tokens_merged: int = 0
@@ -221,26 +238,37 @@ class FragmentState:
     """The grace window of its last merged round (seconds)."""
     chain: Chain | None = None
     """The down-link chain (a lossy ``down_encoding`` only): what learners on it hold."""
-    scratch: list[torch.Tensor] | None = None
-    """Merge accumulators of this fragment's open round, reused round after round (one round
-    of a fragment is open at a time): large fresh allocations cost page faults every time."""
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return self.history[-1][1]
+        return self.history[-1].values
 
-    def at(self, version: int) -> list[torch.Tensor] | None:
-        for v, vals, _ in self.history:
-            if v == version:
-                return vals
+    def at(self, version: int) -> Version | None:
+        """``version`` if it is still accepted as a base (None: too old, or never made)."""
+        for v in self.history:
+            if v.number == version:
+                return v
         return None
 
     def made_at(self, version: int) -> float:
         """When ``version`` was made (-inf when unknown: the initial or a restored version)."""
-        for v, _, t in self.history:
-            if v == version:
-                return t
-        return -math.inf
+        v = self.at(version)
+        return v.made_at if v is not None else -math.inf
+
+    def push(self, version: Version, keep_past_values: bool, buffers: Sequence[int]) -> None:
+        """Make ``version`` the current one; the one before keeps only its buffer pieces unless
+        ``keep_past_values``."""
+        if self.history and not keep_past_values:
+            last = self.history[-1]
+            if last.full:
+                kept = set(buffers)
+                last.values = [v if i in kept else _GONE for i, v in enumerate(last.values)]
+                last.full = False
+        self.history.append(version)
+
+
+_GONE = torch.empty(0)
+"""What a past version holds in place of a parameter piece it no longer keeps."""
 
 
 @dataclass
@@ -299,6 +327,8 @@ class Round:
     late: bool = False
     """A round opened by an answer that missed its own (staleness = "delayed"): it merges that
     answer alone, at once."""
+    scratch: torch.Tensor | None = None
+    """The flat buffer ``merge`` accumulates in, lent from the syncer's pool until the close."""
 
 
 def _tokens(pd: Pending) -> int:
@@ -327,7 +357,7 @@ class Syncer:
         self.fragments: list[FragmentState] = []
         for pieces in layout.fragments:
             vals = [v.float() for v in read_fragment(initial, pieces)]
-            history = deque([(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
+            history = deque([Version(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
             frag = FragmentState(0, history, outer, norm=_norm(vals))
             if is_lossy(cfg.down_encoding):
@@ -357,6 +387,12 @@ class Syncer:
         self._awaiting_ack: dict[int, tuple[int, float, float]] = {}
         self.finishing = False
         """Set by ``flush(final=True)``: the run is ending and no scheduled round opens again."""
+        self._keep_past_values = cfg.anchor != "base"
+        # Merge accumulators, lent to open rounds and taken back at their close: as many as
+        # rounds are open at once, not one per fragment (large fresh allocations would cost
+        # page faults on every round; one per fragment would cost a whole model).
+        self._scratch_pool: list[torch.Tensor] = []
+        self._scratch_numel = max(self._numel) if self._numel else 0
 
     # -- events ------------------------------------------------------------------------------
 
@@ -446,8 +482,10 @@ class Syncer:
             self._reject(c, *problem, now, out)
             return
         frag = self.fragments[c.fragment]
-        base = frag.at(c.base_version)
-        if base is None:
+        held = frag.at(c.base_version)
+        if held is not None and not held.full and (c.kind == "values" or self.cfg.anchor != "base"):
+            held = None  # a values payload needs its base's parameters: only the current version has them
+        if held is None:
             detail = f"stale base version {c.base_version} (current {frag.version}, keeping {self.cfg.keep_versions})"
             self._reject(c, "stale_base", detail, now, out)
             # Send the current value so the learner rebases instead of retrying forever; once
@@ -457,6 +495,7 @@ class Syncer:
                 info.stale_served[c.fragment] = frag.version
                 out.messages.append(self._update(c.learner, c.fragment, "stale", now))
             return
+        base = held.values
         # The fragment only changes when its round closes, so the anchor chosen now is the one
         # the merge would use at the close. The payload becomes the delta in place: the syncer
         # takes ownership of the tensors it is handed.
@@ -601,14 +640,17 @@ class Syncer:
     def _open(self, p: int, now: float) -> Round:
         self._round_ids += 1
         frag = self.fragments[p]
-        if frag.scratch is None:
-            frag.scratch = [torch.empty_like(v) for v in frag.values]
+        flat = self._scratch_pool.pop() if self._scratch_pool else torch.empty(self._scratch_numel)
+        scratch, at = [], 0
+        for v in frag.values:
+            scratch.append(flat[at : at + v.numel()].view(v.shape))
+            at += v.numel()
         rda = [
             self.cfg.merge == "rda" and not emb and pc.kind == "param"
             for pc, emb in zip(self.layout.fragments[p], self._emb[p])
         ]
-        merge = [Accumulator(t, rda=r) for t, r in zip(frag.scratch, rda)]
-        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge)
+        merge = [Accumulator(t, rda=r) for t, r in zip(scratch, rda)]
+        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge, scratch=flat)
         self.rounds[p] = rnd
         return rnd
 
@@ -857,7 +899,7 @@ class Syncer:
             new_values = frag.outer.step(frag.values, merged, share)
             for i, value in stats.items():
                 new_values[i] = value
-            frag.history.append((frag.version, new_values, now))
+            frag.push(Version(frag.version, new_values, now), self._keep_past_values, self._buffers[rnd.fragment])
             if frag.chain is not None:
                 frag.chain.advance(
                     frag.version, new_values, self.layout.fragments[rnd.fragment], self.cfg.down_encoding
@@ -900,6 +942,13 @@ class Syncer:
         out.tape.append(record)
         # The new version goes to the learners merged in this round; others ask when they need it.
         out.messages += [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
+        self._release(rnd)
+
+    def _release(self, rnd: Round) -> None:
+        """Take a closed round's merge buffer back (the outer step is done with it)."""
+        if rnd.scratch is not None:
+            self._scratch_pool.append(rnd.scratch)
+            rnd.scratch, rnd.merge = None, []
 
     def flush(self, now: float, final: bool = False) -> Output:
         """Close every open round with what it has. ``final``: the run is ending, so no
@@ -912,6 +961,7 @@ class Syncer:
                 self._close(rnd, now, "flush", out)
             else:
                 del self.rounds[p]
+                self._release(rnd)
         return out
 
     def final_sync(self, now: float) -> Output:
@@ -1033,7 +1083,7 @@ class Syncer:
         frag.version = rec.version
         frag.tokens_merged = rec.tokens_merged
         frag.history.clear()
-        frag.history.append((rec.version, [v.float().clone() for v in rec.values], -math.inf))
+        frag.history.append(Version(rec.version, [v.float().clone() for v in rec.values], -math.inf))
         frag.norm = _norm(frag.values)
         frag.outer.load_state_dict({"buffers": rec.momentum})
         if frag.chain is not None:

@@ -91,8 +91,10 @@ def _evaluate_until_the_end(
             states = fetch_global(syncers, keys=keys)
             if states is not None:
                 versions = load_global(model, layout, states)
-                loss = evaluate(wl, model, batches)
                 merged = sum(s.merged_tokens for s in states) / len(states)
+                ended = all(s.run_ended for s in states)
+                del states  # the model holds the values now: one copy, not two, while it evaluates
+                loss = evaluate(wl, model, batches)
                 rec = {
                     "event": "eval",
                     "time": time.time() - t0,
@@ -107,7 +109,7 @@ def _evaluate_until_the_end(
                     f.write(json.dumps(rec) + "\n")
                 line = f"evaluator: eval loss {loss:.4f} {loss_unit(wl)} at {merged:,.0f} merged tokens"
                 progress.maybe(lambda: line)  # noqa: B023 (called at once, inside this iteration)
-                if all(s.run_ended for s in states):
+                if ended:
                     log.info("the run ended: the evaluator stops")
                     return 0
             if once:

@@ -130,7 +130,12 @@ class SyncerService:
             )
         params = synced_tensors(model)  # the parameters and the persistent buffers
         core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
-        self.model = model
+        # The syncer keeps no model: the core's copy of the values is the global model. What the
+        # final model file needs of the module is the names of its state dict (tied weights are
+        # listed twice) and their dtypes.
+        self._state_keys = state_keys(model)
+        spec, numel = param_spec(model), sum(t.numel() for t in params.values())
+        del params, model
         self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync)
         found = self.store.restore(core.layout, core.owned)
         self.restored = found is not None
@@ -145,7 +150,7 @@ class SyncerService:
             budget_of(cfg),
             # What learners must match: the model, its layout, and the run's settings (sent to a
             # learner given no config, checked against one given a config).
-            Registration(param_spec(model), self.layout.digest, settings=run_settings(cfg)),
+            Registration(spec, self.layout.digest, settings=run_settings(cfg)),
             start,
             shard=shard,
             # A new value per start: learners see the syncer restarted and register again.
@@ -192,7 +197,7 @@ class SyncerService:
             self.run_dir / "metrics" / ("traffic.json" if num_shards == 1 else f"traffic-shard-{shard}.json")
         )
         self._traffic_before = read_json(self._traffic_path)  # a restart goes on counting from there
-        self._traffic_params = sum(t.numel() for t in params.values())  # N, for the data-parallel baseline
+        self._traffic_params = numel  # N, for the data-parallel baseline
         self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
 
     @property
@@ -481,7 +486,9 @@ class SyncerService:
         if any(e.get("final") for e in evals[-1:]):
             return  # already evaluated (a restarted syncer on a finished run)
         wl = load_workload(self.cfg.workload)
-        loss = evaluate(wl, self.model, wl.eval_batches())
+        model = wl.build_model(self.cfg.run.seed)  # built for this one evaluation, then let go
+        load_global(model, self.core.global_state())
+        loss = evaluate(wl, model, wl.eval_batches())
         rec = {
             "event": "eval",
             "time": self.run_age(),
@@ -498,14 +505,32 @@ class SyncerService:
     def write_final_model(self) -> Path:
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
-        # Through the model, so tied tensors (an LM head sharing the embedding) get the merged values too.
-        load_global(self.model, {k: v for k, v in state.items() if k in owned_names}, owned=owned_names)
-        full = self.model.state_dict()
+        # Every key of the model's state dict, in its dtype; a tied key (an LM head sharing the
+        # embedding) gets the merged values of the tensor it shares.
+        full = {}
+        for key, (name, dtype) in self._state_keys.items():
+            if name in state and (self.num_shards == 1 or key in owned_names):
+                v = state[name]
+                full[key] = (v if dtype.is_floating_point else v.round()).to(dtype)
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         path = self.run_dir / "final" / name
-        saved = save_state_dict({k: v for k, v in full.items() if self.num_shards == 1 or k in owned_names}, path)
+        saved = save_state_dict(full, path)
         self._model_written = tuple(self.core.versions())
         return saved
+
+
+def state_keys(model: nn.Module) -> dict[str, tuple[str, torch.dtype]]:
+    """Each key of ``model.state_dict()`` with the synced tensor that holds its values (a tied
+    key names the tensor it shares) and its dtype."""
+    synced = synced_tensors(model)
+    by_id = {id(t): n for n, t in synced.items()}
+    by_storage = {(t.data_ptr(), tuple(t.shape)): n for n, t in synced.items() if t.numel()}
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        # the same tensor object, or (a tied buffer listed under another name) the same storage
+        name = by_id.get(id(t)) or by_storage.get((t.data_ptr(), tuple(t.shape)), key)
+        out[key] = (name, t.dtype)
+    return out
 
 
 def open_syncer(
