@@ -1,5 +1,5 @@
-"""Durable syncer state: logs + snapshots restore a syncer bit for bit; torn tails, corrupt
-snapshots, layout mismatches and shards."""
+"""Durable syncer state: rotating logs + meta snapshots restore a syncer bit for bit; torn tails,
+corrupt snapshots, layout mismatches and shards."""
 
 import os
 
@@ -134,26 +134,33 @@ def test_real_merges_with_snapshot_in_the_middle_restore_bit_for_bit(tmp_path):
     assert_same(s2, s3)
 
 
-def test_snapshot_compacts_logs_and_append_is_idempotent(tmp_path):
-    s, store, _ = restored(tmp_path)
-    for step in range(1, 4):
+def test_logs_rotate_and_append_is_idempotent(tmp_path):
+    s, store, _ = restored(tmp_path)  # log_bound 2: a log holds at most two records
+    log = tmp_path / "state" / "frag-0.log"
+    sizes = []
+    for step in range(1, 6):
         merge(s, 0, 0, step)
         save(store, s, 0)
         save(store, s, 0)  # already durable: not written again
-    log = tmp_path / "state" / "frag-0.log"
-    three = log.stat().st_size
+        sizes.append(log.stat().st_size)
+    one = sizes[0]  # records grow a little with the meta state
+    assert [round(n / one) for n in sizes] == [1, 2, 1, 2, 1]  # a third record starts a new log: no copy
+    assert store.records_written == 5 and one * 5 <= store.record_bytes_written < one * 6
     snapshot(store, s)
-    assert 0 < log.stat().st_size < three / 2  # only the newest record is kept
-    assert (tmp_path / "state" / "snapshot.bin").exists() and not (tmp_path / "state" / "snapshot.prev.bin").exists()
-    snapshot(store, s)
-    assert (tmp_path / "state" / "snapshot.prev.bin").exists()
+    snap = tmp_path / "state" / "snapshot.bin"
+    _, header = persist._parse(bytearray(snap.read_bytes()), 0, b"DDLS")
+    assert header["tensors"] == [] and header["versions"] == {"0": 5, "1": 0}  # the logs hold the tensors
+    assert not (tmp_path / "state" / "snapshot.prev.bin").exists()
+    merge(s, 0, 0, 6)
+    save(store, s, 0)
+    assert round(log.stat().st_size / one) == 1  # the first append after a snapshot rotates
     store.close()
     s2, _, _ = restored(tmp_path)
     assert_same(s, s2)
 
 
 def test_torn_tail_is_cut_and_the_previous_version_restored(tmp_path):
-    s, store, _ = restored(tmp_path)
+    s, store, _ = restored(tmp_path, log_bound=10)  # no rotation: version 3 is torn off a long log
     merge(s, 0, 0, 1)
     save(store, s, 0)
     merge(s, 0, 0, 2)
@@ -212,7 +219,7 @@ def test_zero_filled_tail_is_torn_but_corruption_in_the_middle_is_an_error(tmp_p
         restored(tmp_path)
 
 
-def test_corrupt_snapshot_falls_back_to_prev_and_logs(tmp_path):
+def test_corrupt_snapshot_loses_no_version(tmp_path):
     s, store, _ = restored(tmp_path)
     merge(s, 0, 0, 1)
     persist_new(store, s)
@@ -227,16 +234,13 @@ def test_corrupt_snapshot_falls_back_to_prev_and_logs(tmp_path):
     store.close()
     s2, store2, ok = restored(tmp_path)
     assert ok
-    assert_same(s, s2)  # prev snapshot + the newest record of every log
-    # the bad snapshot.bin is replaced, not rotated over the good prev
-    snapshot(store2, s2)
+    assert_same(s, s2)  # the newest record of every log (the meta state of the newest record)
+    snapshot(store2, s2)  # the bad snapshot.bin is replaced
     store2.close()
     s3, store3, _ = restored(tmp_path)
     assert_same(s, s3)
     store3.close()
-    # both snapshots unreadable: initial values + the logs still hold every merged version
-    for name in ("snapshot.bin", "snapshot.prev.bin"):
-        (tmp_path / "state" / name).write_bytes(b"garbage")
+    snap.write_bytes(b"garbage")  # unreadable: initial values + the logs still hold every merged version
     s4, _, ok = restored(tmp_path)
     assert ok and s4.versions() == s.versions()
     for p in s.owned:

@@ -100,13 +100,18 @@ def test_deleted_snapshot_never_lowers_a_version(tmp_path):
     store, found = opened(tmp_path)
     assert versions(found) == {0: 3, 1: 1} and store.durable_versions() == {0: 3, 1: 1}
     store.close()
-    # A snapshot that alone holds a version (its log is behind): losing it is an error.
+    # A snapshot given a version its log lacks writes it to the log: the snapshot holds no tensors.
     store, _ = opened(tmp_path)
     store.snapshot([record(0, 4), record(1, 1)], META)
     assert store.durable_versions()[0] == 4
     store.close()
     (tmp_path / "state" / "snapshot.bin").unlink()
-    restore_fails(tmp_path, "fragment 0 was durable at version 4", "holds only version 3")
+    store, found = opened(tmp_path)
+    assert versions(found) == {0: 4, 1: 1}
+    store.close()
+    # The log that alone holds it is lost: an error, not a rollback.
+    (tmp_path / "state" / "frag-0.log").unlink()
+    restore_fails(tmp_path, "frag-0.log", "truncated or deleted")
 
 
 def test_crash_between_the_record_and_its_mark_restores_the_record(tmp_path):
@@ -318,24 +323,36 @@ class Killer:
 
 
 def crash_workload(store: SyncerStore, acked: dict[int, int]) -> None:
-    """Appends, tape lines and snapshots; ``acked``: the versions whose append returned."""
+    """Appends, tape lines and snapshots; ``acked``: the versions whose append returned. The logs
+    rotate on size (every ``log_bound`` records) and after each snapshot."""
     for v in range(1, 6):
         for p in (0, 1):
             store.append(record(p, v), META)
             acked[p] = v
             store.append_tape([{"event": "round", "fragment": p, "version": v}])
-        if v in (2, 4):
+        if v == 3:
             store.snapshot([record(0, v), record(1, v)], META)
 
 
-def test_a_crash_at_any_syscall_never_loses_an_acknowledged_version(tmp_path, monkeypatch):
-    """A restore after a crash at any syscall reaches every version whose append returned, and
-    never one that was not attempted (SIGKILL at random moments lost nothing: it still does not)."""
+def records_in(log: Path) -> int:
+    buf, pos, n = bytearray(log.read_bytes()), 0, 0
+    while pos < len(buf):
+        pos, n = persist._parse(buf, pos, b"DDLR")[0], n + 1
+    return n
+
+
+@pytest.mark.parametrize("log_bound", [1.0, 2.0])
+def test_a_crash_at_any_syscall_never_loses_an_acknowledged_version(tmp_path, monkeypatch, caplog, log_bound):
+    """A restore after a crash at any syscall, size-triggered rotations of the logs included,
+    reaches every version whose append returned, and never one that was not attempted (SIGKILL
+    at random moments lost nothing: it still does not); it leaves no rotation half done, no log
+    over its bound, and a store that goes on writing."""
     point = 0
+    caplog.set_level(logging.WARNING, logger="ddiloco.service.store")
     while True:
         point += 1
         d = tmp_path / str(point)
-        store, _ = opened(d, fsync=True)
+        store, _ = opened(d, fsync=True, log_bound=log_bound)
         killer = Killer(point)
         killer.patch(monkeypatch)
         acked: dict[int, int] = {}
@@ -345,16 +362,28 @@ def test_a_crash_at_any_syscall_never_loses_an_acknowledged_version(tmp_path, mo
             pass
         monkeypatch.undo()
         store._lock.close()  # the kernel drops a dead process's lock
-        again, found = opened(d)
+        again, found = opened(d, log_bound=log_bound)
         got = versions(found)
         for p in (0, 1):
             assert acked.get(p, 0) <= got.get(p, 0) <= acked.get(p, 0) + 1, (point, acked, got)
             if p in got:
                 assert torch.equal(found.fragments[p].values[0], record(p, got[p]).values[0])
+            log = d / "state" / f"frag-{p}.log"
+            assert not log.with_name(f"frag-{p}.next.log").exists(), point
+            assert not log.exists() or records_in(log) <= int(log_bound), point
+        assert again.disk_bytes() == again._disk_now, point  # the store's own count is the folder's
+        for p in (0, 1):  # it goes on from there, and a second restore finds that
+            again.append(record(p, got.get(p, 0) + 1), META)
         again.close()
+        last, found = opened(d, log_bound=log_bound)
+        assert versions(found) == {p: got.get(p, 0) + 1 for p in (0, 1)}, point
+        last.close()
         if not killer.dead:
             break
-    assert point > 50  # the workload really went through many crash points
+    assert point > 80  # the workload really went through many crash points
+    said = " ".join(r.getMessage() for r in caplog.records)
+    # a crash between a rotation's mark and its rename, and one before its mark
+    assert "finishing the rotation" in said and "never marked" in said
 
 
 # -- cheap tape, harmless status files -------------------------------------------------------

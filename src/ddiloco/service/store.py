@@ -1,15 +1,29 @@
-"""Durable syncer state: per-fragment append-only logs, whole-state snapshots, durable marks, the event tape.
+"""Durable syncer state: per-fragment rotating logs, meta snapshots, durable marks, the event tape.
 
 Layout of ``RUN_DIR/state/`` (``RUN_DIR/state/shard-{i}/`` when there are several syncer shards):
 
 - ``frag-{p}.log``: one record per durable version of fragment p. Each record is the fragment's
   *full* state (values, outer momentum, counters) plus the syncer's meta state, so the newest
-  valid record alone restores the fragment; older records only matter until the next snapshot.
-- ``snapshot.bin`` / ``snapshot.prev.bin``: every owned fragment, the meta state, the layout
-  signature and the owned list, written to a temp file and renamed into place.
+  valid record alone restores the fragment; older records are kept only until the log rotates.
+- Bounded disk: an append that would take ``frag-{p}.log`` past ``log_bound`` times the record's
+  size (``runtime.store_log_bound``, default 2), or the first append to it after a snapshot,
+  *rotates* the log: the record is written to ``frag-{p}.next.log`` (fsynced, its directory entry
+  fsynced), marked, and only then renamed over ``frag-{p}.log``, dropping every older record. No
+  byte is copied (each version is written once), and the folder never holds more than
+  ``log_bound`` records of each fragment plus one record in flight. A restore finishes a rotation
+  whose record was marked (a crash before the rename) and drops one that was not (never
+  acknowledged). So a fragment whose state is S bytes takes at most ``(log_bound + 1) * S`` (one
+  fragment at a time), and the folder ``log_bound * state + the largest fragment + small files``.
+- ``snapshot.bin``: the syncer's meta state, the layout signature, the owned list and each
+  fragment's durable version (no tensors: the logs hold every fragment), written to a temp file
+  and renamed into place; a snapshot also makes durable any record given to it that is newer
+  than its log's, and rewrites the mark files to one mark per fragment. Folders written before
+  the logs rotated may still hold tensors in ``snapshot.bin`` and a ``snapshot.prev.bin``: they
+  are read as before, and the next snapshot replaces them.
 - ``durable.log``: the high-water marks. After a record is fsynced, one fixed-size, CRC'd mark
   ``(fragment, version, end of that record in frag-{p}.log)`` is appended and fsynced; only then is
-  the version acknowledged. A restore that cannot reach a marked version, or finds damaged bytes
+  the version acknowledged (a rotation's mark gives the end in ``frag-{p}.next.log``, which becomes
+  ``frag-{p}.log`` with the rename that follows). A restore that cannot reach a marked version, or finds damaged bytes
   below a marked end (bytes that were fsynced), is a hard error: a deleted, zeroed, truncated or
   bit-flipped log can no longer roll a fragment back silently. Only an unmarked tail is cut.
 - ``durable.mirror.log``: the same marks again, so that every durable version is written down in
@@ -24,7 +38,9 @@ Layout of ``RUN_DIR/state/`` (``RUN_DIR/state/shard-{i}/`` when there are severa
   syncer on the same folder is refused instead of mixing its history into ours.
 - ``tape.jsonl``: the event tape, one JSON object a line; written through at once (a killed process
   loses nothing), fsynced at most every ``tape_sync_s`` and on ``flush_tape``/``snapshot``/``close``.
-- ``FORMAT``: ``{"format": 4}``; a folder of another format is refused, never guessed at. It is
+- ``FORMAT``: ``{"format": 4}`` (rotating logs and tensor-free snapshots are still format 4: a
+  ddiloco from before reads such a folder, and refuses one with a ``frag-{p}.next.log`` left by a
+  crash in one line); a folder of another format is refused, never guessed at. It is
   written (with empty mark files) when a fresh folder is first restored, so a state folder that
   was deleted can be told from one that never held anything.
 
@@ -38,6 +54,10 @@ then the body ``json length (u32) | JSON header | raw little-endian tensor bytes
 header is checked for its shape after its checksum (a CRC is no signature): a body whose header
 is not the JSON object we write is corruption, said in one line.
 A disk that fills up raises ``StoreFull`` and leaves no half record and no mark behind.
+
+For benchmarks the store counts what it costs: ``disk_bytes()`` (the folder now, read from the
+disk), ``peak_disk_bytes`` (the largest the folder was while this store wrote it),
+``bytes_written`` / ``record_bytes_written`` / ``records_written`` and ``fsyncs``.
 """
 
 from __future__ import annotations
@@ -337,11 +357,21 @@ class SyncerStore:
     ``snapshot`` now and then, and ``close`` at the end (it fsyncs the tape and releases the lock).
     It stores records; it never sees the syncer itself. ``tape_sync_s``: the longest time tape lines
     may sit unfsynced (they are written through at once; only an OS crash can lose them).
+    ``log_bound``: a fragment's log rotates when an append would take it past this many times the
+    record's size (``runtime.store_log_bound``; see the module docstring).
     """
 
     def __init__(
-        self, run_dir: str | Path, shard: int = 0, num_shards: int = 1, fsync: bool = True, tape_sync_s: float = 5.0
+        self,
+        run_dir: str | Path,
+        shard: int = 0,
+        num_shards: int = 1,
+        fsync: bool = True,
+        tape_sync_s: float = 5.0,
+        log_bound: float = 2.0,
     ) -> None:
+        if not 1.0 <= log_bound < 1e6:  # NaN fails too
+            raise ValueError(f"log_bound = {log_bound} must be at least 1 (records of a fragment a log may hold)")
         if not 0 <= shard < num_shards:
             raise StateError(
                 f"syncer shard {shard} is out of range for {num_shards} shards; allowed: 0..{num_shards - 1}"
@@ -353,15 +383,29 @@ class SyncerStore:
         self.num_shards = num_shards
         self.fsync = fsync
         self.tape_sync_s = tape_sync_s
+        self.log_bound = log_bound
+        self._rotate: set[int] = set()  # fragments whose next append starts a new log (after a snapshot)
+        self._sizes: dict[str, int] = {}  # bytes of each file in the folder, as this store left them
+        self._disk_now = 0
+        self.peak_disk_bytes = 0
+        """The most bytes the folder held while this store wrote it (a rotation's record in flight included)."""
+        self.bytes_written = 0
+        """Bytes this store wrote: records, marks (both files), snapshots, tape lines."""
+        self.record_bytes_written = 0
+        """Bytes of fragment records written (a rotation writes none more: no record is ever copied)."""
+        self.records_written = 0
+        """Fragment records written (one per durable version)."""
+        self.fsyncs = 0
+        """fsync calls made (files and the folder), 0 when fsync is off."""
         self._restored = False
         self._closed = False
         self._broken: str | None = None  # why writing must stop (a failed write could not be undone)
         self._lock: IO[str] | None = None
         self._durable: dict[int, int] = {}
         self._last: dict[int, tuple[int, int]] = {}  # p -> (offset, end) of the newest record in frag-p.log
+        self._logged: dict[int, int] = {}  # p -> the version of that record
         self._seq = 0  # orders records and snapshots across logs: the newest one's meta state wins
         self._snap_no = 0
-        self._final_bad = False  # snapshot.bin failed to verify at restore: never rotate it into prev
         self._tape_fd: int | None = None
         self._tape_dirty = False
         self._mirror_fd: int | None = None  # durable.mirror.log, open for appends; fsynced with the tape
@@ -390,6 +434,39 @@ class SyncerStore:
     def _sync_fd(self, fd: int) -> None:
         if self.fsync:
             os.fsync(fd)
+            self.fsyncs += 1
+
+    def _size(self, name: str, size: int | None) -> None:
+        """Note that file ``name`` now holds ``size`` bytes (None: it is gone); tracks the peak."""
+        old = self._sizes.pop(name, 0)
+        if size is not None:
+            self._sizes[name] = size
+        self._disk_now += (size or 0) - old
+        self.peak_disk_bytes = max(self.peak_disk_bytes, self._disk_now)
+
+    def _moved(self, src: str, dst: str) -> None:
+        size = self._sizes.pop(src, 0)
+        self._disk_now -= size
+        self._size(dst, size)
+
+    def _rescan(self) -> None:
+        """Read every file's size from the folder (after a restore, which may have cut or renamed)."""
+        self._sizes = {}
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.dir):
+                if e.is_file(follow_symlinks=False):
+                    self._sizes[e.name] = e.stat(follow_symlinks=False).st_size
+        self._disk_now = sum(self._sizes.values())
+        self.peak_disk_bytes = max(self.peak_disk_bytes, self._disk_now)
+
+    def disk_bytes(self) -> int:
+        """The bytes the state folder's files hold now, read from the disk (sizes, not blocks)."""
+        total = 0
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.dir):
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+        return total
 
     def _append_bytes(self, path: Path, pieces: list[Any]) -> tuple[int, int]:
         """Append ``pieces`` to ``path`` and fsync; (start, end) offsets. On any failure the file
@@ -403,7 +480,10 @@ class SyncerStore:
             except BaseException:
                 self._undo(lambda: os.ftruncate(fd, start), path)  # shrinking a file needs no free space
                 raise
-            return start, os.lseek(fd, 0, os.SEEK_CUR)
+            end = os.lseek(fd, 0, os.SEEK_CUR)
+            self.bytes_written += end - start
+            self._size(path.name, end)
+            return start, end
         finally:
             os.close(fd)
 
@@ -419,6 +499,9 @@ class SyncerStore:
                 path.unlink()
             raise
         os.close(fd)
+        size = sum(memoryview(b).nbytes for b in pieces)
+        self.bytes_written += size
+        self._size(path.name, size)
 
     def _cut(self, path: Path, at: int) -> None:
         """Drop what follows ``at`` in ``path``, durably."""
@@ -428,6 +511,7 @@ class SyncerStore:
             self._sync_fd(fd)
         finally:
             os.close(fd)
+        self._size(path.name, at)
 
     def _undo(self, undo: Any, path: Path) -> None:
         """Undo a failed write; if even that fails, refuse further writes: appending behind a half
@@ -440,6 +524,7 @@ class SyncerStore:
     def _fsync_dir(self) -> None:
         if self.fsync:
             _fsync_dir(self.dir)
+            self.fsyncs += 1
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -454,40 +539,93 @@ class SyncerStore:
     def append(self, rec: FragmentRecord, syncer_meta: dict[str, Any]) -> None:
         """Make a fragment's new version durable before returning: its record in frag-{p}.log is
         fsynced, then its mark in durable.log is (2 fsyncs), then the mark is written through to
-        durable.mirror.log (fsynced with the tape). A version that is already durable is not
-        written again. A full disk raises StoreFull and leaves neither record nor mark."""
+        durable.mirror.log (fsynced with the tape). When the record would take the log past
+        ``log_bound`` records, or it is the fragment's first after a snapshot, the log rotates
+        instead (3 fsyncs: the record in frag-{p}.next.log, the folder, the mark; then the rename
+        over frag-{p}.log). A version that is already durable is not written again. A full disk
+        raises StoreFull and leaves neither record nor mark."""
         self._need_restore()
         p = rec.fragment
         if p not in self.owned:
             raise ValueError(f"fragment {p} is not owned by this syncer shard (owned: {self.owned})")
         if rec.version <= self._durable.get(p, -1):
             return
+        self._write_record(rec, syncer_meta)
+
+    def _write_record(self, rec: FragmentRecord, syncer_meta: dict[str, Any]) -> None:
+        p = rec.fragment
         tensors, meta = _encode(rec)
         header = {"seq": self._seq + 1, "meta": meta, "syncer": syncer_meta, "pieces": self.signature[p]}
         pieces = _frame(_RECORD, header, tensors)
+        size = sum(memoryview(b).nbytes for b in pieces)
         path = self.dir / f"frag-{p}.log"
+        held = self._sizes.get(path.name, 0)
         with self._disk(f"appending version {rec.version} of fragment {p}"):
             self._init_dir()
-            new = not path.exists()
-            start, end = self._append_bytes(path, pieces)
-            try:
-                if new:
-                    self._fsync_dir()  # the new file's directory entry must survive a crash too
-                # Only now, with the record on disk, may the mark say so.
-                mark = _pack_mark(p, rec.version, end)
-                marks = self.dir / MARKS
-                mark_at, _ = self._append_bytes(marks, [mark])
-                try:
-                    self._append_mirror(mark)
-                except BaseException:
-                    self._undo(lambda: self._cut(marks, mark_at), marks)
-                    raise
-            except BaseException:
-                self._undo(lambda: self._cut(path, start), path)  # never acknowledged: a restore must not bring it back
-                raise
+            if held > 0 and (p in self._rotate or held + size > self.log_bound * size):
+                start, end = self._rotate_log(p, rec.version, pieces)
+            else:
+                start, end = self._append_record(p, rec.version, pieces)
+        self.records_written += 1
+        self.record_bytes_written += size
         self._seq += 1
         self._last[p] = (start, end)
-        self._durable[p] = rec.version
+        self._durable[p] = max(self._durable.get(p, 0), rec.version)
+        self._logged[p] = rec.version
+
+    def _mark(self, p: int, version: int, end: int) -> None:
+        """Append the mark to durable.log (fsynced) and the mirror; neither is left on a failure."""
+        mark = _pack_mark(p, version, end)
+        marks = self.dir / MARKS
+        mark_at, _ = self._append_bytes(marks, [mark])
+        try:
+            self._append_mirror(mark)
+        except BaseException:
+            self._undo(lambda: self._cut(marks, mark_at), marks)
+            raise
+
+    def _append_record(self, p: int, version: int, pieces: list[Any]) -> tuple[int, int]:
+        path = self.dir / f"frag-{p}.log"
+        new = not path.exists()
+        start, end = self._append_bytes(path, pieces)
+        try:
+            if new:
+                self._fsync_dir()  # the new file's directory entry must survive a crash too
+            self._mark(p, version, end)  # only now, with the record on disk, may the mark say so
+        except BaseException:
+            self._undo(lambda: self._cut(path, start), path)  # never acknowledged: a restore must not bring it back
+            raise
+        return start, end
+
+    def _rotate_log(self, p: int, version: int, pieces: list[Any]) -> tuple[int, int]:
+        """Write the record as a new log and drop the old one: the record (and the folder) is
+        fsynced in frag-{p}.next.log, marked there, then renamed over frag-{p}.log. Until the mark
+        the old log is untouched (a failure removes the new file); after it, a crash before the
+        rename is finished by the restore."""
+        path, nxt = self.dir / f"frag-{p}.log", self.dir / f"frag-{p}.next.log"
+        self._write_new(nxt, pieces)
+        try:
+            self._fsync_dir()  # a mark must never name a file whose directory entry a crash can lose
+            end = self._size_of(nxt)
+            self._mark(p, version, end)
+        except BaseException:
+            self._undo(lambda: self._remove(nxt), nxt)
+            raise
+        try:
+            os.replace(nxt, path)  # no fsync needed: a restore finishes a marked rotation itself
+        except OSError as e:
+            self._broken = f"version {version} of fragment {p} is durable in {nxt} but could not replace {path} ({e})"
+            raise StateError(f"{self._broken}; restart the syncer: its restore finishes the rotation") from e
+        self._moved(nxt.name, path.name)
+        self._rotate.discard(p)
+        return 0, end
+
+    def _remove(self, path: Path) -> None:
+        path.unlink()
+        self._size(path.name, None)
+
+    def _size_of(self, path: Path) -> int:
+        return self._sizes.get(path.name, 0)
 
     def append_tape(self, records: list[dict[str, Any]]) -> None:
         """Append JSON lines to tape.jsonl. They reach the OS at once (a killed syncer loses none);
@@ -508,6 +646,8 @@ class SyncerStore:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, start)  # no half line before the next one
                 raise
+            self.bytes_written += len(data)
+            self._size("tape.jsonl", start + len(data))
             self._tape_dirty = True
             if time.monotonic() - self._tape_synced >= self.tape_sync_s:
                 self.flush_tape()
@@ -524,6 +664,8 @@ class SyncerStore:
         except BaseException:
             self._undo(lambda: os.ftruncate(fd, start), self.dir / MIRROR)
             raise
+        self.bytes_written += len(mark)
+        self._size(MIRROR, start + len(mark))
         self._mirror_dirty = True
 
     def _close_mirror(self) -> None:
@@ -560,75 +702,57 @@ class SyncerStore:
         return read_tape(self.dir / "tape.jsonl")
 
     def snapshot(self, records: list[FragmentRecord], syncer_meta: dict[str, Any]) -> Path:
-        """Write every owned fragment + meta state atomically to snapshot.bin (the previous one
-        becomes snapshot.prev.bin), then compact durable.log and the fragment logs. A full disk
-        raises StoreFull; the previous snapshot and every durable version stay as they were."""
+        """Write the meta state and every owned fragment's version atomically to snapshot.bin
+        (no tensors: a record newer than its log's is appended first, so the logs hold every
+        fragment), rewrite the mark files to one mark per fragment, and have each fragment's next
+        append rotate its log. A full disk raises StoreFull; the previous snapshot and every
+        durable version stay as they were."""
         self._need_restore()
         if sorted(r.fragment for r in records) != self.owned:
             raise ValueError(f"a snapshot needs every owned fragment {self.owned}")
-        tensors: Tensors = {}
-        frags = []
-        for rec in records:
-            ts, meta = _encode(rec)
-            tensors.update({f"{rec.fragment}/{k}": v for k, v in ts.items()})
-            frags.append(meta)
+        for rec in records:  # the syncer appends every version first: this is for other callers, and
+            # for a version that only an older store's snapshot.bin held, which this one replaces
+            if rec.version > self._logged.get(rec.fragment, 0):
+                self._write_record(rec, syncer_meta)
         header = {
             "snapshot": self._snap_no + 1,
             "seq": self._seq + 1,
             "signature": self.signature,
             "owned": self.owned,
-            "fragments": frags,
+            "fragments": [],  # a format-4 reader finds no tensors here and restores from the logs
+            "versions": {str(p): v for p, v in sorted(self._durable.items())},
             "syncer": syncer_meta,
         }
         tmp, final, prev = self.dir / "snapshot.tmp", self.dir / "snapshot.bin", self.dir / "snapshot.prev.bin"
         with self._disk("writing a snapshot"):
             self._init_dir()
-            self._write_new(tmp, _frame(_SNAPSHOT, header, tensors))
+            self._write_new(tmp, _frame(_SNAPSHOT, header, {}))
             self._seq += 1
             self._snap_no += 1
-            # A crash between the two renames leaves prev + tmp: restore then uses prev + the logs,
-            # which are only compacted after both renames are durable.
-            if final.exists() and not self._final_bad:
-                os.replace(final, prev)
             os.replace(tmp, final)
-            self._final_bad = False
+            self._moved(tmp.name, final.name)
+            if prev.exists():  # left by a store whose snapshots held tensors: the logs hold them all
+                prev.unlink()
+                self._size(prev.name, None)
             self._fsync_dir()
-            for meta in frags:
-                self._durable[meta["fragment"]] = max(self._durable.get(meta["fragment"], 0), meta["version"])
-            # Marks first: their ends are the compacted lengths, which the old logs still exceed,
-            # so a crash between the two steps never makes a later torn append look fsynced.
-            self._rewrite_marks({p: end - start for p, (start, end) in self._last.items()})
-            self._compact()
+            self._rewrite_marks({p: end for p, (_, end) in self._last.items()})
+            self._rotate = set(self.owned)
             self.flush_tape()
         return final
 
     def _rewrite_marks(self, ends: dict[int, int]) -> None:
         """Replace durable.log, then durable.mirror.log, with one mark per fragment: its durable
         version and how many bytes of its log are fsynced records. A crash between the two
-        renames leaves the mirror with the old, longer ends, which the logs (compacted only after
-        both) still have; a restore takes the larger end and writes both anew."""
+        renames leaves the mirror with the same versions and ends plus older marks; a restore
+        finds them different and writes both anew."""
         marks = [_pack_mark(p, v, ends.get(p, 0)) for p, v in sorted(self._durable.items()) if v > 0]
         self._close_mirror()  # its file is replaced: appends must go to the new one
         for name in (MARKS, MIRROR):
             tmp = self.dir / f"{name}.tmp"
             self._write_new(tmp, marks)
             os.replace(tmp, self.dir / name)
+            self._moved(tmp.name, name)
         self._mirror_dirty = False
-        self._fsync_dir()
-
-    def _compact(self) -> None:
-        """Cut every log down to its newest record. That record is kept (not dropped as covered
-        by the snapshot) so a corrupt snapshot.bin never loses a version: prev + logs still hold it."""
-        for p, (start, end) in list(self._last.items()):
-            if start == 0:
-                continue  # already a single record
-            path, tmp = self.dir / f"frag-{p}.log", self.dir / f"frag-{p}.log.tmp"
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(end - start)
-            self._write_new(tmp, [data])
-            os.replace(tmp, path)
-            self._last[p] = (0, end - start)
         self._fsync_dir()
 
     def close(self) -> None:
@@ -759,7 +883,6 @@ class SyncerStore:
             why = got if isinstance(got, str) else "trailing bytes" if got[0] != len(buf) else _check_snapshot(got[1])
             if isinstance(got, str) or why is not None:
                 log.warning("ignoring %s: %s", path, why)  # the marks say whether anything is lost
-                self._final_bad |= name == "snapshot.bin"
                 continue
             header = got[1]
             sig = header["signature"]
@@ -880,8 +1003,48 @@ class SyncerStore:
             if newest_ is None or header["meta"]["version"] > newest_[1]["meta"]["version"]:
                 newest_ = (buf, header)
                 self._last[p] = (pos, end)
+                self._logged[p] = header["meta"]["version"]
             pos = end
         return newest_
+
+    def _finish_rotation(self, p: int, marks: dict[int, tuple[int, int]] | None) -> None:
+        """A crash inside a rotation left frag-{p}.next.log: finish the rotation when its record is
+        the one marked (or no mark file is left to say), drop it when it was never marked (that
+        version was never acknowledged; a torn record is such a one too). Any other content is
+        damage: one line, and the file is left as evidence."""
+        nxt, path = self.dir / f"frag-{p}.next.log", self.dir / f"frag-{p}.log"
+        if not nxt.exists():
+            return
+        buf = bytearray(nxt.read_bytes())
+        got = _parse(buf, 0, _RECORD) if buf else "truncated header"
+        if not isinstance(got, str):
+            why = _check_record(got[1])
+            if why is None and got[1]["meta"]["fragment"] != p:
+                why = f"bad header: a record of fragment {got[1]['meta']['fragment']}"
+            got = why if why is not None else got if got[0] == len(buf) else "bytes after its record"
+        mark = None if marks is None else marks.get(p)
+        if not isinstance(got, str):
+            version, end = got[1]["meta"]["version"], got[0]
+            if marks is None or mark == (version, end):
+                log.warning("%s: finishing the rotation a crash interrupted (version %d)", nxt, version)
+                self._check_layout([got[1]["pieces"]], [p], f"log {nxt.name}")
+                with self._disk(f"renaming {nxt.name}"):
+                    os.replace(nxt, path)
+                    self._fsync_dir()
+                return
+            if mark is None or version > mark[0]:
+                log.warning("%s: dropping version %d, written but never marked (a crash before its mark)", nxt, version)
+                with self._disk(f"removing {nxt.name}"):
+                    nxt.unlink()
+                return
+            raise self._damaged(f"{nxt} holds version {version} ending at byte {end}, but the marks say {mark}")
+        if not _torn_shape(buf, 0, got):
+            raise StateError(
+                f"{nxt} is corrupt at byte 0 ({got}); restore the run dir from a backup or use a fresh --run-dir"
+            )
+        log.warning("%s: dropping a torn record (a crash while it was written, before its mark)", nxt)
+        with self._disk(f"removing {nxt.name}"):
+            nxt.unlink()
 
     def _check_marks(self, marks: dict[int, tuple[int, int]], found: Restored) -> None:
         """No fragment may restore below its mark: that would hand out a version number twice."""
@@ -919,6 +1082,7 @@ class SyncerStore:
             # Written now, not at the first merge: from here on a deleted folder is told from a fresh one.
             with self._disk("creating the syncer state folder"):
                 self._init_dir()
+            self._rescan()
             return None
         self._check_format()
         self._dir_ready = True
@@ -945,6 +1109,7 @@ class SyncerStore:
                     f"{self.dir / f'frag-{p}.log'} belongs to fragment {p}, which this syncer shard does not own "
                     f"{self.owned}; use the same shards or a fresh --run-dir"
                 )
+            self._finish_rotation(p, marks)
             newest = self._scan_log(p, (marks or {}).get(p, (0, 0))[1])
             if newest is None:
                 continue
@@ -956,6 +1121,7 @@ class SyncerStore:
                     _tensors(buf, header), header["meta"], layout.fragments[p], str(self.dir / f"frag-{p}.log")
                 )
         self._check_marks(marks or {}, found)
+        self._rescan()
         self._durable.update({p: rec.version for p, rec in found.fragments.items()})
         if differ:  # one lost or behind: both again, so that a later loss of one is still caught
             with self._disk(f"writing {MARKS} and {MIRROR} anew"):
@@ -967,7 +1133,7 @@ class SyncerStore:
         return found
 
 
-_LOG_NAME = re.compile(r"^frag-(\d{1,5})\.log$")
+_LOG_NAME = re.compile(r"^frag-(\d{1,5})(?:\.next)?\.log$")
 _HISTORY_RECORDS = 100_000  # lines of metrics/run.jsonl looked at (it holds a few per session)
 
 
