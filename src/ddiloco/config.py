@@ -184,6 +184,7 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
+        require(1 <= rt.store_log_bound < 1e6, "runtime.store_log_bound", rt.store_log_bound, ">= 1 (records), finite")
         for name in ("send_queue_mb", "peer_state_chunk_mb"):
             require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")
         for name in (

@@ -35,8 +35,14 @@ class RuntimeConfig:
     code 7) instead of training on alone, unmerged, after the syncer is gone or the run has
     ended unheard (a partition). Shorter outages (a syncer restart) it rides out; 0: never."""
     snapshot_interval_s: float = 30.0
-    """Seconds between whole-state snapshots of the syncer (versions are durable at once in
-    the per-fragment logs regardless)."""
+    """Seconds between snapshots of the syncer's meta state (versions are durable at once in
+    the per-fragment logs regardless); after each, every fragment's next record starts a new log."""
+    store_log_bound: float = 2.0
+    """How many records of a fragment its log in the syncer's state folder may hold (a multiple
+    of one record: the fragment's values, outer momentum and counters): the record that would pass
+    it starts a new log and the old one is deleted, no byte copied. The folder then stays within
+    about store_log_bound x the state + one fragment (4x the fp32 model + 2x/P with momentum at 2);
+    1 is the least disk and an extra fsync per merge. >= 1."""
     restart_limit: int = 20
     """Restarts of one learner the local launcher makes before it gives up on it."""
     restart_delay_s: float = 0.0
