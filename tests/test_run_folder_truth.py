@@ -115,7 +115,7 @@ def test_damage_to_any_two_files_restores_every_durable_version_or_is_refused(tm
     assert durable == {0: 5, 1: 3}
     files = sorted(p.name for p in (pristine / "state").iterdir() if p.name != "syncer.lock")  # a lock, no state
     assert {"FORMAT", "durable.log", "durable.mirror.log", "frag-0.log", "frag-1.log", "snapshot.bin",
-            "snapshot.prev.bin", "tape.jsonl"} <= set(files)  # fmt: skip
+            "tape.jsonl"} <= set(files)  # fmt: skip
     outcomes: dict[str, int] = {}
     cases = [((a,), (da,)) for a in files for da in DAMAGES]
     cases += [((a, b), (da, db)) for a, b in itertools.combinations(files, 2) for da in DAMAGES for db in DAMAGES]
@@ -130,7 +130,7 @@ def test_damage_to_any_two_files_restores_every_durable_version_or_is_refused(tm
         outcomes[result] = outcomes.get(result, 0) + 1
         shutil.rmtree(d)
     assert outcomes["restored"] > 0 and outcomes["refused"] > 0, outcomes
-    assert sum(outcomes.values()) == len(cases) > 400
+    assert sum(outcomes.values()) == len(cases) > 300
 
 
 def test_losing_a_log_and_a_mark_file_at_once_is_refused_not_a_rollback(tmp_path):

@@ -68,7 +68,8 @@ class Driver:
         base = self.seen.get((c.fragment, c.base_version))
         if c.kind != "values" or base is None or len(base) != len(c.values):
             return c
-        if any(not isinstance(v, torch.Tensor) or v.shape != b.shape or v.dtype != b.dtype for v, b in zip(c.values, base)):
+        pairs = zip(c.values, base)
+        if not all(isinstance(v, torch.Tensor) and v.shape == b.shape and v.dtype == b.dtype for v, b in pairs):
             return c
         pieces = self.core.layout.fragments[c.fragment]
         values = [b - v if pc.kind == "param" else v for b, v, pc in zip(base, c.values, pieces)]

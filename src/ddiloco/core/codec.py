@@ -56,6 +56,20 @@ class LearnerCodec:
         self.residual: dict[int, list[torch.Tensor]] = {}
         """Fragment -> what its last lossy encoding dropped, per parameter piece (others: empty)."""
 
+    def held_bytes(self) -> dict[str, int]:
+        """The bytes this codec holds: ``base`` (one copy of every fragment received) and
+        ``residual`` (error feedback's, one per fragment sent with it on)."""
+
+        def size(ts: Sequence[torch.Tensor] | None) -> int:  # what the memory holds: a view's whole storage
+            return sum(
+                st.nbytes() for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in ts or ()}.values()
+            )
+
+        return {
+            "base": sum(size(vals) for _, vals in self.base.values()),
+            "residual": sum(size(r) for r in self.residual.values()),
+        }
+
     @property
     def active(self) -> bool:
         return self.cfg.compressed
@@ -126,7 +140,9 @@ class Chain:
     """The oldest version a delta may chain from: served copies from before this syncer process
     (restored, or initial) are exact only at the version it started with, for learners it served."""
     delta: tuple[list[Encoded], list[torch.Tensor]] | None = None
-    """(encoded, decoded) change from ``version - 1`` to ``version``; None before the first merge."""
+    """(encoded, decoded) change from ``version - 1`` to ``version``, while the merge that made it
+    builds its messages (None otherwise: only a merged version goes as a delta, so keeping it
+    would cost a whole copy of the model for nothing)."""
 
     def advance(self, version: int, values: Sequence[torch.Tensor], pieces: Sequence[Piece], encoding: str) -> None:
         """The fragment's global values became ``version``: encode the change from what the chain

@@ -10,6 +10,7 @@ does keep is bounded by the number of learners and fragments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -550,7 +551,10 @@ class Syncer:
         if cap is not None and weight > cap:
             weight, clipped = cap, True
         scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
-        pending = rnd.pending[c.learner] = Pending(c, values, norms, weight, now, clipped, scale, claimed=weight)
+        # Its counters only: the tensors live on as ``values`` (its outer gradient, in place) and
+        # the encoded payload, decoded, is no longer needed.
+        meta = dataclasses.replace(c, values=[], encoded=[])
+        pending = rnd.pending[c.learner] = Pending(meta, values, norms, weight, now, clipped, scale, claimed=weight)
         rnd.refused.discard(c.learner)
         self._feed(rnd, pending)
         if rnd.quorum_at is not None:
@@ -942,6 +946,8 @@ class Syncer:
         out.tape.append(record)
         # The new version goes to the learners merged in this round; others ask when they need it.
         out.messages += [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
+        if frag.chain is not None:
+            frag.chain.delta = None  # its messages are made: the messages hold it until they are sent
         self._release(rnd)
 
     def _release(self, rnd: Round) -> None:
@@ -1056,6 +1062,33 @@ class Syncer:
         """Fragment p's current global values, one tensor per piece (the core's own: read them,
         copy them, never write them)."""
         return self.fragments[p].values
+
+    def held_bytes(self) -> dict[str, int]:
+        """The bytes of tensors this core holds, by what they are for (summed over the owned
+        fragments): ``values`` (the current version), ``momentum`` (the outer optimizer's state,
+        a delayed optimizer's pending share included), ``chain`` (the served copy of a lossy
+        down-link, where it is not the values themselves), ``past`` (buffers of past versions),
+        ``pending`` (open rounds' outer gradients, one per answer) and ``scratch`` (merge
+        buffers, open rounds' and the pool's). docs/runtime.md states the budget."""
+
+        def size(ts: Sequence[torch.Tensor] | None) -> int:  # what the memory holds: a view's whole storage
+            return sum(
+                st.nbytes() for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in ts or ()}.values()
+            )
+
+        out = dict.fromkeys(("values", "momentum", "chain", "past", "pending", "scratch"), 0)
+        for p in self.owned:
+            f = self.fragments[p]
+            out["values"] += size(f.values)
+            out["momentum"] += size(f.outer.buffers) + size(f.outer.pending)
+            if f.chain is not None and any(a is not b for a, b in zip(f.chain.served, f.values)):
+                out["chain"] += size(f.chain.served)
+            out["past"] += sum(size(v.values) for v in list(f.history)[:-1])
+        for rnd in self.rounds.values():
+            out["pending"] += sum(size(pd.deltas) for pd in rnd.pending.values())
+            out["scratch"] += size([rnd.scratch] if rnd.scratch is not None else [])
+        out["scratch"] += size(self._scratch_pool)
+        return out
 
     @property
     def open_rounds(self) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core import robust
-from ddiloco.core.messages import FragmentRequest, FragmentUpdate
+from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
@@ -47,8 +47,10 @@ from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_r
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.ratelimit import RateLimits
 from ddiloco.service.recorder import FlightRecorder
+from ddiloco.service.startup import StartupTimes
 from ddiloco.service.status import write_status
 from ddiloco.service.store import StoreFull, SyncerStore
+from ddiloco.service.syncer_load import RoundLoad
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
 from ddiloco.settings import run_settings
@@ -116,6 +118,9 @@ class SyncerService:
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
         self.clock = clock
+        self.startup = StartupTimes("syncer", "first_merge", shard=shard)
+        self.startup.run_dir = self.run_dir
+        self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
         if model is None:
             wl = load_workload(cfg.workload)
@@ -136,9 +141,10 @@ class SyncerService:
         self._state_keys = state_keys(model)
         spec, numel = param_spec(model), sum(t.numel() for t in params.values())
         del params, model
-        self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync)
+        self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync, log_bound=cfg.runtime.store_log_bound)
         found = self.store.restore(core.layout, core.owned)
         self.restored = found is not None
+        self.startup.mark("restore")
         start = clock.monotonic()
         started_at = run_started_at(self.run_dir) or clock.wall()
         runlog = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
@@ -199,6 +205,10 @@ class SyncerService:
         self._traffic_before = read_json(self._traffic_path)  # a restart goes on counting from there
         self._traffic_params = numel  # N, for the data-parallel baseline
         self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
+        self.load = RoundLoad(shard)
+        self._load_path = (
+            self.run_dir / "metrics" / ("syncer-load.json" if num_shards == 1 else f"syncer-load-shard-{shard}.json")
+        )
 
     @property
     def core(self) -> Syncer:
@@ -237,9 +247,12 @@ class SyncerService:
         self.counts["rejections_unlogged"] += len(out.tape) - len(kept)
         if out.persist:
             meta = self.session.meta()
+            started = self.work_clock()
             for rec in self.session.records(out.persist):
                 self.store.append(rec, meta)
+            self.load.persisted(out.persist, self.work_clock() - started, now)
             self.counts["merges"] += len(out.persist)
+            self.startup.mark("first_merge")
         if kept:
             offset = self.clock.wall() - self.clock.monotonic()
             self.store.append_tape([{**r.to_json(), "wall_offset": offset} for r in kept])
@@ -299,7 +312,11 @@ class SyncerService:
             peer = self.keys.allowed.get(key or b"")
             principal = None if peer is None else Principal(peer.role, peer.learner)
         self.recorder.receive(now, identity, principal, frames)
-        self._emit(self.session.receive(identity, msg, now, principal))
+        started = self.work_clock()
+        out = self.session.receive(identity, msg, now, principal)
+        fed = msg.fragment if isinstance(msg, Contribution) else None
+        self.load.work(fed, out.persist, self.work_clock() - started)
+        self._emit(out)
         self._count_traffic("up", identity, msg, frames)  # after: a Register binds its connection
 
     def _count_traffic(self, direction: Direction, identity: bytes, msg: Any, frames: Any) -> None:
@@ -348,6 +365,7 @@ class SyncerService:
             self.sock.close()
             self.store.close()
             self.recorder.close()
+            self.startup.write()  # (a no-op when the first merge wrote it)
             raise DDiLoCoError(str(e)) from None
         self.shutdown()
 
@@ -363,7 +381,10 @@ class SyncerService:
                 self.handle(identity, frames, key)
             now = self.clock.monotonic()
             self.recorder.tick(now)
-            self._emit(self.session.tick(now))
+            started = self.work_clock()
+            out = self.session.tick(now)
+            self.load.work(None, out.persist, self.work_clock() - started)
+            self._emit(out)
             self._chores(rt)
 
     def stop(self) -> None:
@@ -442,6 +463,7 @@ class SyncerService:
     def write_status(self) -> None:
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
         write_status(self._traffic_path, self.traffic_dict())  # the summary adds the shards up
+        write_status(self._load_path, self.load.to_dict())
 
     def write_learner_metrics(self) -> None:
         """Append one record per learner to metrics/learners.jsonl (shard 0 only: every shard
@@ -467,6 +489,7 @@ class SyncerService:
             self.sock.close()
             self.store.close()
             self.recorder.close()
+            self.startup.write()  # (a no-op when the first merge wrote it)
         if not ended:
             self._run_event("interrupted", "the syncer was stopped before the run's end")
         if self.shard == 0:

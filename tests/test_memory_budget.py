@@ -1,0 +1,157 @@
+"""The memory budget of docs/runtime.md, checked on a small model.
+
+Every tensor the syncer's core and a learner's codec hold is found by walking their objects,
+and must be what ``held_bytes`` accounts for; the accounts must match the budget the docs state
+per fragment: the syncer holds the current values, the outer momentum, a served copy only with
+a lossy down-link, buffers of past versions, and per open round its answers and one merge
+buffer; a learner holds one base copy, and a residual only with error feedback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+from test_syncer import BASE
+
+from ddiloco.core.codec import LearnerCodec
+from ddiloco.core.config import DiLoCoConfig
+from ddiloco.core.fragments import TensorSpec, balanced_layout
+from ddiloco.core.learner import LearnerCore
+from ddiloco.core.messages import Ack, FragmentUpdate, Join
+from ddiloco.core.syncer import Syncer
+
+torch.set_num_threads(1)
+
+CFG = dataclasses.replace(
+    BASE, overlap=1, grace=False, late_fragment="wait", outer_lr=0.7, outer_momentum=0.9, quorum=4, num_fragments=4
+)
+SPECS = [TensorSpec(f"w{i}", (64 * (i + 1),)) for i in range(4)] + [TensorSpec("bn.running_mean", (8,), "buffer")]
+LAYOUT = balanced_layout(SPECS, 4)
+P = LAYOUT.num_fragments
+M = 4
+PARAM_BYTES = 4 * sum(64 * (i + 1) for i in range(4))
+MODEL_BYTES = PARAM_BYTES + 4 * 8
+BUFFER_BYTES = 4 * 8
+
+
+def storages(obj: Any) -> dict[int, int]:
+    """Every tensor storage reachable from ``obj`` (data pointer -> bytes)."""
+    found: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (str, bytes, int, float, bool, type(None), type)) or callable(o):
+            if isinstance(o, torch.Tensor):  # (tensors are not callable; kept for clarity)
+                pass
+            else:
+                continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.nbytes():
+                found[st.data_ptr()] = st.nbytes()
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset, deque)):
+            stack += list(o)
+        elif dataclasses.is_dataclass(o) or hasattr(o, "__dict__"):
+            stack += list(vars(o).values())
+    return found
+
+
+class Learner:
+    """A learner's counters and codec, and its values of every fragment (trained by noise)."""
+
+    def __init__(self, cfg: DiLoCoConfig, m: int) -> None:
+        self.m = m
+        self.core = LearnerCore(cfg, m, P)
+        self.codec = LearnerCodec(cfg, LAYOUT.fragments)
+        self.values: dict[int, list[torch.Tensor]] = {}
+        self.gen = torch.Generator().manual_seed(m)
+
+    def receive(self, u: FragmentUpdate) -> Ack | None:
+        full = self.codec.expand(u)
+        if isinstance(full, str) or self.core.on_update(full, LAYOUT.fragments[u.fragment]).mode == "ignore":
+            return None
+        self.codec.received(full)
+        self.values[u.fragment] = [v.clone() for v in full.values]
+        return Ack(self.m, 0, u.fragment, full.version)
+
+    def answer(self, p: int):  # noqa: ANN201
+        self.core.on_step(10)
+        for v, pc in zip(self.values[p], LAYOUT.fragments[p]):
+            v += 0.01 * torch.randn(v.shape, generator=self.gen) if pc.kind == "param" else 0.1
+        c = self.core.contribution(p, [v.clone() for v in self.values[p]], 0)
+        c, residual = self.codec.encode(c)
+        self.codec.sent(p, residual)
+        self.core.sent(c)
+        return c
+
+
+def run(cfg: DiLoCoConfig, rounds: int, leave_open: int = 0) -> tuple[Syncer, list[Learner]]:
+    """M learners join, then ``rounds`` rounds of every fragment; ``leave_open`` more rounds get
+    all answers but one (they stay open)."""
+    s = Syncer(
+        cfg, LAYOUT, {sp.name: torch.randn(sp.shape) for sp in SPECS}, [False] * sum(len(f) for f in LAYOUT.fragments)
+    )
+    learners = [Learner(cfg, m) for m in range(M)]
+    t = 0.0
+
+    def deliver(msgs: list[Any]) -> None:
+        for u in msgs:
+            if isinstance(u, FragmentUpdate):
+                ack = learners[u.learner].receive(u)
+                if ack is not None:
+                    s.handle(ack, t)
+
+    for ln in learners:
+        deliver(s.handle(Join(ln.m, 0, []), t).messages)
+    for _ in range(rounds):
+        for p in range(P):
+            t += 1.0
+            for ln in learners:
+                deliver(s.handle(ln.answer(p), t).messages)
+    for p in range(leave_open):
+        t += 1.0
+        for ln in learners[:-1]:
+            deliver(s.handle(ln.answer(p), t).messages)
+    return s, learners
+
+
+@pytest.mark.parametrize("down", ["fp32", "int4"])
+def test_the_syncer_holds_values_momentum_and_open_rounds_only(down: str) -> None:
+    cfg = dataclasses.replace(CFG, down_encoding=down, up_encoding=down)
+    s, _ = run(cfg, rounds=3, leave_open=2)
+    held = s.held_bytes()
+    assert held["values"] == MODEL_BYTES
+    assert held["momentum"] == MODEL_BYTES  # (buffers carry a zero momentum: fed zeros, not progress)
+    assert held["chain"] == (MODEL_BYTES if down == "int4" else 0)
+    # past versions keep their buffers only (at most keep_versions of them), never parameters
+    assert 0 < held["past"] <= s.cfg.keep_versions * BUFFER_BYTES and held["past"] % BUFFER_BYTES == 0
+    frag = [4 * sum(pc.numel for pc in LAYOUT.fragments[p]) for p in range(P)]
+    assert s.open_rounds == 2
+    answers = (M - 1) * (frag[0] + frag[1])  # the open rounds' answers, no more
+    if down == "fp32":
+        assert held["pending"] == answers
+    else:  # (a decoded piece keeps its last block's padding: at most 127 values a piece)
+        assert answers <= held["pending"] <= answers + (M - 1) * 2 * 2 * 127 * 4
+    largest = max(frag)
+    assert held["scratch"] <= 2 * largest  # one merge buffer per round open at once, from a pool
+    # ... and nothing else: every tensor the core holds is accounted for.
+    assert sum(storages(s).values()) == sum(held.values())
+
+
+@pytest.mark.parametrize(("encoding", "feedback"), [("fp32", False), ("int4", False), ("int4", True)])
+def test_a_learner_holds_one_base_copy_and_a_residual_with_error_feedback(encoding: str, feedback: bool) -> None:
+    cfg = dataclasses.replace(CFG, up_encoding=encoding, down_encoding=encoding, error_feedback=feedback)
+    _, learners = run(cfg, rounds=2)
+    for ln in learners:
+        held = ln.codec.held_bytes()
+        assert held["base"] == MODEL_BYTES
+        assert held["residual"] == (PARAM_BYTES if feedback else 0)
+        assert sum(storages(ln.codec).values()) == sum(held.values())
