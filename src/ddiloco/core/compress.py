@@ -113,7 +113,7 @@ def encoded_nbytes(numel: int, encoding: str) -> int:
 def _blocks(flat: torch.Tensor) -> torch.Tensor:
     """``flat`` zero-padded to whole blocks, as [n_blocks, BLOCK_SIZE]."""
     pad = -flat.numel() % BLOCK_SIZE
-    return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK_SIZE)
+    return (flat if pad == 0 else torch.nn.functional.pad(flat, (0, pad))).view(-1, BLOCK_SIZE)
 
 
 def encode(t: torch.Tensor, encoding: str) -> Encoded:
@@ -128,16 +128,19 @@ def encode(t: torch.Tensor, encoding: str) -> Encoded:
 
     qmax = _QMAX[encoding]
     blocks = _blocks(flat)
-    scales = blocks.abs().amax(dim=1) / qmax  # nan/inf for a non-finite block, by design
+    scales = blocks.abs().amax(dim=1).div_(qmax)  # nan/inf for a non-finite block, by design
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # all-zero block -> q = 0
-    q = torch.nan_to_num(blocks / safe[:, None]).round().clamp(-qmax, qmax)
-    q = q.reshape(-1)[: flat.numel()]
+    # One new tensor, then in place: each pass over a fragment costs as much as the arithmetic.
+    q = torch.div(blocks, safe[:, None]).nan_to_num_().round_().clamp_(-qmax, qmax)
+    q = q.view(-1)[: flat.numel()]
     if encoding == "int8":
         return Encoded(encoding, shape, dtype, q.to(torch.int8), scales)
     per, bits = _PER_BYTE[encoding], _BITS[encoding]
-    u = (q + _OFFSET[encoding]).to(torch.uint8)
+    u = q.add_(_OFFSET[encoding]).to(torch.uint8)
     pad = -u.numel() % per  # pad codes are 0 (outside the stored range of int4; checked for int2)
-    u = torch.cat([u, u.new_zeros(pad)]).view(-1, per)
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad)])
+    u = u.view(-1, per)
     packed = u[:, 0].clone()
     for k in range(1, per):
         packed |= u[:, k] << (bits * k)
@@ -148,7 +151,10 @@ def _unpack(e: Encoded) -> torch.Tensor:
     """The stored (offset) codes of a packed encoding, padding included, as uint8."""
     per, bits = _PER_BYTE[e.encoding], _BITS[e.encoding]
     mask = (1 << bits) - 1
-    return torch.stack([(e.data >> (bits * k)) & mask for k in range(per)], dim=1).reshape(-1)
+    out = torch.empty(e.data.numel(), per, dtype=torch.uint8)
+    for k in range(per):  # written in place: no shifted temporaries, no stack
+        torch.bitwise_and(e.data if k == 0 else torch.bitwise_right_shift(e.data, bits * k), mask, out=out[:, k])
+    return out.view(-1)
 
 
 def decode(e: Encoded) -> torch.Tensor:
@@ -161,9 +167,13 @@ def decode(e: Encoded) -> torch.Tensor:
     if e.encoding == "int8":
         q = e.data.to(torch.float32)
     else:
-        q = _unpack(e)[:n].to(torch.float32) - _OFFSET[e.encoding]
-    values = _blocks(q) * e.scales[:, None]
-    return values.reshape(-1)[:n].reshape(e.shape)
+        q = _unpack(e)[:n].to(torch.float32).sub_(_OFFSET[e.encoding])
+    # scaled in place, whole blocks as a [blocks, BLOCK_SIZE] view and the last one apart: no padding copy
+    full = n // BLOCK_SIZE * BLOCK_SIZE
+    q[:full].view(-1, BLOCK_SIZE).mul_(e.scales[: full // BLOCK_SIZE, None])
+    if full < n:
+        q[full:].mul_(e.scales[-1])
+    return q.view(e.shape)
 
 
 def check(e: Encoded) -> str | None:
