@@ -38,6 +38,7 @@ from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
 from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.model_watch import ModelWatch
+from ddiloco.service.startup import StartupTimes
 from ddiloco.service.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
@@ -178,6 +179,7 @@ class Learner:
         max_data_position: int | None = None,
         max_merged_tokens: float = math.inf,
         claims: Sequence[str] = EVERY_LEARNER,
+        startup: StartupTimes | None = None,
     ) -> None:
         """
         Args:
@@ -196,7 +198,8 @@ class Learner:
                 peer's ``optimizer.state_dict()`` at a step boundary, and serves its own to peers.
             join_timeout_s: how long to wait for the global state (default ``runtime.join_timeout_s``).
             insecure: allow an unencrypted connection off this machine (trusted networks only).
-            transport, clock, incarnation: injected by tests and ``ddiloco learner``.
+            transport, clock, incarnation, startup: injected by tests and ``ddiloco learner``
+                (``startup``: the process's start-up record, ``service.startup``).
             max_data_position: a data position beyond this from the syncer is not believed.
             max_merged_tokens: a global token count beyond this from the syncer is not believed
                 (``ddiloco learner`` passes 1000x the run's budget).
@@ -270,6 +273,9 @@ class Learner:
         self.max_merged_tokens = max_merged_tokens
         self.max_data_position = max_data_position
         self.stats = LearnerStats()
+        self.startup = startup or StartupTimes("learner", "first_merged", id=learner_id, incarnation=self.incarnation)
+        """When this learner joined, downloaded, took a peer's optimizer state, stepped and was
+        first merged (seconds from its process's start; ``ddiloco learner`` writes it to the run)."""
         self._joined: list[FragmentUpdate] = []
         self._position = 0
         self._closed = False
@@ -412,6 +418,8 @@ class Learner:
         blocked = self._block_if_lock_step()
         self.stats.steps += 1
         self.stats.tokens += n
+        if self.stats.steps == 1:
+            self.startup.mark("first_step")
         end = time.perf_counter()
         self.stats.sync_s += end - t0 - blocked
         self._last_end = end
@@ -544,6 +552,8 @@ class Learner:
             now = self.clock.monotonic()
             with self._lock():
                 ready, deadline = session.ready(now), session.join_deadline
+                if session.joined_once:
+                    self.startup.mark("join")
             if ready or now >= deadline:
                 break
             self._raise_on_handshake_failure(comm.sock, comm.addresses)
@@ -559,6 +569,8 @@ class Learner:
         if session.data_position:
             self._position = self._plausible_position(session.data_position)
         self.stats.join_s = time.perf_counter() - t0
+        if session.joined_once:
+            self.startup.mark("download")
         got, total = len(session.received), self.layout.num_fragments
         if got < total and not session.done:
             log.warning(
@@ -649,34 +661,54 @@ class Learner:
 
     # -- the step boundary ---------------------------------------------------------------------
 
-    def _host_values(self, p: int) -> list[torch.Tensor]:
-        """Fragment p's current values, copied to host memory. An FSDP2 parameter is gathered
+    def _host_values(self, p: int, wait: bool = True) -> list[torch.Tensor]:
+        """Fragment p's current values, copied to host memory (on CUDA: on a side stream, into
+        pinned memory, ``service/device_copies.py``; ``wait=False`` returns before the copy is
+        complete: ``self._copies.wait([p])`` before reading it). An FSDP2 parameter is gathered
         first: a collective, so every rank of the group calls this for the same fragments."""
-        out = []
+        from ddiloco.service.device_copies import DeviceCopies
+
+        if getattr(self, "_copies", None) is None:
+            self._copies = DeviceCopies(self.device)
+        pieces = []
         for pc in self.pieces[p]:
             t = self.params[pc.name].detach()
             if pc.name in self.sharded:
                 t = t.full_tensor()  # type: ignore[attr-defined]
-            out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to("cpu", torch.float32, copy=True))
-        return out
+            pieces.append(t[pc.row_start : pc.row_end] if t.dim() else t)
+        return self._copies.read(p, pieces, wait=wait)
 
     def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
+        """Write fragment p's merged values into the model. On CUDA they are uploaded on a side
+        stream and the training stream waits for them on the GPU: no host sync."""
+        from ddiloco.service.device_copies import DeviceCopies
+
+        if getattr(self, "_copies", None) is None:
+            self._copies = DeviceCopies(self.device)
         pieces = self.pieces[p]
         if not self.sharded:
-            write_fragment(self.params, pieces, [v.to(self.device) for v in values], alpha)
+            write_fragment(self.params, pieces, self._copies.upload(p, values), alpha)
             return
         with torch.no_grad():
+            # Only this rank's rows of a sharded parameter go up.
+            rows, mine = [], []
             for pc, v in zip(pieces, values):
-                t = self.params[pc.name]
                 if pc.name not in self.sharded:
-                    write_fragment(self.params, [pc], [v.to(self.device)], alpha)
+                    rows.append((pc, None))
+                    mine.append(v)
                     continue
                 lo, hi = self.sharded[pc.name]  # this rank's rows of the parameter
                 a, b = max(pc.row_start, lo), min(pc.row_end, hi)
-                if a >= b:
+                if a < b:
+                    rows.append((pc, (a, b)))
+                    mine.append(v[a - pc.row_start : b - pc.row_start])
+            for (pc, ab), src in zip(rows, self._copies.upload(p, mine)):
+                if ab is None:
+                    write_fragment(self.params, [pc], [src], alpha)
                     continue
-                dst = t.to_local()[a - lo : b - lo]  # type: ignore[attr-defined]
-                src = v[a - pc.row_start : b - pc.row_start].to(dst.device)
+                lo = self.sharded[pc.name][0]
+                dst = self.params[pc.name].to_local()[ab[0] - lo : ab[1] - lo]  # type: ignore[attr-defined]
+                src = src.to(dst.device)
                 if alpha == 0.0:
                     dst.copy_(src)
                 else:
@@ -725,12 +757,15 @@ class Learner:
         for u, receipt in plan.apply:
             self._write(u.fragment, u.values, receipt.alpha)
             self.stats.applied += 1
+            if u.reason == "merged":  # a version that merged this learner's own contribution
+                self.startup.mark("first_merged")
         ps = plan.peer_state
         if ps is not None and ps.source >= 0 and ps.tensors and self.optimizer is not None:
             problem = load_state(self.optimizer, ps, self.device)
             if problem is not None:
                 log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, ps.source, problem)
             else:
+                self.startup.mark("handoff")
                 steps = [int(v.max()) for k, v in ps.tensors.items() if k.endswith(".step") and v.numel()]
                 log.info(
                     "learner %d: took learner %d's optimizer state (its optimizer at step %s) at its own step %d",

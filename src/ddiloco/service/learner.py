@@ -24,6 +24,7 @@ from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys
+from ddiloco.service.startup import StartupTimes
 from ddiloco.service.status import write_status
 from ddiloco.settings import SETTINGS
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
@@ -67,6 +68,8 @@ class LearnerProcess:
         self.syncers, self.connect, self.keys = syncers, connect, keys
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
+        self.startup = StartupTimes("learner", "first_merged", id=learner_id, incarnation=self.incarnation)
+        self.startup.mark("imports")
         # A torchrun group is one learner: ranks run DDP inside it; rank 0 talks to the syncer.
         self.rank, self.world = 0, 1
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -83,6 +86,9 @@ class LearnerProcess:
         self.wl = load_workload(cfg.workload)
         self.model = self.wl.build_model(cfg.run.seed).to(self.device)
         self.opt = make_optimizer(self.model, cfg.inner)
+        self.startup.mark("model")
+        if self.rank == 0:  # one record per learner, not per rank
+            self.startup.run_dir = self.run_dir
         self.trained: torch.nn.Module = self.model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -124,6 +130,7 @@ class LearnerProcess:
             max_merged_tokens=most_tokens,
             key=self.keys,
             claims=SETTINGS,  # its own loop reads the run's seed and inner schedule too
+            startup=self.startup,
         )
         if learner.data_position:
             self.stream.seek(learner.data_position)
@@ -207,6 +214,8 @@ class LearnerProcess:
         if learner is not None:
             learner.close()
         self.write_status()
+        if self.rank == 0:
+            self.startup.write()  # (a no-op when its first merged contribution wrote it)
         if self.world > 1:
             import torch.distributed as dist
 
