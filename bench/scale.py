@@ -12,14 +12,15 @@ parameters; the data and the teacher stay the same at every size, so what grows 
 
 Each size is one cell: ``ddiloco train`` of a generated config (4 learners up to 100M, 2 above;
 one thread each; ``runtime.duration_s`` = the cell's seconds), with learner 1 SIGKILLed by pid at
-30% of the run (the launcher restarts it at once). While it runs, every 0.5 s, the VmHWM of every
-descendant of the launcher (role from its command line) and, every 1 s, the disk use of
-``RUN/state``. Around it, in their own processes: an idle process with the roles' imports (the
-baseline every peak is taken above) and a plain single-process AdamW loop on the same model and
-batch. After it: the learners' status files (time inside ``Learner.step()`` over step time, as
-bench/library.py measures it), the tape (first merged contribution of the restarted learner,
-round intervals), and, when the runtime writes them, ``metrics/startup.jsonl`` (start-up by
-phase) and ``metrics/syncer-load.json`` (merge time per round, per shard).
+30% of the fleet's training time and the syncer at 65% (the launcher restarts each at once). While
+it runs, every 0.5 s, the VmHWM of every descendant of the launcher (role from its command line)
+and, every 1 s, the disk use of ``RUN/state``. Around it, in their own processes: an idle process
+with the roles' imports (the baseline every peak is taken above) and a plain single-process AdamW
+loop on the same model and batch. After it: the learners' status files (time inside
+``Learner.step()`` over step time, as bench/library.py measures it), the tape (first merged
+contribution of the restarted learner, round intervals), and, when the runtime writes them,
+``metrics/startup.jsonl`` (start-up by phase) and ``metrics/syncer-load.json`` (merge time per
+round, per shard).
 
 Memory is checked by arithmetic before a cell runs: the per-role ratios of the largest cell
 measured (from 30M up) predict the cell's total; a cell over ``--budget-gib`` is recorded as
@@ -70,7 +71,7 @@ BATCH = 8
 """Examples per step (the workload's default batch_size): the plain loop's too."""
 SIZES = {"1M": 1_000_000, "30M": 30_000_000, "100M": 100_000_000}
 """Named sizes (parameters); "max" is the largest that fits, found by ``largest_size``."""
-SECONDS = {"1M": 60.0, "30M": 90.0, "100M": 600.0, "max": 180.0}
+SECONDS = {"1M": 90.0, "30M": 120.0, "100M": 600.0, "max": 240.0}
 """Each cell's run (runtime.duration_s). 100M runs 10 minutes: the store's peak over a 10-minute
 run (the issue's measure) is taken there; the other sizes' store peaks are over their shorter runs."""
 MIN_MAX_PARAMS = 300_000_000
@@ -80,6 +81,9 @@ MAX_STEP = 50_000_000
 KILL_AT = 0.3
 """Learner 1 is SIGKILLed at this fraction of the run (counted from the fleet's first step)."""
 KILLED = 1
+SYNCER_KILL_AT = 0.65
+"""The syncer is SIGKILLed at this fraction (the launcher restarts it at once): its restart to its
+first merge is timed the same way."""
 HANDOFF_GBPS = 0.5
 """The restart target's transfer rate: (model + optimizer-state bytes) / 0.5 GB/s + 5 s + one step."""
 CODE_DIRS = ("core", "protocol", "service", "training", "workloads", "link", "report", "chaos")
@@ -229,6 +233,15 @@ def children_map() -> dict[int, list[int]]:
     return kids
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU time of ``pid`` so far (/proc/PID/stat)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
 def descendants(root: int) -> list[int]:
     kids, out, todo = children_map(), [], [root]
     while todo:
@@ -358,6 +371,9 @@ class Watch:
         """The largest resident total of the run's processes at one poll."""
         self.first_step_at: float | None = None
         self.kill: dict[str, Any] | None = None
+        self.syncer_kill: dict[str, Any] | None = None
+        self.syncer_load: Any = None
+        """The first syncer's metrics/syncer-load.json, read just before it was killed."""
 
     def poll(self) -> int:
         """One look at every descendant; returns their resident total now."""
@@ -375,6 +391,7 @@ class Watch:
                                          "peak": 0}  # fmt: skip
             rec["peak"] = max(rec["peak"], mem.get("VmHWM", 0))
             rec["last_seen"] = now
+            rec["cpu_s"] = cpu_seconds(pid) or rec.get("cpu_s", 0.0)
             total += mem.get("VmRSS", 0)
         self.rss_peak = max(self.rss_peak, total)
         return total
@@ -410,6 +427,26 @@ class Watch:
         self.kill = {"at": time.time(), "pid": pid, "incarnation": st.get("incarnation"), "steps": st.get("steps")}
         print(f"  SIGKILLed learner {KILLED} (pid {pid}) after {st.get('steps')} steps", flush=True)
 
+    def maybe_kill_syncer(self, run_end: float) -> None:
+        """SIGKILL the syncer once the fleet has trained ``SYNCER_KILL_AT`` of its time and the
+        restarted learner has answered a request (its restart is timed first), but not in the
+        run's last 15%. Its ``metrics/syncer-load.json`` is kept first: its successor starts anew."""
+        if self.syncer_kill is not None or self.first_step_at is None or self.kill is None:
+            return
+        now, span = time.time(), run_end - self.first_step_at
+        if now - self.first_step_at < SYNCER_KILL_AT * span or now - self.first_step_at > 0.85 * span:
+            return
+        st = self.status(f"learner-{KILLED}")
+        if st.get("incarnation") == self.kill["incarnation"] or not st.get("answered"):
+            return
+        pid = self.status("syncer-0").get("pid")
+        if not pid or role_of(pid) != "syncer":
+            return
+        self.syncer_load = _json(self.run_dir / "metrics" / "syncer-load.json")
+        os.kill(pid, signal.SIGKILL)
+        self.syncer_kill = {"at": now, "pid": pid}
+        print(f"  SIGKILLed the syncer (pid {pid})", flush=True)
+
 
 def train(size: Size, work: Path, abort_gib: float) -> dict[str, Any]:
     """One ``ddiloco train`` run of ``size``, watched; returns the raw figures and the run folder."""
@@ -436,6 +473,7 @@ def train(size: Size, work: Path, abort_gib: float) -> dict[str, Any]:
                 last_disk = time.time()
                 watch.disk()
             watch.maybe_kill(t_start + size.seconds)
+            watch.maybe_kill_syncer(t_start + size.seconds)
             time.sleep(0.5)
     finally:
         stop(launcher, watch)
@@ -542,6 +580,32 @@ def restart_figures(run_dir: Path, watch: Watch, size: Size, step_s: float | Non
     }
 
 
+def syncer_restart_figures(run_dir: Path, watch: Watch) -> dict[str, Any]:
+    """The SIGKILLed syncer's successor: process start, up (its status file), first merge (the
+    first merging round it closed, from the tape), in seconds from its start."""
+    kill = watch.syncer_kill
+    if kill is None:
+        return {"killed": False}
+    from ddiloco.core.tape import RoundRecord, parse_tape_record
+    from ddiloco.report.tape import read_tape
+
+    later = [r for r in watch.procs.values() if r["role"] == "syncer" and r["pid"] != kill["pid"]]
+    succ = min(later, key=lambda r: r["started"] or math.inf) if later else None
+    started = succ["started"] if succ else None
+    first_merge = None
+    for rec in read_tape(run_dir / "state" / "tape.jsonl"):
+        rd = parse_tape_record(rec)
+        closed = rd.closed_at + rec.get("wall_offset", 0.0) if isinstance(rd, RoundRecord) else None
+        if isinstance(rd, RoundRecord) and rd.is_merge and started is not None and closed > started:
+            first_merge = closed
+            break
+    return {
+        "killed": True,
+        "restart_delay_s": None if started is None else started - kill["at"],
+        "first_merge_s": None if first_merge is None or started is None else first_merge - started,
+    }
+
+
 def startup_figures(run_dir: Path, watch: Watch) -> dict[str, Any]:
     """``metrics/startup.jsonl`` when the runtime writes it; the first learners' start from outside
     (process start -> status ``started`` (imports, model) -> first step) either way."""
@@ -596,14 +660,18 @@ def syncer_figures(run_dir: Path, watch: Watch) -> dict[str, Any]:
         if rd.is_merge:
             by_frag.setdefault(rd.fragment, []).append(rd.closed_at)
     gaps = [b - a for ts in by_frag.values() for a, b in zip(ts, ts[1:])]
-    st = watch.status("syncer-0")
-    load = _json(run_dir / "metrics" / "syncer-load.json")
+    # The first syncer's load (its successor's file covers only the end of the run); CPU over the
+    # syncer processes' lives, from /proc (a restarted syncer's status counts from its own start).
+    load = watch.syncer_load if watch.syncer_kill is not None else _json(run_dir / "metrics" / "syncer-load.json")
+    syncers = [r for r in watch.procs.values() if r["role"] == "syncer" and r["started"]]
+    life = sum(r["last_seen"] - r["started"] for r in syncers)
     return {
         "load": load if isinstance(load, (list, dict)) else None,
+        "load_after_restart": _json(run_dir / "metrics" / "syncer-load.json") if watch.syncer_kill else None,
         "fragments": len(by_frag),
         "merging_rounds": sum(len(v) for v in by_frag.values()),
         "round_interval_s_mean": statistics.fmean(gaps) if gaps else None,
-        "cpu_share": st["cpu_s"] / st["wall_s"] if st.get("wall_s") else None,
+        "cpu_share": sum(r.get("cpu_s", 0.0) for r in syncers) / life if life > 0 else None,
     }
 
 
@@ -639,6 +707,7 @@ def measure(size: Size, abort_gib: float, keep: bool) -> dict[str, Any]:
             "store": store_figures(watch, size.model_bytes, size.seconds),
             "steps": steps,
             "restart": restart_figures(run_dir, watch, size, steps["step_s"]),
+            "syncer_restart": syncer_restart_figures(run_dir, watch),
             "startup": startup_figures(run_dir, watch),
             "syncer": syncer_figures(run_dir, watch),
             "accounting": _json(run_dir / "metrics" / "accounting.json"),
@@ -775,8 +844,8 @@ def sizes_section(cells: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "| size | store peak / model (run) | restarted learner: first merged (target) | first step | "
         "step() share | step | rounds merged | round interval | merge / interval (per shard) | syncer CPU "
-        "| learners' time starting |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| learners' time starting | restarted syncer: first merge |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in rows:
         r, s, sy = c["restart"], c["steps"], c["syncer"]
@@ -785,13 +854,16 @@ def sizes_section(cells: dict[str, dict[str, Any]]) -> list[str]:
             f"| {_s(r.get('first_merged_s'))} ({_s(r.get('target_s'))}) | {_s(r.get('first_step_s'))} "
             f"| {_x(s['step_share'], '{:.2%}')} | {_x(s['step_s'], '{:.3f} s')} | {sy['merging_rounds']} "
             f"| {_s(sy['round_interval_s_mean'])} | {_load(sy.get('load'))} | {_x(sy['cpu_share'], '{:.0%}')} "
-            f"| {_x(_starting(c.get('accounting')), '{:.0%}')} |"
+            f"| {_x(_starting(c.get('accounting')), '{:.0%}')} "
+            f"| {_s(c.get('syncer_restart', {}).get('first_merge_s'))} |"
         )
     out += [
         "",
         "The store's peak is the disk use of `RUN/state` polled every second; the issue's 10-minute run is the 100M "
         "cell's. The restart target is (model + AdamW state bytes) / 0.5 GB/s + 5 s + one step, counted from the "
-        "new process's start. step() share: time inside `Learner.step()` over step time, the learners never killed "
+        "new process's start (learner 1 is SIGKILLed at 30% of the fleet's training time; the syncer at 65%, its "
+        "successor's first merge counted the same way). step() share: time inside `Learner.step()` over step "
+        "time, the learners never killed "
         "(bench/library.py's measure). Target from 30M up: at most 2%. Learners' time starting: the launcher's "
         "account (`metrics/accounting.json`, starting and restarting) over the learners' time in the run.",
         "",
@@ -969,7 +1041,7 @@ def parse_sizes(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1M,30M,100M,max", help="comma-separated: 1M, 30M, 100M, max (default: all)")
-    ap.add_argument("--seconds", type=float, help="each run's length (default: 60, 90, 600 and 180 s by size)")
+    ap.add_argument("--seconds", type=float, help="each run's length (default: 90, 120, 600 and 240 s by size)")
     ap.add_argument("--budget-gib", type=float, default=18.0, help="the memory a cell may plan for (default 18)")
     ap.add_argument("--abort-gib", type=float, default=20.0, help="stop a run whose processes hold more (default 20)")
     ap.add_argument("--force", action="store_true", help="run a cell even when the arithmetic says it does not fit")
