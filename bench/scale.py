@@ -155,14 +155,15 @@ def ratios(cell: dict[str, Any]) -> dict[str, float] | None:
     return {r: mem[r]["above_idle_x"] for r in ROLES}
 
 
-def estimate_bytes(cell: dict[str, Any], model_bytes: int, learners: int) -> float:
+def estimate_bytes(cell: dict[str, Any], model_bytes: int, learners: int, scale: float = 1.0) -> float:
     """The run's resident total at ``model_bytes`` with ``learners``, from ``cell``'s measured
-    ratios: idle baseline per process, the launcher as measured, the rest as the model grows."""
+    ratios (times ``scale``): idle baseline per process, the launcher as measured, the rest as the
+    model grows. ``scale``: the plain loop's ratio at the new size over the cell's (``gate``)."""
     r = ratios(cell)
     assert r is not None
     idle = cell["idle_bytes"]
     fixed = (learners + 2) * idle + cell["memory"].get("launcher", {}).get("peak_bytes", idle) + 0.5 * GiB
-    return fixed + model_bytes * (r["syncer"] + r["evaluator"] + learners * r["learner"])
+    return fixed + scale * model_bytes * (r["syncer"] + r["evaluator"] + learners * r["learner"])
 
 
 def reference_cell(cells: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
@@ -681,14 +682,22 @@ def store_figures(watch: Watch, model_bytes: int, seconds: float) -> dict[str, A
             "over_s": seconds}  # fmt: skip
 
 
-def measure(size: Size, abort_gib: float, keep: bool) -> dict[str, Any]:
-    """One cell: the idle baseline, the plain loop, the run and its figures."""
+def measure(
+    size: Size, abort_gib: float, keep: bool, gate: Callable[[dict[str, Any]], str | None] = lambda _: None
+) -> dict[str, Any]:
+    """One cell: the idle baseline, the plain loop, the run and its figures; ``gate`` (given the
+    idle and plain figures) may refuse the run with a reason, before anything large starts."""
     print(f"{size.name}: {size.params:,} parameters (hidden {size.hidden}, depth {size.depth}), "
           f"{size.learners} learners, {size.seconds:.0f} s", flush=True)  # fmt: skip
     idle = run_worker(["idle"], 300)["vmhwm"]
     plain = run_worker(["plain", "--hidden", str(size.hidden), "--depth", str(size.depth), "--seconds", "10"], 900)
     print(f"  idle {idle / 2**20:.0f} MiB, plain loop {plain['vmhwm'] / 2**20:.0f} MiB, "
           f"{plain['step_s'] * 1e3:.0f} ms/step", flush=True)  # fmt: skip
+    why = gate({"idle_bytes": idle, "plain": plain, "plain_x": (plain["vmhwm"] - idle) / size.model_bytes})
+    if why:
+        print(f"  skipped: {why}", flush=True)
+        return {"size": size.name, **asdict(size), "params": size.params, "skipped": why, "idle_bytes": idle,
+                "plain": plain}  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix=f"ddiloco-scale-{size.name}-"))
     try:
         got = train(size, work, abort_gib)
@@ -1087,15 +1096,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cell(size: Size, cells: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Measure ``size``, unless the arithmetic from a measured cell says it would not fit."""
+    """Measure ``size``, unless the arithmetic from the reference cell says it would not fit.
+
+    The reference's ratios are scaled by the plain loop's ratio here over there (at most 1): at
+    30M every tensor is 30 MB, under glibc's 32 MiB mmap ceiling, and freed ones stay in the heap,
+    which inflates every role's ratio there against larger sizes (the plain loop shows by how much)."""
     ref = reference_cell(cells)
-    if ref is not None and ref["size"] != size.name:
-        need = estimate_bytes(ref, size.model_bytes, size.learners) / GiB
-        if need > args.budget_gib and not args.force:
-            why = f"about {need:.1f} GiB by the {ref['size']} cell's ratios, over the {args.budget_gib:.0f} GiB budget"
-            print(f"{size.name}: skipped: {why}", flush=True)
-            return {"size": size.name, **asdict(size), "params": size.params, "skipped": why}
-    return measure(size, args.abort_gib, args.keep)
+    if ref is None or ref["size"] == size.name or args.force:
+        return measure(size, args.abort_gib, args.keep)
+
+    def gate(here: dict[str, Any]) -> str | None:
+        scale = min(1.0, here["plain_x"] / ref["memory"]["plain"]["above_idle_x"])
+        need = estimate_bytes(ref, size.model_bytes, size.learners, scale) / GiB
+        if need <= args.budget_gib:
+            return None
+        return (f"about {need:.1f} GiB by the {ref['size']} cell's ratios (x{scale:.2f}, the plain loops' ratio), "
+                f"over the {args.budget_gib:.0f} GiB budget")  # fmt: skip
+
+    return measure(size, args.abort_gib, args.keep, gate)
 
 
 if __name__ == "__main__":
