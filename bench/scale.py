@@ -430,15 +430,15 @@ class Watch:
 
     def maybe_kill_syncer(self, run_end: float) -> None:
         """SIGKILL the syncer once the fleet has trained ``SYNCER_KILL_AT`` of its time and the
-        restarted learner has answered a request (its restart is timed first), but not in the
-        run's last 15%. Its ``metrics/syncer-load.json`` is kept first: its successor starts anew."""
+        restarted learner has stepped (its restart is timed first), but not in the run's last 10%.
+        Its ``metrics/syncer-load.json`` is kept first: its successor starts anew."""
         if self.syncer_kill is not None or self.first_step_at is None or self.kill is None:
             return
         now, span = time.time(), run_end - self.first_step_at
-        if now - self.first_step_at < SYNCER_KILL_AT * span or now - self.first_step_at > 0.85 * span:
+        if now - self.first_step_at < SYNCER_KILL_AT * span or now - self.first_step_at > 0.9 * span:
             return
         st = self.status(f"learner-{KILLED}")
-        if st.get("incarnation") == self.kill["incarnation"] or not st.get("answered"):
+        if st.get("incarnation") == self.kill["incarnation"] or not (st.get("answered") or st.get("first_step_at")):
             return
         pid = self.status("syncer-0").get("pid")
         if not pid or role_of(pid) != "syncer":
