@@ -8,6 +8,7 @@ must at least read once. Throughput is the payload bytes (M x fragment) over the
 
     .venv/bin/python bench/scale_merge.py            # the table: 100M and 300M fragments at P = 24
     .venv/bin/python bench/scale_merge.py --quick    # the 100M fragment only
+    .venv/bin/python bench/scale_merge.py --cpu-time # 1-thread cells by CPU time, on a busy machine
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ PAYLOADS = ("values", "delta")
 
 
 def merge_throughput(
-    numel: int, learners: int, threads: int, merge: str, payload: str = "values", repeats: int = 3
+    numel: int,
+    learners: int,
+    threads: int,
+    merge: str,
+    payload: str = "values",
+    repeats: int = 3,
+    clock: str = "wall",
 ) -> dict:
     """Time one fragment's round (``learners`` contributions of ``numel`` fp32 elements, merged
     by ``merge`` = "mean" or "rda", then the outer step) against an in-place add of the same
@@ -41,11 +48,18 @@ def merge_throughput(
 
     Two merges are timed: as the syncer does it (each outer step allocates the new version; the
     syncer keeps 4), and "recycled", writing the new version into the one that left the history
-    (``OuterNesterov.step(out=)``): the difference is the allocation's page faults."""
+    (``OuterNesterov.step(out=)``): the difference is the allocation's page faults.
+
+    ``clock``: "wall" (perf_counter), or "cpu", this thread's CPU time (thread_time): on a busy
+    machine it leaves out the time other processes took the core; with threads > 1 it misses
+    the other threads' work, so it is refused there."""
     if merge not in MERGES or payload not in PAYLOADS:
         raise ValueError(f"merge must be one of {MERGES} and payload one of {PAYLOADS}, got {merge!r}, {payload!r}")
     if numel < 1 or learners < 1 or threads < 1 or repeats < 1:
         raise ValueError("numel, learners, threads and repeats must be positive")
+    if clock not in ("wall", "cpu") or (clock == "cpu" and threads > 1):
+        raise ValueError(f"clock must be 'wall', or 'cpu' with one thread; got {clock!r} with {threads} threads")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -65,7 +79,7 @@ def merge_throughput(
             for w, s in zip(work, sent):
                 w.copy_(s)
             out = [history.pop(0)] if recycle and len(history) >= KEEP else None
-            t0 = time.perf_counter()
+            t0 = now()
             accumulator = Accumulator(scratch, rda=merge == "rda")
             for m, w in enumerate(work):
                 norm = make_delta(anchor if payload == "values" else None, w)
@@ -75,16 +89,16 @@ def merge_throughput(
                 if out
                 else outer.step([anchor], [accumulator.result()])
             )
-            dt = time.perf_counter() - t0
+            dt = now() - t0
             history.append(new)
             del history[:-KEEP]
             return dt
 
         def add_s() -> float:
-            t0 = time.perf_counter()
+            t0 = now()
             for s in sent:
                 acc.add_(s)
-            return time.perf_counter() - t0
+            return now() - t0
 
         for _ in range(KEEP):  # fill the history, warm the allocator and the caches: not timed
             round_s(False)
@@ -101,6 +115,7 @@ def merge_throughput(
             "threads": threads,
             "merge": merge,
             "payload": payload,
+            "clock": clock,
             "merge_s": best["merge"],
             "merge_recycled_s": best["recycled"],
             "add_s": best["add"],
@@ -114,21 +129,25 @@ def merge_throughput(
         torch.set_num_threads(before)
 
 
-def table(sizes: dict[str, int], learners: int, merges: tuple[str, ...], payloads: tuple[str, ...]) -> list[dict]:
-    """Every cell at 1 thread and at all cores, printed as it is measured."""
+def table(
+    sizes: dict[str, int], learners: int, merges: tuple[str, ...], payloads: tuple[str, ...], cpu_time: bool = False
+) -> list[dict]:
+    """Every cell at 1 thread and at all cores, printed as it is measured (``cpu_time``: the
+    1-thread cells on the CPU-time clock)."""
     rows = []
     all_cores = os.cpu_count() or 1
-    head = ("fragment", "M", "merge", "payload", "thr", "merge GB/s", "add GB/s", "ratio", "recycled")
-    print("{:>9} {:>3} {:>5} {:>7} {:>3} {:>10} {:>8} {:>6} {:>8}".format(*head))
+    head = ("fragment", "M", "merge", "payload", "thr", "clock", "merge GB/s", "add GB/s", "ratio", "recycled")
+    print("{:>9} {:>3} {:>5} {:>7} {:>3} {:>5} {:>10} {:>8} {:>6} {:>8}".format(*head))
     for name, numel in sizes.items():
         for merge in merges:
             for payload in payloads:
                 for threads in sorted({1, all_cores}):
-                    row = merge_throughput(numel, learners, threads, merge, payload)
+                    clock = "cpu" if cpu_time and threads == 1 else "wall"
+                    row = merge_throughput(numel, learners, threads, merge, payload, clock=clock)
                     row["fragment"] = name
                     rows.append(row)
                     print(
-                        f"{name:>9} {learners:>3} {merge:>5} {payload:>7} {threads:>3} "
+                        f"{name:>9} {learners:>3} {merge:>5} {payload:>7} {threads:>3} {clock:>5} "
                         f"{row['merge_gb_per_s']:>10.2f} {row['add_gb_per_s']:>8.2f} {row['merge_over_add']:>6.2f} "
                         f"{row['recycled_over_add']:>8.2f}",
                         flush=True,
@@ -141,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=4, help="contributions per round (default 4)")
     ap.add_argument("--quick", action="store_true", help="the 100M fragment only")
     ap.add_argument("--merge", choices=MERGES, help="one merge only (default both)")
-    ap.add_argument("--payload", choices=PAYLOADS, help="one payload kind only (default both)")
+    ap.add_argument("--payload", choices=(*PAYLOADS, "both"), default="values", help="payload kind (default values)")
+    ap.add_argument("--cpu-time", action="store_true", help="time 1-thread cells by CPU time (a busy machine)")
     args = ap.parse_args(argv)
     if args.learners < 1:
         ap.error("--learners must be at least 1")
     sizes = {"100M/24": SIZES["100M/24"]} if args.quick else SIZES
     merges = (args.merge,) if args.merge else MERGES
-    payloads = (args.payload,) if args.payload else PAYLOADS
-    table(sizes, args.learners, merges, payloads)
+    payloads = PAYLOADS if args.payload == "both" else (args.payload,)
+    table(sizes, args.learners, merges, payloads, args.cpu_time)
     return 0
 
 
