@@ -38,7 +38,7 @@ from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
 from ddiloco.service.learner_comm import LearnerComm
 from ddiloco.service.model_watch import ModelWatch
-from ddiloco.service.startup import StartupTimes
+from ddiloco.service.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
@@ -273,7 +273,7 @@ class Learner:
         self.max_merged_tokens = max_merged_tokens
         self.max_data_position = max_data_position
         self.stats = LearnerStats()
-        self.startup = startup or StartupTimes("learner", "first_merged", id=learner_id, incarnation=self.incarnation)
+        self.startup = startup or StartupTimes("learner", LEARNER_LAST, id=learner_id, incarnation=self.incarnation)
         """When this learner joined, downloaded, took a peer's optimizer state, stepped and was
         first merged (seconds from its process's start; ``ddiloco learner`` writes it to the run)."""
         self._joined: list[FragmentUpdate] = []
@@ -757,8 +757,8 @@ class Learner:
         for u, receipt in plan.apply:
             self._write(u.fragment, u.values, receipt.alpha)
             self.stats.applied += 1
-            if u.reason == "merged":  # a version that merged this learner's own contribution
-                self.startup.mark("first_merged")
+            if u.reason == "merged" and self.session is not None and u.fragment in self.session.core.sent_tokens:
+                self.startup.mark("first_merged")  # merged this process's own answer (not a predecessor's)
         ps = plan.peer_state
         if ps is not None and ps.source >= 0 and ps.tensors and self.optimizer is not None:
             problem = load_state(self.optimizer, ps, self.device)

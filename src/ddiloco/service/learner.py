@@ -24,7 +24,7 @@ from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.keys import ClientKeys
-from ddiloco.service.startup import StartupTimes
+from ddiloco.service.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.status import write_status
 from ddiloco.settings import SETTINGS
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
@@ -68,7 +68,7 @@ class LearnerProcess:
         self.syncers, self.connect, self.keys = syncers, connect, keys
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
-        self.startup = StartupTimes("learner", "first_merged", id=learner_id, incarnation=self.incarnation)
+        self.startup = StartupTimes("learner", LEARNER_LAST, id=learner_id, incarnation=self.incarnation)
         self.startup.mark("imports")
         # A torchrun group is one learner: ranks run DDP inside it; rank 0 talks to the syncer.
         self.rank, self.world = 0, 1
@@ -245,7 +245,8 @@ class LearnerProcess:
 
     def write_status(self) -> None:
         name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
-        checksum = float(sum(p.detach().double().sum() for p in self.model.parameters()))
+        # (summed in float64 without a float64 copy of the model: this runs every status write)
+        checksum = float(sum(p.detach().sum(dtype=torch.float64) for p in self.model.parameters()))
         learner = self.learner
         comm = learner.comm if learner is not None else None
         if learner is not None:  # the protocol's share of the step: time inside Learner.step()

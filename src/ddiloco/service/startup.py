@@ -7,7 +7,7 @@ none), ``first_step`` and ``first_merged`` (a version that merged its own contri
 A syncer's: ``imports``, ``restore`` (its durable state read back) and ``first_merge``. Each is
 the seconds from the process's start (as the kernel counts it, so the interpreter's own start
 is in ``imports``) to the phase's end; a phase that did not happen is missing. The record is
-written once, when the last phase is reached or the process stops, whichever comes first.
+written once, when the last phases are reached or the process stops, whichever comes first.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+LEARNER_LAST = ("first_step", "first_merged")
+"""A learner's record is complete once it has stepped and been merged."""
 
 
 def process_age_s() -> float:
@@ -38,8 +41,8 @@ def process_age_s() -> float:
 class StartupTimes:
     """The phases of one process start, marked as they end (the first mark of each counts)."""
 
-    def __init__(self, role: str, last: str, **who: Any) -> None:
-        """``last``: the phase after which the record is complete and written."""
+    def __init__(self, role: str, last: tuple[str, ...], **who: Any) -> None:
+        """``last``: the phases after which the record is complete and written."""
         self.role, self.last, self.who = role, last, who
         self.started = time.monotonic() - process_age_s()
         self.phases: dict[str, float] = {}
@@ -50,7 +53,7 @@ class StartupTimes:
         if phase in self.phases:
             return
         self.phases[phase] = round(time.monotonic() - self.started, 4)
-        if phase == self.last:
+        if all(p in self.phases for p in self.last):
             self.write()
 
     def record(self) -> dict[str, Any]:

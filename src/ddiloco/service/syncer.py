@@ -118,7 +118,7 @@ class SyncerService:
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
         self.clock = clock
-        self.startup = StartupTimes("syncer", "first_merge", shard=shard)
+        self.startup = StartupTimes("syncer", ("first_merge",), shard=shard)
         self.startup.run_dir = self.run_dir
         self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on

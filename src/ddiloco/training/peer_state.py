@@ -48,6 +48,21 @@ def _moment_bound(group: dict[str, object]) -> float | None:
     return (1.0 - b1) / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
 
 
+CHECK_CHUNK = 1 << 20
+"""Values per float64 check at a time: the bound is checked in double precision, and a whole
+moment tensor of a large model in float64 would cost four times its size at once."""
+
+
+def _exceeds(m: torch.Tensor, v: torch.Tensor, factor: float) -> bool:
+    """Whether |m| > factor * sqrt(v) anywhere (in float64, chunk by chunk)."""
+    fm, fv = m.reshape(-1), v.reshape(-1)
+    for s in range(0, fm.numel(), CHECK_CHUNK):
+        limit = fv[s : s + CHECK_CHUNK].double().sqrt_().mul_(factor).add_(1e-30)
+        if bool((fm[s : s + CHECK_CHUNK].double().abs_() > limit).any()):
+            return True
+    return False
+
+
 def check_state(opt: torch.optim.Optimizer, msg: PeerState) -> tuple[dict[int, dict[str, torch.Tensor]], str | None]:
     """The state of ``msg`` by parameter index, and why it cannot be loaded into ``opt`` (None:
     it can): every key names one of ``opt``'s parameters; every parameter's tensors have one
@@ -81,10 +96,8 @@ def check_state(opt: torch.optim.Optimizer, msg: PeerState) -> tuple[dict[int, d
                 return {}, f"state {i}.{name} holds negative values (a second moment cannot)"
         bound = _moment_bound(groups[i])
         m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-        if bound is not None and m is not None and v is not None:
-            limit = MOMENT_SLACK * bound * v.double().sqrt() + 1e-30
-            if bool((m.double().abs() > limit).any()):
-                return {}, f"state {i}.exp_avg exceeds {bound:.3g} x sqrt(exp_avg_sq): no gradients give that"
+        if bound is not None and m is not None and v is not None and _exceeds(m, v, MOMENT_SLACK * bound):
+            return {}, f"state {i}.exp_avg exceeds {bound:.3g} x sqrt(exp_avg_sq): no gradients give that"
     return state, None
 
 
