@@ -184,6 +184,10 @@ class Config:
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
+        require(
+            isinstance(rt.syncer_threads, int) and 0 <= rt.syncer_threads <= 1024,
+            "runtime.syncer_threads", rt.syncer_threads, "an integer in [0, 1024] (0: every core it may use)",
+        )  # fmt: skip
         require(1 <= rt.store_log_bound < 1e6, "runtime.store_log_bound", rt.store_log_bound, ">= 1 (records), finite")
         for name in ("send_queue_mb", "peer_state_chunk_mb"):
             require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")

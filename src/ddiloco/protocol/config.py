@@ -43,6 +43,11 @@ class RuntimeConfig:
     it starts a new log and the old one is deleted, no byte copied. The folder then stays within
     about store_log_bound x the state + one fragment (4x the fp32 model + 2x/P with momentum at 2);
     1 is the least disk and an extra fsync per merge. >= 1."""
+    syncer_threads: int = 1
+    """Intra-op threads each syncer shard merges with: 1 = one core (right when learners share
+    the machine: a multi-threaded merge stalls when a core is busy); 0 = every core the process
+    may run on (its CPU affinity), for a syncer with cores of its own. Results are bit-identical
+    for a given count. >= 0."""
     restart_limit: int = 20
     """Restarts of one learner the local launcher makes before it gives up on it."""
     restart_delay_s: float = 0.0

@@ -579,7 +579,8 @@ def open_syncer(
     on it); ``transport``: an in-process socket instead of ZeroMQ (tests)."""
     import zmq
 
-    torch.set_num_threads(1)  # the syncer merges on one core; the learners need the rest
+    # One core by default (the learners need the rest); a syncer with cores of its own may merge on all.
+    torch.set_num_threads(cfg.runtime.syncer_threads or max(1, len(os.sched_getaffinity(0))))
     keys = ServerKeys.load(keys_dir) if keys_dir is not None else None
     if keys is None and not is_local(bind) and transport is None:
         if not insecure:
