@@ -171,6 +171,7 @@ class SyncerServer:
         finally:
             if self.evaluation is not None:
                 self.evaluation.stop()
+            self.service.load_into(self.model)  # the model given ends as the final global model
         if self.service.shard != 0:
             return
         if self.evaluation is not None:

@@ -525,6 +525,12 @@ class SyncerService:
             f.write(json.dumps(rec) + "\n")
         log.info("final eval loss %.4f %s", loss, loss_unit(wl))
 
+    def load_into(self, model: nn.Module) -> None:
+        """Write this shard's global values into ``model`` (tied tensors share them)."""
+        state = self.core.global_state()
+        owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
+        load_global(model, {k: v for k, v in state.items() if k in owned_names}, owned=owned_names)
+
     def write_final_model(self) -> Path:
         state = self.core.global_state()
         owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
