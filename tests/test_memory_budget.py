@@ -22,7 +22,7 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, FragmentUpdate, Join
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.syncer import Output, Syncer
 
 torch.set_num_threads(1)
 
@@ -155,3 +155,32 @@ def test_a_learner_holds_one_base_copy_and_a_residual_with_error_feedback(encodi
         assert held["base"] == MODEL_BYTES
         assert held["residual"] == (PARAM_BYTES if feedback else 0)
         assert sum(storages(ln.codec).values()) == sum(held.values())
+
+
+def test_the_final_sync_holds_a_window_of_rounds_not_the_whole_model() -> None:
+    """Every learner answers every final round at once: all P open together would hold
+    (learners + 1) copies of the model. A window of them is open at a time, and all close."""
+    s, learners = run(CFG, rounds=1)
+    t = float(P) + 0.5  # (just after the last round: every learner is live)
+    for u in s.flush(t, final=True).messages:
+        if isinstance(u, FragmentUpdate):
+            learners[u.learner].receive(u)  # the final sync asks learners that applied the flush's versions
+    out = s.final_sync(t)
+    seen_open = 0
+    for _ in range(4 * P):
+        seen_open = max(seen_open, s.open_rounds)
+        assert s.open_rounds <= s.final_window < P
+        asked = [m for m in out.messages if not isinstance(m, FragmentUpdate)]
+        if not asked:
+            break
+        out = Output()
+        t += 0.1
+        for req in asked:
+            ln = learners[req.learner]
+            for u in s.handle(ln.answer(req.fragment), t).messages:
+                if isinstance(u, FragmentUpdate):
+                    learners[u.learner].receive(u)
+                else:
+                    out.messages.append(u)
+        out.extend(s.poll(t))
+    assert s.final_left == 0 and s.open_rounds == 0 and seen_open == s.final_window

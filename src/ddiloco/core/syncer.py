@@ -388,6 +388,8 @@ class Syncer:
         self._awaiting_ack: dict[int, tuple[int, float, float]] = {}
         self.finishing = False
         """Set by ``flush(final=True)``: the run is ending and no scheduled round opens again."""
+        self._final_todo: list[int] = []
+        """The final sync's fragments not asked yet (``final_window`` are open at a time)."""
         self._keep_past_values = cfg.anchor != "base"
         # Merge accumulators, lent to open rounds and taken back at their close: as many as
         # rounds are open at once, not one per fragment (large fresh allocations would cost
@@ -668,6 +670,8 @@ class Syncer:
             reason = self._close_reason(rnd, now)
             if reason is not None:
                 self._close(rnd, now, reason, out)
+        if self._final_todo:
+            self._open_final(now, out)
         return out
 
     def _advance_clock(self, now: float, out: Output) -> None:
@@ -960,6 +964,8 @@ class Syncer:
         """Close every open round with what it has. ``final``: the run is ending, so no
         scheduled round opens again (the final sync's rounds come from ``final_sync``)."""
         self.finishing = self.finishing or final
+        if final:
+            self._final_todo = []  # the run's end cannot wait for them: their last progress stays local
         out = Output()
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
@@ -981,15 +987,33 @@ class Syncer:
         has gone silent past the liveness timeout); ``rounds`` is empty once all have closed.
         """
         self.finishing = True
+        self._final_todo = list(self.owned)
         out = Output()
+        self._open_final(now, out)
+        return out.extend(self.poll(now))
+
+    @property
+    def final_window(self) -> int:
+        """Final rounds open at once: as many as the schedule opens per step, and one more so
+        that the next is asked while one closes. Every learner answers every open final round
+        at once, so all of them open together would hold (learners + 1) copies of the model."""
+        return math.ceil(len(self.fragments) / self.cfg.sync_every) + 1
+
+    @property
+    def final_left(self) -> int:
+        """Fragments the final sync has not closed yet (open, or waiting for the window)."""
+        return len(self._final_todo) + sum(1 for r in self.rounds.values() if r.final)
+
+    def _open_final(self, now: float, out: Output) -> None:
+        """Ask for the next fragments of the final sync while the window has room."""
         live = self.live(now)
-        for p in self.owned:
+        while self._final_todo and sum(1 for r in self.rounds.values() if r.final) < self.final_window:
+            p = self._final_todo.pop(0)
             rnd = self.rounds.get(p)
             if rnd is None:
                 rnd = self._open(p, now)
             rnd.final, rnd.asked, rnd.grace_until = True, rnd.asked | set(live), None
             out.messages += [FragmentRequest(m, p, rnd.round_id) for m in live if m not in rnd.pending]
-        return out.extend(self.poll(now))
 
     def next_deadline(self, now: float) -> float | None:
         """The next time ``poll`` could change something without a new message."""

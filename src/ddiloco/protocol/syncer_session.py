@@ -215,6 +215,7 @@ class SyncerSession:
         self.end_stage: EndStage | None = None
         self.end_reason = ""
         self._end_next = math.inf
+        self._final_left = 0  # the final sync's fragments still to close, as last seen
         if ended is not None:  # a restart on a finished run: tell whoever registers, then leave
             self.end_stage, self.end_reason = "done", ended
             self._end_next = now + rt.end_linger_s
@@ -498,9 +499,14 @@ class SyncerSession:
         elif self.end_stage == "stop" and now >= self._end_next:
             self.end_stage = "final"
             out.core(self.core.final_sync(now), self.identities)
-            # every live learner answers at once; a silent one stops being waited for at its liveness timeout
+            # every live learner answers each final round at once; a silent one stops being
+            # waited for at its liveness timeout, counted from the final sync's last progress
+            self._final_left = self.core.final_left
             self._end_next = now + self.core.cfg.liveness_timeout_s + 2 * self.rt.heartbeat_interval_s
-        elif self.end_stage == "final" and (not self.core.open_rounds or now >= self._end_next):
+        elif self.end_stage == "final" and self.core.final_left < self._final_left and self.core.final_left:
+            self._final_left = self.core.final_left  # a final round closed: the next ones get their time too
+            self._end_next = now + self.core.cfg.liveness_timeout_s + 2 * self.rt.heartbeat_interval_s
+        elif self.end_stage == "final" and (not self.core.final_left or now >= self._end_next):
             if self.core.open_rounds:
                 out.core(self.core.flush(now, final=True), self.identities)
             self.end_stage = "done"
