@@ -29,6 +29,7 @@ from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core import robust
+from ddiloco.core.fragments import Piece, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
@@ -38,7 +39,7 @@ from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.messages import Register, SettingsRequest, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
 from ddiloco.protocol.traffic import Direction, TrafficMeter, merge_traffic
-from ddiloco.report.model_file import save_state_dict
+from ddiloco.report.model_file import save_pieces
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
@@ -54,7 +55,7 @@ from ddiloco.service.syncer_load import RoundLoad
 from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
 from ddiloco.settings import run_settings
-from ddiloco.training.layout import layout_of, load_global, param_spec, synced_tensors
+from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
 
@@ -510,7 +511,7 @@ class SyncerService:
             return  # already evaluated (a restarted syncer on a finished run)
         wl = load_workload(self.cfg.workload)
         model = wl.build_model(self.cfg.run.seed)  # built for this one evaluation, then let go
-        load_global(model, self.core.global_state())
+        self.load_into(model)
         loss = evaluate(wl, model, wl.eval_batches())
         rec = {
             "event": "eval",
@@ -526,24 +527,33 @@ class SyncerService:
         log.info("final eval loss %.4f %s", loss, loss_unit(wl))
 
     def load_into(self, model: nn.Module) -> None:
-        """Write this shard's global values into ``model`` (tied tensors share them)."""
-        state = self.core.global_state()
-        owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
-        load_global(model, {k: v for k, v in state.items() if k in owned_names}, owned=owned_names)
+        """Write this shard's global values into ``model`` (tied tensors share them), fragment
+        by fragment: no assembled copy of the model."""
+        params = synced_tensors(model)
+        for p in self.core.owned:
+            write_fragment(params, self.core.layout.fragments[p], self.core.values(p))
 
     def write_final_model(self) -> Path:
-        state = self.core.global_state()
-        owned_names = {pc.name for p in self.core.owned for pc in self.core.layout.fragments[p]}
-        # Every key of the model's state dict, in its dtype; a tied key (an LM head sharing the
-        # embedding) gets the merged values of the tensor it shares.
-        full = {}
+        # Every key of the model's state dict, in its dtype, written piece by piece from the
+        # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
+        # gets the merged values of the tensor it shares.
+        pieces: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+        for p in self.core.owned:
+            for pc, v in zip(self.core.layout.fragments[p], self.core.values(p)):
+                pieces.setdefault(pc.name, []).append((pc, v))
+        entries = []
         for key, (name, dtype) in self._state_keys.items():
-            if name in state and (self.num_shards == 1 or key in owned_names):
-                v = state[name]
-                full[key] = (v if dtype.is_floating_point else v.round()).to(dtype)
+            if name in pieces:
+                rows = sorted(pieces[name], key=lambda x: x[0].row_start)
+                first = rows[0][0]
+                shape = (
+                    first.shape
+                    if len(rows) == 1
+                    else (sum(pc.row_end - pc.row_start for pc, _ in rows), *first.shape[1:])
+                )
+                entries.append((key, dtype, shape, [v for _, v in rows]))
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
-        path = self.run_dir / "final" / name
-        saved = save_state_dict(full, path)
+        saved = save_pieces(entries, self.run_dir / "final" / name)
         self._model_written = tuple(self.core.versions())
         return saved
 
