@@ -184,3 +184,26 @@ def test_the_final_sync_holds_a_window_of_rounds_not_the_whole_model() -> None:
                     out.messages.append(u)
         out.extend(s.poll(t))
     assert s.final_left == 0 and s.open_rounds == 0 and seen_open == s.final_window
+
+
+def test_a_served_optimizer_state_is_copied_a_budget_per_boundary_not_whole() -> None:
+    from ddiloco.protocol.learner_session import is_piece
+    from ddiloco.training.peer_state import StateServer
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 32)).sum().backward()
+    opt.step()
+    states = opt.state_dict()["state"].values()
+    budget = 2 * max(sum(v.numel() * v.element_size() for v in st.values()) for st in states)
+    server = StateServer(opt, to=1, source=0, budget_bytes=budget)
+    pieces = []
+    while (piece := server.piece()) is not None:
+        pieces.append(piece)
+        assert sum(t.numel() * t.element_size() for t in piece.tensors.values()) <= budget
+    assert len(pieces) > 1 and server.done
+    assert all(is_piece(p) for p in pieces[:-1]) and not is_piece(pieces[-1])
+    got = {k: v for p in pieces for k, v in p.tensors.items()}
+    want = {f"{i}.{k}": v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(got[k].data_ptr() != want[k].data_ptr() for k in want)  # copies, taken piece by piece

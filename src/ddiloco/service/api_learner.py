@@ -43,7 +43,7 @@ from ddiloco.service.transport import HandshakeFailure, LearnerSocket, ZmqLearne
 from ddiloco.service.wire import WireError, decode, encode
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
-from ddiloco.training.peer_state import load_state, state_message
+from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
 from ddiloco.workloads.base import embedding_parameters
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ class Learner:
         """When this learner joined, downloaded, took a peer's optimizer state, stepped and was
         first merged (seconds from its process's start; ``ddiloco learner`` writes it to the run)."""
         self._joined: list[FragmentUpdate] = []
+        self._serving: list[StateServer] = []  # optimizer hand-offs under way, a piece per boundary
         self._position = 0
         self._closed = False
         self._last_end: float | None = None
@@ -779,7 +780,10 @@ class Learner:
         # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
         # does not wait for an answer.
         opt = self.optimizer if not self.sharded else None
-        states = [state_message(opt, who, self.id) for who in plan.serve] if opt is not None else []
+        if opt is not None:  # served a few parameters per boundary (StateServer), not copied whole
+            self._serving += [StateServer(opt, who, self.id, SERVE_BYTES_PER_BOUNDARY) for who in plan.serve]
+        states = [piece for srv in self._serving if (piece := srv.piece()) is not None]
+        self._serving = [srv for srv in self._serving if not srv.done]
         with self._lock():
             out = self.session.complete(plan, values, states)
         if self.comm is not None:

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ddiloco.protocol.learner_session import PIECE
 from ddiloco.protocol.messages import PeerState
 
 MAX_STEP = 2**53
@@ -33,6 +34,50 @@ def state_message(opt: torch.optim.Optimizer, to: int, source: int) -> PeerState
         if isinstance(v, torch.Tensor)
     }
     return PeerState(to, source, sd["param_groups"], tensors)
+
+
+SERVE_BYTES_PER_BOUNDARY = 32 << 20
+"""What a learner serving its optimizer state copies at one step boundary (``StateServer``)."""
+
+
+class StateServer:
+    """An optimizer state handed to a peer a few parameters per step boundary, not copied whole:
+    each boundary copies at most ``budget_bytes`` of state (a parameter's tensors together, so
+    its moments and step count are of one step; a parameter larger than the budget goes alone),
+    and the pieces (``learner_session.PIECE``) end with one carrying the param_groups. A copy of
+    the whole state would cost the serving learner twice the model at once (AdamW)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, to: int, source: int, budget_bytes: int) -> None:
+        self.opt, self.to, self.source, self.budget = opt, to, source, budget_bytes
+        self._next = 0
+        self._index = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next < 0
+
+    def piece(self) -> PeerState | None:
+        """This boundary's piece (None once the last one went)."""
+        if self.done:
+            return None
+        sd = self.opt.state_dict()  # (references to the live tensors: copied below, a few at a time)
+        ids = sorted(sd["state"])
+        tensors: dict[str, torch.Tensor] = {}
+        size = 0
+        while self._next < len(ids) and (not tensors or size < self.budget):
+            i = ids[self._next]
+            items = {k: v for k, v in sd["state"][i].items() if isinstance(v, torch.Tensor)}
+            n = sum(v.numel() * v.element_size() for v in items.values())
+            if tensors and size + n > self.budget:
+                break
+            tensors.update({f"{i}.{k}": v.detach().cpu().clone() for k, v in items.items()})
+            size += n
+            self._next += 1
+        if self._next < len(ids):
+            self._index += 1
+            return PeerState(self.to, self.source, [{PIECE: self._index - 1}], tensors)
+        self._next = -1
+        return PeerState(self.to, self.source, sd["param_groups"], tensors)
 
 
 def _moment_bound(group: dict[str, object]) -> float | None:
