@@ -19,6 +19,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
 from ddiloco.service import observer
+from ddiloco.service.heap import release_free_memory
 from ddiloco.service.keys import ClientKeys
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.layout import layout_for, synced_tensors
@@ -94,6 +95,7 @@ def _evaluate_until_the_end(
                 merged = sum(s.merged_tokens for s in states) / len(states)
                 ended = all(s.run_ended for s in states)
                 del states  # the model holds the values now: one copy, not two, while it evaluates
+                release_free_memory()
                 loss = evaluate(wl, model, batches)
                 rec = {
                     "event": "eval",

@@ -23,6 +23,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.api_learner import Learner, SocketFactory
 from ddiloco.service.api_learner import client_keys as api_client_keys
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.heap import release_free_memory
 from ddiloco.service.keys import ClientKeys
 from ddiloco.service.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.status import write_status
@@ -244,6 +245,7 @@ class LearnerProcess:
         return open(self.run_dir / "metrics" / f"steps-{self.id}-{os.getpid()}.csv", "w")
 
     def write_status(self) -> None:
+        release_free_memory()  # versions applied and contributions sent since the last write
         name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
         # (summed in float64 without a float64 copy of the model: this runs every status write)
         checksum = float(sum(p.detach().sum(dtype=torch.float64) for p in self.model.parameters()))

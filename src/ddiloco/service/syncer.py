@@ -45,6 +45,7 @@ from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
+from ddiloco.service.heap import release_free_memory, resident_bytes
 from ddiloco.service.keys import ServerKeys, is_local
 from ddiloco.service.ratelimit import RateLimits
 from ddiloco.service.recorder import FlightRecorder
@@ -445,6 +446,15 @@ class SyncerService:
         """Write every owned fragment and the meta state as one snapshot."""
         return self.store.snapshot(self.session.records(self.core.owned), self.session.meta())
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the core holds by purpose (``Syncer.held_bytes``), what waits in the send
+        queues, and the process's resident size (docs/runtime.md's budget, live)."""
+        queues = getattr(self.sock, "queues", {})
+        out = {f"held_{k}": v for k, v in self.core.held_bytes().items()}
+        out["send_queued"] = sum(q.nbytes for q in queues.values())
+        out["rss"] = resident_bytes()
+        return out
+
     def status(self) -> dict[str, Any]:
         """This shard's figures: the fleet view (``fleet_status``) and the process's counters.
         The status file holds it and a ``StatusRequest`` is answered with it."""
@@ -458,10 +468,12 @@ class SyncerService:
             **getattr(self.sock, "counts", {}),  # the send queues' drops (ZeroMQ)
             "run_end": self.session.end_stage,
             "end_reason": self.session.end_reason,
+            "memory": self.memory(),
             **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age(), traffic=self.traffic_dict()),
         }
 
     def write_status(self) -> None:
+        release_free_memory()  # merged fragments freed since the last write go back to the OS
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
         write_status(self._traffic_path, self.traffic_dict())  # the summary adds the shards up
         write_status(self._load_path, self.load.to_dict())
