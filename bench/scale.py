@@ -967,10 +967,117 @@ def _pending(what: str, module: str) -> Callable[[Any], list[str]]:
     return render
 
 
+FLEET_LEARNERS, FLEET_SHARDS, FLEET_ENCODINGS, FLEET_SECONDS = (32, 64), (1, 2, 4), ("int4", "fp32"), 40.0
+"""The fleet cells: 32 and 64 fake learners at 1, 2 and 4 shards, int4 both ways then fp32."""
+MERGE_CACHE = ROOT / "bench" / "cache" / "scale" / "merge"
+
+
+def run_fleet(force: bool = False) -> list[dict[str, Any]]:
+    """Every fleet cell (bench/scale_fleet.py; cached in its own folder)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale_fleet
+
+    out = []
+    for enc in FLEET_ENCODINGS:
+        for n in FLEET_LEARNERS:
+            for shards in FLEET_SHARDS:
+                try:
+                    cell = scale_fleet.run_fleet_cell(n, shards, enc, FLEET_SECONDS, scale_fleet.CACHE, force=force)
+                    out.append(cell)
+                except (RuntimeError, ValueError) as e:  # one cell that could not run is said, the rest go on
+                    out.append({"encoding": enc, "learners": n, "shards": shards, "error": str(e)})
+                print(f"fleet {enc} {n} learners, {shards} shards: done", flush=True)
+    return out
+
+
+def run_merge(code: str) -> dict[str, Any]:
+    """The merge against an in-place add (bench/scale_merge.py), cached per code digest."""
+    path = MERGE_CACHE / f"merge-{code}.json"
+    got = _json(path)
+    if isinstance(got, dict):
+        return got
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale_merge
+
+    rows = []
+    for name, numel in scale_merge.SIZES.items():
+        for merge in scale_merge.MERGES:
+            for threads in sorted({1, os.cpu_count() or 1}):
+                row = scale_merge.merge_throughput(numel, 4, threads, merge, "delta")
+                rows.append({**row, "fragment": name})
+    result = {"rows": rows, "code_digest": code, "cores": os.cpu_count()}
+    MERGE_CACHE.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def fleet_cached() -> list[dict[str, Any]]:
+    """The fleet cells already measured (their cache), in the run's order."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale_fleet
+
+    out = []
+    for enc in FLEET_ENCODINGS:
+        for n in FLEET_LEARNERS:
+            for shards in FLEET_SHARDS:
+                key = scale_fleet.cell_key(n, shards, enc, FLEET_SECONDS, scale_fleet.HIDDEN)
+                got = _json(scale_fleet.CACHE / f"{key}.json")
+                if isinstance(got, dict):
+                    out.append(got)
+    return out
+
+
+def fleet_section(cells: Any) -> list[str]:
+    if not cells:
+        return _pending("fleet", "bench/scale_fleet.py")(cells)
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale_fleet
+
+    ok = [c for c in cells if "error" not in c]
+    lines = [
+        "## Fleet: many learners against 1, 2 and 4 shards",
+        "",
+        "Fake learners (bench/scale_fleet.py: the real learner session, comm thread, transport and wire; a 1 s "
+        "sleep for a step; pre-built fragments of a 100M model at P = 24, H = 24, so each learner answers one "
+        f"request a second) against real `ddiloco syncer` shard processes, {FLEET_SECONDS:.0f} s measured per cell "
+        "after every learner is live. Late: a round that closed more than 100 ms after its quorum-and-grace "
+        "condition was met (computed from the learners' send times and the tape). Everything (the syncers and "
+        "the fake learners) shares this machine's 2 cores, so the syncer's figures are what it got beside them.",
+        "",
+        scale_fleet.table(ok),
+        "",
+    ]
+    lines += [f"- {c['encoding']}, {c['learners']} learners, {c['shards']} shards: not measured ({c['error']})"
+              for c in cells if "error" in c]  # fmt: skip
+    return lines
+
+
+def merge_section(data: Any) -> list[str]:
+    if not data:
+        return _pending("merge", "bench/scale_merge.py")(data)
+    lines = [
+        "## Merge against an in-place add",
+        "",
+        "One fragment's round as the syncer does it (4 delta payloads: each measured and added into the running "
+        "merge, then the outer Nesterov step; bench/scale_merge.py) against `add_` of the same payloads, best of 3, "
+        f"on 1 thread and on all {data.get('cores')} cores. `recycled`: the new version written into a buffer "
+        "that left (the allocation's page faults are the difference).",
+        "",
+        "| fragment | merge | threads | merge GB/s | add GB/s | merge / add | recycled / add |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['fragment']} | {r['merge']} | {r['threads']} | {r['merge_gb_per_s']:.2f} | {r['add_gb_per_s']:.2f} "
+            f"| {r['merge_over_add']:.2f}x | {r['recycled_over_add']:.2f}x |"
+        )
+    return [*lines, ""]
+
+
 RENDERERS: dict[str, Callable[[Any], list[str]]] = {
     "sizes": sizes_section,
-    "fleet": _pending("fleet", "bench/scale_fleet.py"),
-    "merge": _pending("merge", "bench/scale_merge.py"),
+    "fleet": fleet_section,
+    "merge": merge_section,
 }
 """One section per key of the report's cells, in this order; the fleet and merge hooks are
 replaced by their modules' renderers (``RENDERERS["fleet"] = scale_fleet.report_lines``)."""
@@ -1058,6 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--any-code", action="store_true", help="with --report: the newest cells whatever their code")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "scale.md"), help="the report (and its .json)")
     ap.add_argument("--keep", action="store_true", help="keep each cell's run folder (they are large)")
+    ap.add_argument("--parts", default="sizes,fleet,merge", help="which parts to run (default all three)")
     ap.add_argument("--worker", choices=["idle", "plain"], help=argparse.SUPPRESS)
     ap.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, default=DEPTH, help=argparse.SUPPRESS)
@@ -1071,9 +1179,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds is not None and not (args.seconds > 0 and math.isfinite(args.seconds)):
         raise SystemExit(f"--seconds must be a positive number of seconds, got {args.seconds}")
     names, code = parse_sizes(args.sizes), code_digest()
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if not parts or parts - {"sizes", "fleet", "merge"}:
+        raise SystemExit(f"--parts takes a comma-separated list of sizes, fleet, merge; got {args.parts!r}")
     cells = latest_cells(None if args.report and args.any_code else code)
     largest = None
-    if not args.report:
+    if not args.report and "sizes" in parts:
         for name in names:  # in size order: "max" is sized from the cells before it
             sizes, big = plan_sizes([name], args.seconds, cells, args.budget_gib)
             largest = big or largest
@@ -1089,7 +1200,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{size.name}: cached ({key})", flush=True)
                 cells[size.name] = cell
     sizes_cells = {k: v for k, v in cells.items() if k in names}
-    write_report({"sizes": sizes_cells, "code_digest": code,
+    fleet = run_fleet(args.force) if "fleet" in parts and not args.report else fleet_cached()
+    merge = run_merge(code) if "merge" in parts and not args.report else _json(MERGE_CACHE / f"merge-{code}.json")
+    write_report({"sizes": sizes_cells, "fleet": fleet, "merge": merge, "code_digest": code,
                   "largest": largest or largest_size(cells, args.budget_gib)}, Path(args.out))  # fmt: skip
     print(f"wrote {args.out} and its .json", flush=True)
     return 0
