@@ -1,14 +1,13 @@
 """The syncer's state folder stays bounded whatever the merge rate: logs rotate on size (no byte
 copied), snapshots hold no tensors, and the store counts its bytes on disk and written."""
 
-import errno
 import math
-import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from test_store_hardening import full_on
 
 from ddiloco.config import load_config
 from ddiloco.core.fragments import TensorSpec, balanced_layout
@@ -93,21 +92,6 @@ def test_bound_is_validated(tmp_path):
     assert load_config(overrides=["runtime.store_log_bound=1"]).runtime.store_log_bound == 1.0
     with pytest.raises(ConfigError, match="runtime.store_log_bound = 0.5 is out of range"):
         load_config(overrides=["runtime.store_log_bound=0.5"])
-
-
-def full_on(monkeypatch, name: str, nth: int) -> None:
-    real = getattr(os, name)
-    calls = [0]
-
-    def fake(fd, *args):
-        calls[0] += 1
-        if calls[0] == nth:
-            if name == "write":
-                real(fd, memoryview(args[0])[: len(args[0]) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, *args)
-
-    monkeypatch.setattr(os, name, fake)
 
 
 # fsync 1: the new log, 2: the folder, 3: the mark; write 2: the record's header, 5: the mark
