@@ -234,6 +234,16 @@ def read_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> l
     return out
 
 
+def take_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    """A fragment's pieces as fp32 views of the tensors (copies only where the dtype is not fp32):
+    for a caller that owns the tensors and lets them go (``read_fragment`` copies)."""
+    out = []
+    for pc in pieces:
+        t = params[pc.name].detach()
+        out.append((t[pc.row_start : pc.row_end] if t.dim() else t).to(torch.float32))
+    return out
+
+
 def write_fragment(
     params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0
 ) -> None:

@@ -119,6 +119,7 @@ class OuterNesterov:
         """The momentum buffers (lr and momentum come from the config, not the state)."""
         return {"buffers": None if self.buffers is None else [b.clone() for b in self.buffers]}
 
-    def load_state_dict(self, state: dict[str, list[torch.Tensor] | None]) -> None:
+    def load_state_dict(self, state: dict[str, list[torch.Tensor] | None], take: bool = False) -> None:
+        """``take``: the tensors are this optimizer's to keep and update in place (not copied)."""
         bufs = state["buffers"]
-        self.buffers = None if bufs is None else [b.float().clone() for b in bufs]
+        self.buffers = None if bufs is None else [b.float() if take else b.float().clone() for b in bufs]

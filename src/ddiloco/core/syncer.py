@@ -26,7 +26,7 @@ from ddiloco.core.codec import Chain
 from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
-from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment
+from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment, take_fragment
 from ddiloco.core.merge import Accumulator, make_delta, token_weight
 from ddiloco.core.messages import (
     Ack,
@@ -350,14 +350,17 @@ class Syncer:
         initial: dict[str, torch.Tensor],
         embedding_like: Sequence[bool],
         owned: Sequence[int] | None = None,
+        take: bool = False,
     ) -> None:
+        """``take``: ``initial``'s tensors are the syncer's to keep (a driver that built the
+        model for this and lets it go): fp32 fragments are views of them, not copies."""
         self.cfg = cfg
         self.layout = layout
         # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
         self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
         self.fragments: list[FragmentState] = []
         for pieces in layout.fragments:
-            vals = [v.float() for v in read_fragment(initial, pieces)]
+            vals = [v.float() for v in (take_fragment if take else read_fragment)(initial, pieces)]
             history = deque([Version(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
             frag = FragmentState(0, history, outer, norm=_norm(vals))
@@ -1133,28 +1136,31 @@ class Syncer:
         frag = self.fragments[p]
         return FragmentRecord(p, frag.version, frag.tokens_merged, frag.values, frag.outer.state_dict()["buffers"])
 
-    def load_fragment_record(self, rec: FragmentRecord) -> None:
+    def load_fragment_record(self, rec: FragmentRecord, take: bool = False) -> None:
         """Restore a fragment from ``fragment_record`` output (older versions are not kept:
-        contributions based on them are answered with the current value)."""
+        contributions based on them are answered with the current value). ``take``: the
+        record's tensors are the syncer's to keep (a store read them for it), not copied."""
         frag = self.fragments[rec.fragment]
         frag.version = rec.version
         frag.tokens_merged = rec.tokens_merged
         frag.history.clear()
-        frag.history.append(Version(rec.version, [v.float().clone() for v in rec.values], -math.inf))
+        frag.history.append(
+            Version(rec.version, [v.float() if take else v.float().clone() for v in rec.values], -math.inf)
+        )
         frag.norm = _norm(frag.values)
-        frag.outer.load_state_dict({"buffers": rec.momentum})
+        frag.outer.load_state_dict({"buffers": rec.momentum}, take=take)
         if frag.chain is not None:
             # What learners hold of versions served before is not known: deltas chain again only
             # from versions this process serves.
             frag.chain = Chain(rec.version, frag.values, start=rec.version + 1)
 
-    def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None) -> None:
+    def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None, take: bool = False) -> None:
         """Take back what a store made durable (``fragment_record`` and ``meta_state`` output).
         A fragment's version never goes backwards: an older record than the current one is not
-        loaded."""
+        loaded. ``take``: the records' tensors are the syncer's to keep (not copied)."""
         for p, rec in records.items():
             if rec.version >= self.fragments[p].version:
-                self.load_fragment_record(rec)
+                self.load_fragment_record(rec, take)
         if meta is not None:
             self.load_meta_state(meta)
 

@@ -239,10 +239,11 @@ class SyncerSession:
         processed tokens (the budget keeps counting across restarts)."""
         return {**self.core.meta_state(), "fleet": self.fleet.state()}
 
-    def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None) -> None:
+    def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None, take: bool = False) -> None:
         """Take back what a store made durable (call before any message): the core's fragments
-        and meta state (``Syncer.restore``), and the fleet's processed tokens."""
-        self.core.restore(records, meta)
+        and meta state (``Syncer.restore``), and the fleet's processed tokens. ``take``: the
+        records' tensors are the core's to keep (a store read them for it)."""
+        self.core.restore(records, meta, take)
         if meta is not None:
             self.fleet.load_state(meta.get("fleet"))
 

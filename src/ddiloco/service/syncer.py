@@ -124,9 +124,12 @@ class SyncerService:
         self.startup.run_dir = self.run_dir
         self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
+        wl = None
         if model is None:
+            # The workload's model, first as its structure alone: a restart takes every value
+            # from the store, and a fresh run builds the values once, below.
             wl = load_workload(cfg.workload)
-            model = wl.build_model(cfg.run.seed)
+            model = meta_model(wl, cfg.run.seed)
             embedding_like = embedding_like or wl.is_embedding_like
         self.layout = layout_of(model, cfg.algo, embedding_like or embedding_parameters(model))
         owned = [p for p in range(self.layout.num_fragments) if p % num_shards == shard]
@@ -135,17 +138,24 @@ class SyncerService:
                 f"shard {shard} of {num_shards} owns no fragment (the model has {self.layout.num_fragments}); "
                 "use fewer shards"
             )
-        params = synced_tensors(model)  # the parameters and the persistent buffers
-        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned)
-        # The syncer keeps no model: the core's copy of the values is the global model. What the
-        # final model file needs of the module is the names of its state dict (tied weights are
-        # listed twice) and their dtypes.
+        # The syncer keeps no model: the core's values are the global model. What the final
+        # model file needs of the module is the names of its state dict (tied weights are listed
+        # twice) and their dtypes.
         self._state_keys = state_keys(model)
-        spec, numel = param_spec(model), sum(t.numel() for t in params.values())
-        del params, model
+        spec, numel = param_spec(model), sum(t.numel() for t in synced_tensors(model).values())
         self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync, log_bound=cfg.runtime.store_log_bound)
-        found = self.store.restore(core.layout, core.owned)
+        found = self.store.restore(self.layout.fragments, owned)
         self.restored = found is not None
+        take = wl is not None  # values this process built are the core's to keep
+        if take and wl is not None and next(iter(synced_tensors(model).values())).is_meta:
+            if found is not None and set(found.fragments) >= set(owned):
+                # every fragment comes from the store: placeholders (untouched memory) stand in
+                model = model.to_empty(device="cpu")
+            else:
+                model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
+        params = synced_tensors(model)  # the parameters and the persistent buffers
+        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned, take=take)
+        del params, model
         self.startup.mark("restore")
         start = clock.monotonic()
         started_at = run_started_at(self.run_dir) or clock.wall()
@@ -171,7 +181,7 @@ class SyncerService:
             num_learners=cfg.run.num_learners,  # the cap on learner ids, with or without keys
         )
         if found is not None:
-            self.session.restore(found.fragments, found.syncer_meta)
+            self.session.restore(found.fragments, found.syncer_meta, take=True)  # (the store's own tensors)
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "refused_relay": 0,
             "superseded": 0, "rejections_unlogged": 0, "merges": 0, "messages": 0, "bytes_in": 0,
@@ -570,12 +580,25 @@ class SyncerService:
         return saved
 
 
+def meta_model(wl: Any, seed: int) -> nn.Module:
+    """The workload's model as its structure alone (on the meta device: no memory, no init), or
+    the model itself where the workload cannot build it there."""
+    try:
+        with torch.device("meta"):
+            model = wl.build_model(seed)
+        if all(t.is_meta for t in synced_tensors(model).values()):
+            return model
+    except Exception as e:  # a workload's own code: any failure means "build it for real"
+        log.debug("the workload's model does not build on the meta device (%s): building it", e)
+    return wl.build_model(seed)
+
+
 def state_keys(model: nn.Module) -> dict[str, tuple[str, torch.dtype]]:
     """Each key of ``model.state_dict()`` with the synced tensor that holds its values (a tied
     key names the tensor it shares) and its dtype."""
     synced = synced_tensors(model)
     by_id = {id(t): n for n, t in synced.items()}
-    by_storage = {(t.data_ptr(), tuple(t.shape)): n for n, t in synced.items() if t.numel()}
+    by_storage = {(t.data_ptr(), tuple(t.shape)): n for n, t in synced.items() if t.numel() and not t.is_meta}
     out = {}
     for key, t in model.state_dict(keep_vars=True).items():
         # the same tensor object, or (a tied buffer listed under another name) the same storage
@@ -619,13 +642,11 @@ def open_syncer(
             )
         log.warning("INSECURE: %s accepts any peer without authentication or encryption", bind)
     from_workload = model is None
-    if model is None:
-        wl = load_workload(cfg.workload)
-        model = wl.build_model(cfg.run.seed)
-        embedding_like = embedding_like or wl.is_embedding_like
+    # (the workload's model is built by the service, as its structure first: here its sizes only)
+    shape = model if model is not None else meta_model(load_workload(cfg.workload), cfg.run.seed)
     address = bind
     if transport is None:
-        largest = max(t.numel() for t in synced_tensors(model).values())  # a buffer is a frame too
+        largest = max(t.numel() for t in synced_tensors(shape).values())  # a buffer is a frame too
         try:
             zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys, int(cfg.runtime.send_queue_mb * (1 << 20)))
         except zmq.ZMQError as e:

@@ -155,6 +155,9 @@ def load_state(opt: torch.optim.Optimizer, msg: PeerState, device: torch.device)
     moved = {i: {k: t.to(device) if k != "step" else t for k, t in st.items()} for i, st in state.items()}
     # Our own param_groups: a peer may hand over what it learned, never how we learn.
     own = opt.state_dict()["param_groups"]
+    # Our own (cold) moments go first: holding both while the peer's load would be twice the
+    # state at once. (A load that fails after the checks leaves the optimizer cold.)
+    opt.state.clear()
     try:
         opt.load_state_dict({"state": moved, "param_groups": own})
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
