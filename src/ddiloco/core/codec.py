@@ -23,7 +23,7 @@ import torch
 
 from ddiloco.core.compress import Encoded, decode, encode
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import Piece
+from ddiloco.core.fragments import Piece, storage_bytes
 from ddiloco.core.messages import Contribution, FragmentUpdate
 
 
@@ -60,14 +60,9 @@ class LearnerCodec:
         """The bytes this codec holds: ``base`` (one copy of every fragment received) and
         ``residual`` (error feedback's, one per fragment sent with it on)."""
 
-        def size(ts: Sequence[torch.Tensor] | None) -> int:  # what the memory holds: a view's whole storage
-            return sum(
-                st.nbytes() for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in ts or ()}.values()
-            )
-
         return {
-            "base": sum(size(vals) for _, vals in self.base.values()),
-            "residual": sum(size(r) for r in self.residual.values()),
+            "base": sum(storage_bytes(vals) for _, vals in self.base.values()),
+            "residual": sum(storage_bytes(r) for r in self.residual.values()),
         }
 
     @property

@@ -234,6 +234,12 @@ def read_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> l
     return out
 
 
+def storage_bytes(tensors: Sequence[torch.Tensor] | None) -> int:
+    """The memory ``tensors`` hold: each distinct storage once, whole (a view holds all of it)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors or ()}
+    return sum(st.nbytes() for st in storages.values())
+
+
 def take_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> list[torch.Tensor]:
     """A fragment's pieces as fp32 views of the tensors (copies only where the dtype is not fp32):
     for a caller that owns the tensors and lets them go (``read_fragment`` copies)."""
@@ -261,16 +267,25 @@ def write_fragment(
                 dst.mul_(alpha).add_(v.to(dst.dtype), alpha=1.0 - alpha)
 
 
+def tensor_pieces(
+    layout: FragmentLayout, values: Mapping[int, Sequence[torch.Tensor]]
+) -> dict[str, list[tuple[Piece, torch.Tensor]]]:
+    """Each tensor's pieces with their values (``values[p]``: one tensor per piece of fragment
+    p), in row order: joined, they are the tensor."""
+    parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+    for p, vals in sorted(values.items()):
+        for pc, v in zip(layout.fragments[p], vals):
+            parts.setdefault(pc.name, []).append((pc, v))
+    for chunks in parts.values():
+        chunks.sort(key=lambda x: x[0].row_start)
+    return parts
+
+
 def assemble(layout: FragmentLayout, values: Mapping[int, Sequence[torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Named tensors from fragment values (``values[p]``: one tensor per piece of fragment p),
     row-split pieces joined back in row order; a tensor of one piece is a copy."""
-    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for p, vals in sorted(values.items()):
-        for pc, v in zip(layout.fragments[p], vals):
-            parts.setdefault(pc.name, []).append((pc.row_start, v))
     out = {}
-    for name, chunks in parts.items():
-        chunks.sort(key=lambda x: x[0])
+    for name, chunks in tensor_pieces(layout, values).items():
         out[name] = chunks[0][1].clone() if len(chunks) == 1 else torch.cat([v for _, v in chunks])
     return out
 

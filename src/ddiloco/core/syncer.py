@@ -26,7 +26,7 @@ from ddiloco.core.codec import Chain
 from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
-from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment, take_fragment
+from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment, storage_bytes, take_fragment
 from ddiloco.core.merge import Accumulator, make_delta, token_weight
 from ddiloco.core.messages import (
     Ack,
@@ -1098,24 +1098,22 @@ class Syncer:
         ``pending`` (open rounds' outer gradients, one per answer) and ``scratch`` (merge
         buffers, open rounds' and the pool's). docs/runtime.md states the budget."""
 
-        def size(ts: Sequence[torch.Tensor] | None) -> int:  # what the memory holds: a view's whole storage
-            return sum(
-                st.nbytes() for st in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in ts or ()}.values()
-            )
-
-        out = dict.fromkeys(("values", "momentum", "chain", "past", "pending", "scratch"), 0)
+        held: dict[str, list[torch.Tensor]] = {
+            k: [] for k in ("values", "momentum", "chain", "past", "pending", "scratch")
+        }
         for p in self.owned:
             f = self.fragments[p]
-            out["values"] += size(f.values)
-            out["momentum"] += size(f.outer.buffers) + size(f.outer.pending)
+            held["values"] += f.values
+            held["momentum"] += [*(f.outer.buffers or ()), *(f.outer.pending or ())]
             if f.chain is not None and any(a is not b for a, b in zip(f.chain.served, f.values)):
-                out["chain"] += size(f.chain.served)
-            out["past"] += sum(size(v.values) for v in list(f.history)[:-1])
+                held["chain"] += f.chain.served
+            held["past"] += [t for v in list(f.history)[:-1] for t in v.values]
         for rnd in self.rounds.values():
-            out["pending"] += sum(size(pd.deltas) for pd in rnd.pending.values())
-            out["scratch"] += size([rnd.scratch] if rnd.scratch is not None else [])
-        out["scratch"] += size(self._scratch_pool)
-        return out
+            held["pending"] += [t for pd in rnd.pending.values() for t in pd.deltas]
+            held["scratch"] += [rnd.scratch] if rnd.scratch is not None else []
+        held["scratch"] += self._scratch_pool
+        # (each storage once: fragments may be views of one tensor, as a fresh run's version 0 is)
+        return {k: storage_bytes(ts) for k, ts in held.items()}
 
     @property
     def open_rounds(self) -> int:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ddiloco.config import Config, RuntimeConfig
 from ddiloco.core import robust
-from ddiloco.core.fragments import Piece, write_fragment
+from ddiloco.core.fragments import tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
@@ -559,20 +559,14 @@ class SyncerService:
         # Every key of the model's state dict, in its dtype, written piece by piece from the
         # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
         # gets the merged values of the tensor it shares.
-        pieces: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
-        for p in self.core.owned:
-            for pc, v in zip(self.core.layout.fragments[p], self.core.values(p)):
-                pieces.setdefault(pc.name, []).append((pc, v))
+        pieces = tensor_pieces(self.core.layout, {p: self.core.values(p) for p in self.core.owned})
         entries = []
         for key, (name, dtype) in self._state_keys.items():
             if name in pieces:
-                rows = sorted(pieces[name], key=lambda x: x[0].row_start)
+                rows = pieces[name]
                 first = rows[0][0]
-                shape = (
-                    first.shape
-                    if len(rows) == 1
-                    else (sum(pc.row_end - pc.row_start for pc, _ in rows), *first.shape[1:])
-                )
+                total_rows = sum(pc.row_end - pc.row_start for pc, _ in rows)
+                shape = first.shape if len(rows) == 1 else (total_rows, *first.shape[1:])
                 entries.append((key, dtype, shape, [v for _, v in rows]))
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
         saved = save_pieces(entries, self.run_dir / "final" / name)
