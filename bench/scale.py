@@ -1106,6 +1106,10 @@ READING = """## Reading (the cells of this report's code digest)
 - **step() share.** 2.5% at 100M and 3.1% at 200M against a 2% target: the boundary's copies
   are a few ms, and the rest is the training thread waiting for the comm thread (which holds
   the session while it decodes 17 MB versions) on 2 crowded cores.
+- **Merge against the round's interval.** 1.3% at 1M. From 30M up no fragment merged twice
+  within one syncer process (each cell kills the syncer at 65% of its time), so the per-shard
+  column is empty; against the tape's round interval the mean merge work per round is 1.2% at
+  100M (1.6 s of 130 s) and 0.4% at 200M, and it was 0.7% in the first, 600 s, 100M run.
 - **Largest size.** 300M with 2 learners would need 24.6 GiB by the measured ratios (two learners
   at 5x the model for their own training, the syncer, the evaluator, the imports): 200M is the
   largest that fits this 24 GiB machine.
