@@ -208,3 +208,10 @@ def test_run_folders_of_another_format_are_refused_before_anything_is_written(tm
     with pytest.raises(DDiLoCoError, match="format 0"):
         prepare_run_dir(old, "test")
     assert sorted(p.name for p in old.iterdir()) == ["config.toml", "run.json"]  # nothing written
+
+
+@pytest.mark.parametrize("bad", ["-1", "1.5", "2000", "many"])
+def test_syncer_threads_must_be_a_small_whole_number(bad):
+    assert load_config(overrides=["runtime.syncer_threads=0"]).runtime.syncer_threads == 0
+    with pytest.raises(ConfigError, match="runtime.syncer_threads"):
+        load_config(overrides=[f"runtime.syncer_threads={bad}"])

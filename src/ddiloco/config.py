@@ -185,7 +185,7 @@ class Config:
         for name in ("max_joins_per_s", "max_messages_per_s", "max_rejections_logged_per_s"):
             require(getattr(rt, name) > 0, f"runtime.{name}", getattr(rt, name), "> 0")
         require(
-            isinstance(rt.syncer_threads, int) and 0 <= rt.syncer_threads <= 1024,
+            type(rt.syncer_threads) is int and 0 <= rt.syncer_threads <= 1024,
             "runtime.syncer_threads", rt.syncer_threads, "an integer in [0, 1024] (0: every core it may use)",
         )  # fmt: skip
         require(1 <= rt.store_log_bound < 1e6, "runtime.store_log_bound", rt.store_log_bound, ">= 1 (records), finite")

@@ -146,15 +146,15 @@ class SyncerService:
         self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync, log_bound=cfg.runtime.store_log_bound)
         found = self.store.restore(self.layout.fragments, owned)
         self.restored = found is not None
-        take = wl is not None  # values this process built are the core's to keep
-        if take and wl is not None and next(iter(synced_tensors(model).values())).is_meta:
+        if wl is not None and next(iter(synced_tensors(model).values())).is_meta:
             if found is not None and set(found.fragments) >= set(owned):
                 # every fragment comes from the store: placeholders (untouched memory) stand in
                 model = model.to_empty(device="cpu")
             else:
                 model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
         params = synced_tensors(model)  # the parameters and the persistent buffers
-        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned, take=take)
+        # values this process built (not a model given in code) are the core's to keep
+        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned, take=wl is not None)
         del params, model
         self.startup.mark("restore")
         start = clock.monotonic()
