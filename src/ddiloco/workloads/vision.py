@@ -1,4 +1,4 @@
-"""A small CNN with BatchNorm on Fashion-MNIST: the built-in vision workload.
+"""A small CNN with BatchNorm (or a small MLP-Mixer) on Fashion-MNIST: the built-in vision workload.
 
 ``workload.factory = "ddiloco.workloads.vision:make_workload"``. The data are the four IDX
 files of the Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``),
@@ -7,7 +7,9 @@ are missing the workload is refused with one line saying how to install them.
 
 - Model: conv(1->w)-BN-ReLU-maxpool, conv(w->2w)-BN-ReLU-maxpool, linear to 10 classes
   (``w`` = ``width``, about 20k parameters at the default 16). Its BatchNorm running
-  statistics are module *buffers*, not parameters.
+  statistics are module *buffers*, not parameters. With ``model = "mixer"``, a small
+  MLP-Mixer instead (``vision_mixer``: 7x7 patches, 3 blocks of 64 channels, about 107k
+  parameters, LayerNorm and no buffers).
 - Loss: mean cross-entropy, nats per example; a "token" is one example (``Batch.tokens``).
 - Training data: the 60,000 training images dealt round-robin into ``num_shards`` disjoint
   shards (example ``i`` to shard ``i % num_shards``). Epoch ``e`` of a shard visits each of
@@ -27,12 +29,14 @@ itself and restores the previous mode. In a run the evaluated model is the globa
 BatchNorm statistics are only meaningful once the runtime synchronizes buffers.
 
 Options (``workload.options``): ``path`` (a folder with the four IDX files, gzipped or not;
-default the Debian package's folder), ``width`` (16), ``norm`` (``"batch"`` or ``"none"``),
-``full_test`` (false).
+default the Debian package's folder), ``model`` (``"cnn"`` or ``"mixer"``), for the CNN
+``width`` (16) and ``norm`` (``"batch"`` or ``"none"``), for the mixer ``patch`` (7), ``dim``
+(64) and ``depth`` (3), ``full_test`` (false). A size option of the other model is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import logging
@@ -48,6 +52,7 @@ from torch import nn
 from ddiloco.errors import ConfigError, DataError
 from ddiloco.workloads.base import Batch
 from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
+from ddiloco.workloads.vision_mixer import build_mixer
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +68,19 @@ FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3
 NORMS = ("batch", "none")
 """Allowed values of ``workload.options.norm``."""
 
+MODELS = ("cnn", "mixer")
+"""Allowed values of ``workload.options.model``."""
+
+MODEL_OPTIONS = {"cnn": ("width", "norm"), "mixer": ("patch", "dim", "depth")}
+"""The size options each model reads; setting another model's is refused (it would do nothing)."""
+
 NUM_CLASSES = 10
 EVAL_CHUNK = 32  # examples per eval batch, whatever batch_size is (as the other workloads)
 _EVAL_SEED = 0xFA5  # the fixed test-subset permutation; independent of the run's seed
 _MEAN, _STD = 0.2860, 0.3530  # Fashion-MNIST training-set pixel mean and std (in [0, 1])
-_MAX_WIDTH = 512
+_MAX_WIDTH = 512  # also the mixer's largest dim
+_MAX_DEPTH = 32
+_MAX_PATCH = 28  # one patch per Fashion-MNIST image; the workload checks it divides the images
 
 
 # ---------------------------------------------------------------------------- options
@@ -79,11 +92,20 @@ class VisionOptions:
 
     path: str = DEFAULT_PATH
     """Folder holding the four IDX files (gzipped or not)."""
+    model: str = "cnn"
+    """``"cnn"``: the BatchNorm CNN (``width``, ``norm``); ``"mixer"``: the MLP-Mixer (``patch``,
+    ``dim``, ``depth``)."""
     width: int = 16
-    """Channels of the first convolution; the second has twice as many."""
+    """CNN: channels of the first convolution; the second has twice as many."""
     norm: str = "batch"
-    """``"batch"``: BatchNorm2d after each convolution; ``"none"``: no normalization (the
+    """CNN: ``"batch"``: BatchNorm2d after each convolution; ``"none"``: no normalization (the
     convolutions then have biases)."""
+    patch: int = 7
+    """Mixer: side of the square patches, in pixels; it must divide the image's sides (28)."""
+    dim: int = 64
+    """Mixer: channels per patch (the token MLP's hidden width is half, the channel MLP's four times)."""
+    depth: int = 3
+    """Mixer: number of mixer blocks."""
     full_test: bool = False
     """Evaluate on all 10,000 test images instead of ``workload.eval_windows`` of them."""
 
@@ -94,15 +116,24 @@ class VisionOptions:
         opts = cls(**options)  # type: ignore[arg-type]
         if not isinstance(opts.path, str) or not opts.path.strip():
             raise ConfigError(f"workload.options.path must be a non-empty string, got {opts.path!r}")
-        width = opts.width
-        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= _MAX_WIDTH:
-            raise ConfigError(f"workload.options.width must be an integer in 1..{_MAX_WIDTH}, got {width!r}")
+        if opts.model not in MODELS:
+            raise ConfigError(f"workload.options.model = {opts.model!r} is unknown; allowed: {list(MODELS)}")
+        for other, names in MODEL_OPTIONS.items():
+            stray = sorted(set(options) & set(names)) if other != opts.model else []
+            if stray:
+                raise ConfigError(
+                    f"workload.options {stray} apply to model = {other!r} only, not {opts.model!r}; remove them"
+                )
+        for name, top in (("width", _MAX_WIDTH), ("patch", _MAX_PATCH), ("dim", _MAX_WIDTH), ("depth", _MAX_DEPTH)):
+            value = getattr(opts, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise ConfigError(f"workload.options.{name} must be an integer in 1..{top}, got {value!r}")
         if opts.norm not in NORMS:
             raise ConfigError(f"workload.options.norm = {opts.norm!r} is unknown; allowed: {list(NORMS)}")
         if not isinstance(opts.full_test, bool):
             raise ConfigError(f"workload.options.full_test must be true or false, got {opts.full_test!r}")
         # Absolute, so the data cache key does not depend on the working directory.
-        return cls(str(Path(opts.path).expanduser().resolve()), width, opts.norm, opts.full_test)
+        return dataclasses.replace(opts, path=str(Path(opts.path).expanduser().resolve()))
 
 
 # ---------------------------------------------------------------------------- the data
@@ -290,7 +321,7 @@ def build_cnn(seed: int, width: int = 16, norm: str = "batch", image_hw: tuple[i
 
 
 class VisionWorkload:
-    """A small CNN on Fashion-MNIST (see the module docstring)."""
+    """A small CNN or MLP-Mixer on Fashion-MNIST (see the module docstring)."""
 
     loss_unit = "nats/example"
 
@@ -298,8 +329,14 @@ class VisionWorkload:
         cfg.validate()
         require_ints(cfg, ("eval_windows",))
         self.cfg, self.opts = cfg, opts
-        self.name = "fashion-mnist-cnn"
+        self.name = f"fashion-mnist-{opts.model}"
         self.data = load_fashion_mnist(opts.path)  # at once: a missing dataset fails before any work
+        h, w = self.data.train_images.shape[1:]
+        if opts.model == "mixer" and (h % opts.patch or w % opts.patch):
+            raise ConfigError(
+                f"workload.options.patch = {opts.patch} does not divide the {h}x{w} images; "
+                "use a divisor of both sides (4 or 7 for Fashion-MNIST)"
+            )
         n_test = len(self.data.test_labels)
         if not opts.full_test and cfg.eval_windows > n_test:
             raise ConfigError(
@@ -309,9 +346,12 @@ class VisionWorkload:
         self._eval: list[Batch] | None = None
 
     def build_model(self, seed: int) -> nn.Module:
-        """A fresh CNN initialised from ``seed``."""
-        hw = self.data.train_images.shape[1:]
-        return build_cnn(seed, self.opts.width, self.opts.norm, (int(hw[0]), int(hw[1])))
+        """A fresh CNN or mixer (``options.model``) initialised from ``seed``."""
+        h, w = self.data.train_images.shape[1:]
+        o = self.opts
+        if o.model == "mixer":
+            return build_mixer(seed, o.patch, o.dim, o.depth, (int(h), int(w)))
+        return build_cnn(seed, o.width, o.norm, (int(h), int(w)))
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Mean cross-entropy in nats per example, in the model's current mode (the caller
