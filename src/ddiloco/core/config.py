@@ -18,11 +18,13 @@ Merge = Literal["rda", "mean"]
 Anchor = Literal["base", "current"]
 LateFragment = Literal["continue", "wait"]
 Staleness = Literal["none", "scaled", "delayed"]
+OnMerged = Literal["overwrite", "shift", "eager"]
 FRAGMENT_STRATEGIES: tuple[FragmentStrategy, ...] = get_args(FragmentStrategy)
 MERGES: tuple[Merge, ...] = get_args(Merge)
 ANCHORS: tuple[Anchor, ...] = get_args(Anchor)
 LATE_FRAGMENT: tuple[LateFragment, ...] = get_args(LateFragment)
 STALENESS: tuple[Staleness, ...] = get_args(Staleness)
+ON_MERGED: tuple[OnMerged, ...] = get_args(OnMerged)
 ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 
 
@@ -77,7 +79,19 @@ class DiLoCoConfig:
     """If > 0, the outer LR follows a cosine from outer_lr down to 10% of it over this many
     globally merged tokens (like the inner schedule); 0 keeps it constant (DiLoCo's choice)."""
     alpha: float = 0.0
-    """Blend on receipt: local = alpha*local + (1-alpha)*global; 0 overwrites (the default)."""
+    """Blend on receipt: local = alpha*local + (1-alpha)*global; 0 overwrites (the default).
+    Only with ``on_merged = "overwrite"``."""
+    on_merged: OnMerged = "overwrite"
+    """How a learner takes a merged version of a fragment it kept training while the round was
+    open (the tau overlap steps, and any steps after a contribution that missed its round):
+    "overwrite": the fragment becomes the merged version (the overlap steps are lost);
+    "shift": it moves by the merged change, local + (Theta_new - Theta_base), so the steps since
+    the contribution are kept and go into the next one (their tokens are counted there);
+    "eager": as "shift", and when a contribution leaves, the learner first moves the fragment to
+    its own guess of the next version, Theta_base - outer_lr x its own outer gradient (its delta
+    standing in for the round's mean, without the syncer's momentum; Kale et al. 2025), so the
+    overlap steps are computed near where the merge will land; the merge then replaces the guess.
+    Joins and rebases always overwrite."""
     late_fragment: LateFragment = "continue"
     """'continue' never blocks (Decoupled DiLoCo); 'wait' blocks at step send+tau until the
     fragment arrives (lock-step baselines), with learners sending on their own schedule."""
@@ -201,6 +215,11 @@ class DiLoCoConfig:
         _check(0.0 <= self.outer_momentum < 1.0, "outer_momentum", self.outer_momentum, "[0, 1)")
         _check(self.outer_lr_decay_tokens >= 0, "outer_lr_decay_tokens", self.outer_lr_decay_tokens, ">= 0")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
+        _one_of("on_merged", self.on_merged, ON_MERGED)
+        _check(
+            self.alpha == 0.0 or self.on_merged == "overwrite",
+            "alpha", self.alpha, f'0 with on_merged = "{self.on_merged}" (a blend only applies to "overwrite")',
+        )  # fmt: skip
         _one_of("staleness", self.staleness, STALENESS)
         _one_of("late_fragment", self.late_fragment, LATE_FRAGMENT)
         _check(self.syncer_timeout_s > 0, "syncer_timeout_s", self.syncer_timeout_s, "> 0")

@@ -251,15 +251,26 @@ def take_fragment(params: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> l
 
 
 def write_fragment(
-    params: dict[str, torch.Tensor], pieces: Sequence[Piece], values: Sequence[torch.Tensor], alpha: float = 0.0
+    params: dict[str, torch.Tensor],
+    pieces: Sequence[Piece],
+    values: Sequence[torch.Tensor],
+    alpha: float = 0.0,
+    add: bool = False,
 ) -> None:
     """Write values into the tensors in place: overwrite (alpha = 0) or blend alpha*local + (1-alpha)*value.
-    An integer buffer (a count) is never blended: it takes the value, rounded."""
+    An integer buffer (a count) is never blended: it takes the value, rounded.
+
+    ``add``: the parameters' values are changes to add (``core/overlap.py``); buffers and counts
+    take theirs, and an empty value leaves its piece as it is."""
     with torch.no_grad():
         for pc, v in zip(pieces, values):
             t = params[pc.name]
             dst = t[pc.row_start : pc.row_end] if t.dim() else t
-            if not dst.is_floating_point():
+            if add and v.numel() == 0:
+                continue
+            if add and pc.kind == "param" and dst.is_floating_point():
+                dst.add_(v.to(dst.dtype))
+            elif not dst.is_floating_point():
                 dst.copy_(v.round() if v.is_floating_point() else v)
             elif alpha == 0.0:
                 dst.copy_(v)

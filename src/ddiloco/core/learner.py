@@ -20,13 +20,14 @@ from ddiloco.core.fragments import Piece, fragment_offset, next_due
 from ddiloco.core.messages import Contribution, FragmentUpdate, PayloadKind
 from ddiloco.core.validation import check_update
 
-ApplyMode = Literal["overwrite", "blend", "ignore"]
+ApplyMode = Literal["overwrite", "blend", "shift", "ignore"]
 
 
 @dataclass(frozen=True)
 class Receipt:
     """What to do with a received fragment: write ``alpha*local + (1-alpha)*global`` (overwrite
-    is alpha = 0), or ignore it."""
+    is alpha = 0), move the local values by the merged change (shift: ``algo.on_merged``), or
+    ignore it."""
 
     mode: ApplyMode
     alpha: float = 0.0
@@ -67,7 +68,11 @@ class LearnerCore:
         # Fragment -> its token count when last contributed (the ranks of a DDP learner copy
         # rank 0's before applying fragments, since only rank 0 contributes).
         self.sent_tokens: dict[int, int] = {}
+        self.sent_steps: dict[int, int] = {}
         self._overwritten = 0  # tokens trained after a contribution and overwritten by its merge
+        self.kept_tokens = 0
+        """Tokens trained after a contribution that a shift kept (``algo.on_merged``): they go
+        into the fragment's next contribution instead of being overwritten."""
 
     # -- training progress ------------------------------------------------------------------
 
@@ -112,6 +117,7 @@ class LearnerCore:
         if self.cfg.late_fragment == "wait":
             self.in_flight[c.fragment] = c.step
         self.sent_tokens[c.fragment] = c.tokens
+        self.sent_steps[c.fragment] = c.steps
 
     def on_request(self, p: int) -> None:
         """The syncer asked for p: the schedule says which fragments it will ask for next."""
@@ -161,17 +167,29 @@ class LearnerCore:
         if problem is not None:
             return Receipt("ignore", problem=problem)
         sent = self.sent_tokens.pop(p, None)
-        if u.reason == "merged" and sent is not None:
-            self._overwritten += max(0, self.tokens[p] - sent)
+        sent_steps = self.sent_steps.pop(p, 0)
+        shift = u.reason == "merged" and self.cfg.on_merged != "overwrite"
+        if shift:
+            # The local progress stays in the fragment and goes into its next contribution: the
+            # steps since the last one was sent (all of them if none was: they stay counted).
+            if sent is not None:
+                self.tokens[p] = max(0, self.tokens[p] - sent)
+                self.steps[p] = max(0, self.steps[p] - sent_steps)
+                self.kept_tokens += self.tokens[p]
+        else:
+            if u.reason == "merged" and sent is not None:
+                self._overwritten += max(0, self.tokens[p] - sent)
+            self.steps[p] = 0
+            self.tokens[p] = 0
         self.base_version[p] = u.version
-        self.steps[p] = 0
-        self.tokens[p] = 0
         self.in_flight.pop(p, None)
         self.blocked_since.pop(p, None)
         self._merged_tokens = max(self._merged_tokens, u.merged_tokens)
         self._fleet = u.live_learners
         if u.reason == "join" and self.cfg.late_fragment == "wait" and self.step == 0:
             self.step = u.global_step  # a (re)started lock-step learner steps in phase with the fleet
+        if shift:
+            return Receipt("shift")
         if u.reason != "merged" or self.cfg.alpha == 0.0:
             return Receipt("overwrite")
         return Receipt("blend", self.cfg.alpha)

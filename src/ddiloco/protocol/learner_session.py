@@ -34,6 +34,7 @@ session in virtual time, ``ddiloco.Learner`` with a comm thread and a lock.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from ddiloco.core.messages import (
     Heartbeat,
     Leave,
 )
+from ddiloco.core.overlap import OverlapKeeper
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
@@ -129,12 +131,16 @@ class LearnerOutput:
 
 @dataclass
 class BoundaryPlan:
-    """What the driver does at a step boundary, in this order: write ``apply`` into the model,
-    load ``peer_state`` into the optimizer, build its optimizer state for each learner in
-    ``serve``, read the fragments in ``read`` to host memory; then call ``complete``."""
+    """What the driver does at a step boundary, in this order: add ``move`` and write ``apply``
+    into the model, load ``peer_state`` into the optimizer, build its optimizer state for each
+    learner in ``serve``, read the fragments in ``read`` to host memory; then call ``complete``."""
 
+    move: list[tuple[int, list[torch.Tensor]]] = field(default_factory=list)
+    """Eager moves (``algo.on_merged = "eager"``): add each to its fragment's parameters
+    (``write_fragment(..., add=True)``; empty values leave a piece alone)."""
     apply: list[tuple[FragmentUpdate, Receipt]] = field(default_factory=list)
-    """Global fragments to write (``Receipt.alpha``: 0 overwrites, > 0 blends), in arrival order."""
+    """Global fragments to write (``Receipt.alpha``: 0 overwrites, > 0 blends; mode "shift":
+    the values are a change to add, ``add=True``), in arrival order."""
     peer_state: PeerState | None = None
     """A live peer's optimizer state, sent in answer to this learner's own request."""
     serve: list[int] = field(default_factory=list)
@@ -232,6 +238,8 @@ class LearnerSession:
         self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
         # Base copies and error-feedback residuals of a compressed run (idle otherwise).
         self.codec = LearnerCodec(cfg, layout.fragments)
+        # What a merge adds instead of overwriting the overlap's steps (``algo.on_merged``).
+        self.overlap = OverlapKeeper(cfg, layout.fragments)
         self.links = [ShardLink(rt.backoff_initial_s) for _ in range(num_shards)]
         self.started_at = now
         # Moved on by every sign of progress while the join is under way (``_join_progress``);
@@ -589,7 +597,7 @@ class LearnerSession:
 
     def boundary(self, now: float) -> BoundaryPlan:
         """Plan a step boundary (also without a step: while joining, blocked, or finishing)."""
-        plan = BoundaryPlan()
+        plan = BoundaryPlan(move=self.overlap.moves())
         pieces = self.layout.fragments
         for arrived in self._inbox:
             u = self.codec.expand(arrived) if 0 <= arrived.fragment < len(pieces) else arrived
@@ -605,9 +613,16 @@ class LearnerSession:
                     )
                 continue
             self.received.add(u.fragment)
+            written = u
+            held = self.codec.base.get(u.fragment)
+            if receipt.mode == "shift" and held is not None:
+                written = dataclasses.replace(u, values=self.overlap.change(u.fragment, u.values, held[1]))
+            else:
+                receipt = Receipt("overwrite") if receipt.mode == "shift" else receipt
+                self.overlap.drop(u.fragment)
             self.codec.received(u)
             self._prepared.pop(u.fragment, None)  # built on the old version: it would count that progress twice
-            plan.apply.append((u, receipt))
+            plan.apply.append((written, receipt))
         self._inbox.clear()
         plan.peer_state, self._peer_state = self._peer_state, None
         plan.serve, self._peer_requests = self._peer_requests, []
@@ -630,6 +645,8 @@ class LearnerSession:
         out = LearnerOutput()
         for u, _ in plan.apply:
             out.send.append(Send(self.shard_of(u.fragment), Ack(self.learner, self.incarnation, u.fragment, u.version)))
+        # A contribution measures progress, never the eager displacement (``core/overlap.py``).
+        values = {p: self.overlap.undisplaced(p, v) for p, v in values.items()}
         for p in dict.fromkeys([*plan.answer, *plan.push]):  # a fragment both asked for and due goes once
             out.send.append(self._sent(self.core.contribution(p, values[p], self.position)))
         self._prepared = {p: self.core.contribution(p, values[p], self.position) for p in plan.prepare}
@@ -647,6 +664,9 @@ class LearnerSession:
     def _sent(self, c: Contribution) -> Send:
         # Encoded only now, when it leaves: a snapshot prepared and then dropped must not move
         # the error-feedback residual.
+        held = self.codec.base.get(c.fragment)
+        if held is not None and held[0] == c.base_version:
+            self.overlap.sent(c.fragment, held[1], c.values)
         c, residual = self.codec.encode(c)
         self.codec.sent(c.fragment, residual)
         self.core.sent(c)

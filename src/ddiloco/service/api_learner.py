@@ -679,22 +679,23 @@ class Learner:
             pieces.append(t[pc.row_start : pc.row_end] if t.dim() else t)
         return self._copies.read(p, pieces, wait=wait)
 
-    def _write(self, p: int, values: list[torch.Tensor], alpha: float) -> None:
-        """Write fragment p's merged values into the model. On CUDA they are uploaded on a side
-        stream and the training stream waits for them on the GPU: no host sync."""
+    def _write(self, p: int, values: list[torch.Tensor], alpha: float, add: bool = False) -> None:
+        """Write fragment p's merged values into the model (``add``: parameters add theirs, as
+        ``write_fragment``). On CUDA they are uploaded on a side stream and the training stream
+        waits for them on the GPU: no host sync."""
         from ddiloco.service.device_copies import DeviceCopies
 
         if getattr(self, "_copies", None) is None:
             self._copies = DeviceCopies(self.device)
         pieces = self.pieces[p]
         if not self.sharded:
-            write_fragment(self.params, pieces, self._copies.upload(p, values), alpha)
+            write_fragment(self.params, pieces, self._copies.upload(p, values), alpha, add)
             return
         with torch.no_grad():
             # Only this rank's rows of a sharded parameter go up.
             rows, mine = [], []
             for pc, v in zip(pieces, values):
-                if pc.name not in self.sharded:
+                if pc.name not in self.sharded or (add and v.numel() == 0):
                     rows.append((pc, None))
                     mine.append(v)
                     continue
@@ -705,12 +706,15 @@ class Learner:
                     mine.append(v[a - pc.row_start : b - pc.row_start])
             for (pc, ab), src in zip(rows, self._copies.upload(p, mine)):
                 if ab is None:
-                    write_fragment(self.params, [pc], [src], alpha)
-                    continue
+                    if pc.name not in self.sharded:
+                        write_fragment(self.params, [pc], [src], alpha, add)
+                    continue  # (an empty value of a sharded piece under ``add``: left alone)
                 lo = self.sharded[pc.name][0]
                 dst = self.params[pc.name].to_local()[ab[0] - lo : ab[1] - lo]  # type: ignore[attr-defined]
                 src = src.to(dst.device)
-                if alpha == 0.0:
+                if add and pc.kind == "param":
+                    dst.add_(src.to(dst.dtype))
+                elif alpha == 0.0:
                     dst.copy_(src)
                 else:
                     dst.mul_(alpha).add_(src.to(dst.dtype), alpha=1.0 - alpha)
@@ -755,8 +759,10 @@ class Learner:
                 self._facts = facts  # rank 0 too: every rank sees the run's end at the same step
         if plan is None:
             return
+        for p, move in plan.move:
+            self._write(p, move, 0.0, add=True)
         for u, receipt in plan.apply:
-            self._write(u.fragment, u.values, receipt.alpha)
+            self._write(u.fragment, u.values, receipt.alpha, receipt.mode == "shift")
             self.stats.applied += 1
             if u.reason == "merged" and self.session is not None and u.fragment in self.session.core.sent_tokens:
                 self.startup.mark("first_merged")  # merged this process's own answer (not a predecessor's)

@@ -51,7 +51,7 @@ from ddiloco.sim.faults import (
 )
 from ddiloco.sim.links import SimLinks
 from ddiloco.sim.memory_store import MemoryStore
-from ddiloco.training.evaluate import evaluate
+from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for, load_global, param_spec, synced_tensors
 from ddiloco.training.peer_state import load_state, state_message
@@ -321,8 +321,11 @@ class Simulation:
         """What the learner's training thread does at a boundary: write, load, read, send."""
         session = ln.session
         assert session is not None
+        for p, move in plan.move:
+            write_fragment(ln.params, self.layout.fragments[p], move, add=True)
         for u, receipt in plan.apply:
-            write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha)
+            shift = receipt.mode == "shift"
+            write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha, shift)
         ps = plan.peer_state
         if ps is not None and ps.source >= 0 and ps.tensors:
             problem = load_state(ln.opt, ps, torch.device("cpu"))
@@ -550,21 +553,13 @@ class Simulation:
                 total += sum(r.tokens_merged for r in sh.store.records.values())
         return total / max(1, self.layout.num_fragments)
 
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> dict[str, float]:
         load_global(self.eval_model, self.global_state())
-        return evaluate(self.wl, self.eval_model, self.eval_batches)
+        return eval_figures(self.wl, self.eval_model, self.eval_batches)
 
     def _record_eval(self, final: bool = False) -> None:
-        loss = self._evaluate()
-        self.evals.append(
-            {
-                "time": self.now,
-                "tokens": self.processed,
-                "merged_tokens": self.merged_tokens(),
-                "loss": loss,
-                "final": final,
-            }
-        )
+        at = {"time": self.now, "tokens": self.processed, "merged_tokens": self.merged_tokens()}
+        self.evals.append({**at, **self._evaluate(), "final": final})
 
     def _observe_tokens(self) -> None:
         """Evaluations at the configured fractions of the processed tokens (an observer's view:
