@@ -10,7 +10,7 @@ import torch
 from ddiloco.config import Config
 from ddiloco.report.accounting import Goodput
 from ddiloco.report.result import RunResult
-from ddiloco.training.evaluate import evaluate
+from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.base import Workload, loss_unit
 
@@ -48,7 +48,7 @@ def run_data_parallel(
         if should_stop is not None and should_stop():
             partial = True
             evals.append({"time": (step - 1) * cfg.sim.step_time_s, "tokens": tokens, "merged_tokens": tokens,
-                          "loss": evaluate(workload, model, eval_batches), "final": True})  # fmt: skip
+                          **eval_figures(workload, model, eval_batches), "final": True})  # fmt: skip
             horizon = (step - 1) * cfg.sim.step_time_s
             break
         model.train()
@@ -63,7 +63,7 @@ def run_data_parallel(
                     "time": t,
                     "tokens": tokens,
                     "merged_tokens": tokens,
-                    "loss": evaluate(workload, model, eval_batches),
+                    **eval_figures(workload, model, eval_batches),
                     "final": step == steps,
                 }
             )

@@ -22,3 +22,13 @@ def evaluate(workload: Workload, model: nn.Module, batches: list[Batch]) -> floa
     finally:
         model.train(was_training)
     return total / max(tokens, 1)
+
+
+def eval_figures(workload: Workload, model: nn.Module, batches: list[Batch]) -> dict[str, float]:
+    """The loss, and the accuracy too when the workload measures one (``accuracy(model,
+    batches)``: a classifier's share of correct answers on the same batches)."""
+    out = {"loss": evaluate(workload, model, batches)}
+    accuracy = getattr(workload, "accuracy", None)
+    if callable(accuracy):
+        out["accuracy"] = float(accuracy(model, batches))
+    return out
