@@ -77,7 +77,10 @@ class Fleet:
 COMPRESSED = ("algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true")
 
 
-@pytest.mark.parametrize("extra", [(), COMPRESSED], ids=["fp32", "int4"])
+EAGER = ("algo.on_merged=eager",)  # the learner's moves and shifts through the real driver
+
+
+@pytest.mark.parametrize("extra", [(), COMPRESSED, EAGER], ids=["fp32", "int4", "eager"])
 def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path, extra):
     faults = FaultInjector(seed=7, drop=0.10, duplicate=0.05, delay=0.05, delay_s=1.5)
     fleet = Fleet(tmp_path, faults, extra)
@@ -112,7 +115,13 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path,
     assert not any(e.learner == 1 and e.incarnation == old_incarnation for e in late)
     # every learner that was stopped cleanly exited 0
     assert fleet.exits[0] == [0] and fleet.exits[2] == [0]
-    if extra:
+    if extra == EAGER:
+        for m in (0, 2):
+            learner = fleet.learners[m].learner
+            assert learner is not None and learner.session is not None
+            assert learner.session.core.kept_tokens > 0  # merges kept the steps since the contribution
+            assert all(bool(torch.isfinite(t).all()) for t in learner.params.values())
+    if extra == COMPRESSED:
         # Lost, duplicated and delayed versions never leave a learner's copy apart from the
         # syncer's: wherever a learner holds the version the chain serves, the bits are the same.
         same = 0
