@@ -16,7 +16,7 @@ Which settings, and why (the rule itself is ``protocol.settings``):
 | ``algo.num_fragments``, ``algo.fragment_strategy``, ``algo.sync_every`` | the fragment layout (and H, the schedule) |
 | ``algo.overlap`` | tau: how long a fragment is in flight on the learner's schedule |
 | ``algo.late_fragment`` | whether the learner waits for a late fragment (the lock-step baselines) |
-| ``algo.alpha``, ``algo.on_merged`` | how a received fragment is applied (overwrite, blend, or a shift that keeps the overlap's steps) |
+| ``algo.alpha``, ``algo.on_merged`` | how a received fragment is applied (overwrite, blend, or shift) |
 | ``algo.keep_versions`` | how far ahead a merged version may be before the learner ignores it |
 | ``algo.up_encoding``, ``algo.down_encoding``, ``algo.error_feedback`` | how payloads travel both ways |
 
