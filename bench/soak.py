@@ -606,8 +606,11 @@ def attacker_main(args) -> int:
     values: dict[int, list[torch.Tensor]] = {}
     seq, epoch, registered_at, heard = 0, None, 0.0, 0.0
     last_filler: dict[int, list] = {}
-    turn = 0
-    rotation = {"general": 0, "buffer": 0}  # each fragment's attacks go round their own list
+    # Per fragment: whether its next answer attacks (every second one), and where it is in its
+    # own list of attacks. Shared counters let the interleaving of requests decide which kinds
+    # a fragment gets: a loaded machine once sent one hostile-buffer kind never.
+    turn: dict[int, int] = {}
+    rotation: dict[int, int] = {}
     t_start = time.monotonic()
 
     def record(kind: str, **kw) -> None:
@@ -630,7 +633,7 @@ def attacker_main(args) -> int:
         return max(xs) if xs else 0.0  # the current honest level (0: no reference for p yet)
 
     def answer(req: FragmentRequest) -> None:
-        nonlocal seq, turn
+        nonlocal seq
         p = req.fragment
         if p not in values:
             return
@@ -643,12 +646,12 @@ def attacker_main(args) -> int:
         names = [pc.name for pc in layout.fragments.fragments[p]]
         fitting = [k for k, suffix in BUFFER_ATTACKS.items() if any(n.endswith(suffix) for n in names)]
         general = [k for k in ATTACKS if k not in BUFFER_ATTACKS]
-        kinds, which = (fitting, "buffer") if fitting else (general, "general")
+        kinds = fitting or general
         kind = "filler"
-        if attacking and turn % 2 == 1:
-            kind = kinds[rotation[which] % len(kinds)]
-            rotation[which] += 1
-        turn += 1
+        if attacking and turn.get(p, 0) % 2 == 1:
+            kind = kinds[rotation.get(p, 0) % len(kinds)]
+            rotation[p] = rotation.get(p, 0) + 1
+        turn[p] = turn.get(p, 0) + 1
         if kind == "replay" and p not in last_filler:
             kind = "filler"
         if kind == "norm_100x" and norm_of_honest(p) == 0.0:
