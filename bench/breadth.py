@@ -90,6 +90,7 @@ class Bench:
         self.results: dict[str, dict[str, Any]] = {}
         self.arms: dict[str, list[str]] = {}  # arm -> its job labels
         self.settings: dict[str, Any] = {}
+        self.vision_lrs = list(VISION_LRS)
 
     def run(self, jobs: list[tuple[str, Job]]) -> None:
         """Run (or, with --report, look up) ``jobs``: (arm, job) pairs."""
@@ -160,10 +161,27 @@ class Bench:
         self.run(self.dense_seeds(SEEDS5[:3]))
 
     def vision_dp_lr(self, model: str) -> float:
-        return min(VISION_LRS, key=lambda lr: self.loss(f"vision {model} dp lr {lr:g} seed 0"))
+        tried = [lr for lr in self.vision_lrs if self.loss(f"vision {model} dp lr {lr:g} seed 0") < float("inf")]
+        return min(tried or VISION_LRS, key=lambda lr: self.loss(f"vision {model} dp lr {lr:g} seed 0"))
+
+    def extend_vision_dp(self) -> None:
+        """A best DP LR at the edge of the bracket extends it that way (up to two doublings)."""
+        for _ in range(2):
+            jobs = []
+            for model in VISION_MODELS:
+                best = self.vision_dp_lr(model)
+                edge = max(self.vision_lrs) if best == max(self.vision_lrs) else None
+                if edge is not None and 2 * edge not in self.vision_lrs:
+                    arm = f"vision {model} dp lr {2 * edge:g}"
+                    jobs.append((arm, job(arm, "dp", vision_arm(model, "dp", 2 * edge), 0), 2 * edge))
+            if not jobs:
+                return
+            self.vision_lrs += [lr for _, _, lr in jobs if lr not in self.vision_lrs]
+            self.run([(a, j) for a, j, _ in jobs])
 
     def phase_c(self) -> None:
         rule, _ = self.best_rule()
+        self.extend_vision_dp()
         best_lr: dict[str, float] = {}
         for model in VISION_MODELS:
             lr_dp = self.vision_dp_lr(model)
