@@ -255,11 +255,13 @@ def by_seed(b: Bench, arm: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-def paired(b: Bench, arm: str, ref: str, at_tokens: bool = False, key: str = "eval_loss") -> dict[str, Any]:
-    """An arm against its reference, paired by seed: mean and 95% interval of the ratio (or, for
-    accuracy, the difference in points)."""
+def paired(
+    b: Bench, arm: str, ref: str, at_tokens: bool = False, key: str = "eval_loss", only: int | None = None
+) -> dict[str, Any]:
+    """An arm against its reference, paired by seed (``only``: that seed alone): mean and 95%
+    interval of the ratio (or, for accuracy, the difference in points)."""
     runs, refs = by_seed(b, arm), by_seed(b, ref)
-    seeds = sorted(set(runs) & set(refs))
+    seeds = sorted(s for s in set(runs) & set(refs) if only is None or s == only)
     row: dict[str, Any] = {"arm": arm, "ref": ref, "seeds": seeds, "runs": len(runs)}
     if not seeds:
         return row
@@ -287,13 +289,13 @@ def summarise(b: Bench) -> dict[str, Any]:
     rep: dict[str, Any] = {"best": {"on_merged": rule, "sync_every": h}, "settings": b.settings}
     rep["overlap"] = [
         {
-            **paired(b, f"decoupled {r} H={hh}", "dp"),
+            **paired(b, f"decoupled {r} H={hh}", "dp", only=0),
             "rule": r,
             "H": hh,
         }
         for hh in q.H_GRID
         for r in RULES
-    ] + [{**paired(b, "diloco H=24 (control)", "dp"), "rule": "synchronous DiLoCo", "H": 24}]
+    ] + [{**paired(b, "diloco H=24 (control)", "dp", only=0), "rule": "synchronous DiLoCo", "H": 24}]
     rep["dense"] = [paired(b, best, "dp"), paired(b, "diloco", "dp"), paired(b, f"chaos {best}", "dp", at_tokens=True)]
     rep["moe"] = [paired(b, f"moe {best}", "moe dp")]
     vision = []
