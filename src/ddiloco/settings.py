@@ -17,6 +17,7 @@ Which settings, and why (the rule itself is ``protocol.settings``):
 | ``algo.overlap`` | tau: how long a fragment is in flight on the learner's schedule |
 | ``algo.late_fragment`` | whether the learner waits for a late fragment (the lock-step baselines) |
 | ``algo.alpha``, ``algo.on_merged`` | how a received fragment is applied (overwrite, blend, or shift) |
+| ``algo.expert_weights`` | whether the learner counts and sends routed tokens per expert row |
 | ``algo.keep_versions`` | how far ahead a merged version may be before the learner ignores it |
 | ``algo.up_encoding``, ``algo.down_encoding``, ``algo.error_feedback`` | how payloads travel both ways |
 
@@ -46,6 +47,7 @@ EVERY_LEARNER = (
     "algo.late_fragment",
     "algo.alpha",
     "algo.on_merged",
+    "algo.expert_weights",
     "algo.keep_versions",
     "algo.up_encoding",
     "algo.down_encoding",

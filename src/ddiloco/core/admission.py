@@ -19,7 +19,7 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import Piece
 from ddiloco.core.messages import Contribution
 from ddiloco.core.tape import RejectReason
-from ddiloco.core.validation import Problem, check_counters, check_payload
+from ddiloco.core.validation import Problem, check_counters, check_payload, check_routed
 
 STRIKES: frozenset[RejectReason] = frozenset(
     {
@@ -71,7 +71,7 @@ def check_identity(
 
 def check_claims(c: Contribution, pieces: Sequence[Piece], cfg: DiLoCoConfig) -> Problem | None:
     """Its counters and payload (the shapes of the fragment's pieces)."""
-    return check_counters(c.steps, c.tokens, cfg) or check_payload(c, pieces)
+    return check_counters(c.steps, c.tokens, cfg) or check_payload(c, pieces) or check_routed(c, pieces)
 
 
 def check_quarantine(c: Contribution, quarantine: Mapping[int, int] | None) -> Problem | None:

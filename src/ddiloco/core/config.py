@@ -19,12 +19,14 @@ Anchor = Literal["base", "current"]
 LateFragment = Literal["continue", "wait"]
 Staleness = Literal["none", "scaled", "delayed"]
 OnMerged = Literal["overwrite", "shift", "eager"]
+ExpertWeights = Literal["tokens", "routed"]
 FRAGMENT_STRATEGIES: tuple[FragmentStrategy, ...] = get_args(FragmentStrategy)
 MERGES: tuple[Merge, ...] = get_args(Merge)
 ANCHORS: tuple[Anchor, ...] = get_args(Anchor)
 LATE_FRAGMENT: tuple[LateFragment, ...] = get_args(LateFragment)
 STALENESS: tuple[Staleness, ...] = get_args(Staleness)
 ON_MERGED: tuple[OnMerged, ...] = get_args(OnMerged)
+EXPERT_WEIGHTS: tuple[ExpertWeights, ...] = get_args(ExpertWeights)
 ENCODING_NAMES: tuple[Encoding, ...] = get_args(Encoding)
 
 
@@ -62,6 +64,13 @@ class DiLoCoConfig:
     'current' (the latest global value; only for ablations)."""
     merge: Merge = "rda"
     """Merge of non-embedding tensors: weighted radial-directional averaging or weighted mean."""
+    expert_weights: ExpertWeights = "tokens"
+    """How the merge weighs the rows of an expert-stacked tensor (a mixture of experts' experts
+    on dim 0): "tokens" weighs each learner's whole tensor by its token weight w; "routed" weighs
+    row e by w x (r_e / tokens)^2, r_e the tokens the learner routed to that row's expert (the
+    counts its training loop passes to ``step(routed=...)``), so an expert's update comes mostly
+    from the learners that used it. Rows no answer routed a token to keep their value. A piece
+    falls back to "tokens" in a round where an answer carries no counts for it."""
     outer_lr: float = 0.7
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9
@@ -216,6 +225,7 @@ class DiLoCoConfig:
         _check(self.outer_lr_decay_tokens >= 0, "outer_lr_decay_tokens", self.outer_lr_decay_tokens, ">= 0")
         _check(0.0 <= self.alpha < 1.0, "alpha", self.alpha, "[0, 1)")
         _one_of("on_merged", self.on_merged, ON_MERGED)
+        _one_of("expert_weights", self.expert_weights, EXPERT_WEIGHTS)
         _check(
             self.alpha == 0.0 or self.on_merged == "overwrite",
             "alpha", self.alpha, f'0 with on_merged = "{self.on_merged}" (a blend only applies to "overwrite")',

@@ -9,7 +9,7 @@ model and the optimizer and acts on these decisions.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +21,44 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, PayloadKind
 from ddiloco.core.validation import check_update
 
 ApplyMode = Literal["overwrite", "blend", "shift", "ignore"]
+ROUTED_SNAPSHOTS = 4
+"""Routed-count totals kept per fragment for contributions built but not sent yet."""
+
+
+def routed_counts(
+    routed: Mapping[str, object], rows: Mapping[str, int], tokens: int, scale: int = 1
+) -> dict[str, torch.Tensor]:
+    """A training loop's routed-token counts (``step(routed=...)``) checked and made int64 on
+    the CPU, times ``scale`` (a torchrun group's world size, as its tokens are): for each
+    expert-stacked parameter named in ``rows`` (its rows along dim 0), one count per row, each
+    an integer in [0, tokens] (a token reaches an expert at most once). Raises ValueError with
+    one line naming what is wrong."""
+    out = {}
+    for name, counts in routed.items():
+        if name not in rows:
+            raise ValueError(f"routed counts for {name!r}: not a parameter of the model's layout")
+        if isinstance(counts, torch.Tensor):
+            t = counts.detach().to("cpu").reshape(-1)
+            if t.is_floating_point() or t.dtype == torch.bool:
+                raise ValueError(f"routed counts for {name!r} are {t.dtype}: pass integers (a bincount)")
+            t = t.to(torch.int64)
+        else:
+            try:
+                values = list(counts)  # type: ignore[call-overload]
+            except TypeError:
+                raise ValueError(f"routed counts for {name!r} must be a tensor or a list of integers") from None
+            if not all(type(v) is int for v in values):
+                raise ValueError(f"routed counts for {name!r} must be integers")
+            t = torch.tensor(values, dtype=torch.int64)
+        if t.numel() != rows[name]:
+            raise ValueError(f"routed counts for {name!r}: {t.numel()} values, its dim 0 has {rows[name]} rows")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) > tokens):
+            raise ValueError(
+                f"routed counts for {name!r} must lie in [0, tokens={tokens}] (a token counts once per expert), "
+                f"got [{int(t.min())}, {int(t.max())}]"
+            )
+        out[name] = t * scale
+    return out
 
 
 @dataclass(frozen=True)
@@ -73,13 +111,29 @@ class LearnerCore:
         self.kept_tokens = 0
         """Tokens trained after a contribution that a shift kept (``algo.on_merged``): they go
         into the fragment's next contribution instead of being overwritten."""
+        # Routed-token counts (``algo.expert_weights = "routed"``): per expert-stacked parameter,
+        # the tokens routed to each row over this incarnation. A fragment's counts are these
+        # minus its mark (the totals when it last took a version), as its tokens are.
+        self.routed: dict[str, torch.Tensor] = {}
+        self._routed_mark: list[dict[str, torch.Tensor]] = [{} for _ in range(num_fragments)]
+        self._routed_built: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # p -> seq -> totals then
+        self._routed_sent: dict[int, dict[str, torch.Tensor]] = {}  # p -> totals when its answer was built
 
     # -- training progress ------------------------------------------------------------------
 
-    def on_step(self, tokens: int) -> list[int]:
-        """Count one finished inner step; return fragments a lock-step learner sends now."""
+    def on_step(self, tokens: int, routed: Mapping[str, torch.Tensor] | None = None) -> list[int]:
+        """Count one finished inner step (``routed``: the tokens it routed to each row of each
+        expert-stacked parameter, int64 on the CPU, already checked by the driver; counted only
+        with ``algo.expert_weights = "routed"``); return fragments a lock-step learner sends now."""
         self.step += 1
         self.tokens_processed += tokens
+        if routed and self.cfg.expert_weights == "routed":
+            for name, counts in routed.items():
+                total = self.routed.get(name)
+                if total is None or total.shape != counts.shape:
+                    self.routed[name] = counts.clone()
+                else:
+                    total += counts
         for p in range(self.num_fragments):
             self.steps[p] += 1
             self.tokens[p] += tokens
@@ -92,11 +146,23 @@ class LearnerCore:
         return phase == fragment_offset(p, self.num_fragments, self.cfg.sync_every) and p not in self.in_flight
 
     def contribution(
-        self, p: int, values: list[torch.Tensor], data_position: int, kind: PayloadKind = "values"
+        self,
+        p: int,
+        values: list[torch.Tensor],
+        data_position: int,
+        kind: PayloadKind = "values",
+        pieces: Sequence[Piece] = (),
     ) -> Contribution:
         """Fragment p's contribution now, from ``values`` taken at this step boundary (numbered:
-        every contribution built has a new ``seq``). Call ``sent`` when it is sent."""
+        every contribution built has a new ``seq``), with the routed-token counts of its
+        ``pieces`` when there are any. Call ``sent`` when it is sent."""
         self.seq += 1
+        routed = self._routed_counts(p, pieces) if self.routed and pieces else []
+        if routed:  # a prepared snapshot may be sent a few boundaries later: keep the last few
+            built = self._routed_built.setdefault(p, {})
+            built[self.seq] = {n: t.clone() for n, t in self.routed.items()}
+            for old in sorted(built)[:-ROUTED_SNAPSHOTS]:
+                del built[old]
         return Contribution(
             learner=self.learner,
             incarnation=self.incarnation,
@@ -109,7 +175,23 @@ class LearnerCore:
             data_position=data_position,
             step=self.step,
             kind=kind,
+            routed=routed,
         )
+
+    def _routed_counts(self, p: int, pieces: Sequence[Piece]) -> list[list[int]]:
+        """Per piece of fragment p, the tokens routed to each of its rows since p's mark (empty
+        for a piece without counts; empty altogether if no piece has any). Each is clamped to
+        [0, tokens], the bound the syncer checks (a restart or a user's count can exceed it)."""
+        mark, most = self._routed_mark[p], self.tokens[p]
+        out: list[list[int]] = []
+        for pc in pieces:
+            total = self.routed.get(pc.name) if pc.kind == "param" else None
+            if total is None or total.dim() != 1 or total.numel() < pc.row_end:
+                out.append([])
+                continue
+            since = total - mark[pc.name] if pc.name in mark and mark[pc.name].shape == total.shape else total
+            out.append([min(max(int(r), 0), most) for r in since[pc.row_start : pc.row_end].tolist()])
+        return out if any(out) else []
 
     def sent(self, c: Contribution) -> None:
         """``c`` was sent: a lock-step learner waits for its fragment, and the tokens it carried
@@ -118,6 +200,9 @@ class LearnerCore:
             self.in_flight[c.fragment] = c.step
         self.sent_tokens[c.fragment] = c.tokens
         self.sent_steps[c.fragment] = c.steps
+        totals = self._routed_built.pop(c.fragment, {}).get(c.seq)
+        if totals is not None:
+            self._routed_sent[c.fragment] = totals
 
     def on_request(self, p: int) -> None:
         """The syncer asked for p: the schedule says which fragments it will ask for next."""
@@ -168,6 +253,7 @@ class LearnerCore:
             return Receipt("ignore", problem=problem)
         sent = self.sent_tokens.pop(p, None)
         sent_steps = self.sent_steps.pop(p, 0)
+        routed_sent = self._routed_sent.pop(p, None)
         shift = u.reason == "merged" and self.cfg.on_merged != "overwrite"
         if shift:
             # The local progress stays in the fragment and goes into its next contribution: the
@@ -176,11 +262,15 @@ class LearnerCore:
                 self.tokens[p] = max(0, self.tokens[p] - sent)
                 self.steps[p] = max(0, self.steps[p] - sent_steps)
                 self.kept_tokens += self.tokens[p]
+                if routed_sent is not None:  # the counts since the answer stay too
+                    self._routed_mark[p] = routed_sent
         else:
             if u.reason == "merged" and sent is not None:
                 self._overwritten += max(0, self.tokens[p] - sent)
             self.steps[p] = 0
             self.tokens[p] = 0
+            if self.routed:
+                self._routed_mark[p] = {n: t.clone() for n, t in self.routed.items()}
         self.base_version[p] = u.version
         self.in_flight.pop(p, None)
         self.blocked_since.pop(p, None)

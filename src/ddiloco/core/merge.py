@@ -1,4 +1,5 @@
-"""Merging outer gradients: token weights, weighted mean and weighted RDA.
+"""Merging outer gradients: token weights, weighted mean and weighted RDA (per tensor, or
+row by row for an expert-stacked tensor: ``RowAccumulator``).
 
 A learner's outer gradient for one tensor is ``delta = anchor - values`` (the global value it
 started from minus its own), or the payload itself for a 'delta' payload. The syncer merges as
@@ -127,6 +128,78 @@ class Accumulator:
             return self.acc.div_(self.weight)
         direction = float(torch.linalg.vector_norm(self.acc))
         return self.acc.mul_(self.radius / self.weight / direction) if direction > 0 else self.acc
+
+
+class RowAccumulator:
+    """The running merge of one tensor whose rows are weighed apart (``algo.expert_weights =
+    "routed"``: row e of a mixture of experts' stacked tensor is expert e).
+
+    Row e of an answer counts with ``weight x factors[e]``. The mean is taken row by row, and
+    RDA keeps each row's weighted mean length along its weighted mean direction (the experts are
+    separate subspaces: one expert's long step must not set another's length). A row that no
+    answer weighs gets a zero outer gradient: its expert keeps its value."""
+
+    def __init__(self, out: torch.Tensor, rda: bool) -> None:
+        """``out`` is scratch space of the tensor's shape (overwritten, as ``Accumulator``'s)."""
+        self.acc = out
+        self.rda = rda
+        self.rows = out.shape[0] if out.dim() > 0 else 1
+        self.weight = torch.zeros(self.rows, dtype=torch.float64)  # per row: sum of w x factor
+        self.radius = torch.zeros(self.rows, dtype=torch.float64)  # per row: sum of w x factor x n
+        self.cleared = False
+
+    def add(
+        self,
+        delta: torch.Tensor,
+        norm: float,
+        weight: float,
+        sign: float = 1.0,
+        scale: float = 1.0,
+        factors: torch.Tensor | None = None,
+    ) -> None:
+        """Add (sign = 1) or take back (sign = -1) one answer's ``delta`` (``norm`` is its whole
+        norm: the rows measure their own), its rows weighted ``weight x factors`` (all 1 when
+        None), as if it were ``scale * delta``."""
+        if weight <= 0:
+            return
+        w = torch.full((self.rows,), float(weight), dtype=torch.float64)
+        if factors is not None:
+            w.mul_(factors)
+        self.weight.add_(w, alpha=sign)
+        d = delta.reshape(self.rows, -1)
+        if self.rda:
+            n = torch.linalg.vector_norm(d, dim=1, dtype=torch.float64)
+            self.radius.add_(w * n, alpha=sign * scale)
+            coef = torch.where(n > 0, w / n.clamp(min=1e-300), 0.0)
+        else:
+            coef = w * scale
+        if not self.cleared:
+            self.acc.zero_()
+            self.cleared = True
+        self.acc.view(self.rows, -1).addcmul_(d, coef.to(self.acc.dtype).unsqueeze(1), value=sign)
+
+    def result(self) -> torch.Tensor:
+        """The merged outer gradient, row by row (the scratch tensor, handed over)."""
+        acc = self.acc.view(self.rows, -1)
+        if not self.cleared:
+            acc.zero_()
+            self.cleared = True
+        weighed = self.weight > 0
+        if self.rda:
+            direction = torch.linalg.vector_norm(acc, dim=1, dtype=torch.float64)
+            ok = weighed & (direction > 0)
+            scale = torch.where(ok, self.radius / self.weight.clamp(min=1e-300) / direction.clamp(min=1e-300), 0.0)
+        else:
+            scale = torch.where(weighed, 1.0 / self.weight.clamp(min=1e-300), 0.0)
+        acc.mul_(scale.to(acc.dtype).unsqueeze(1))
+        return self.acc
+
+
+def row_factors(routed: Sequence[int], tokens: int) -> torch.Tensor:
+    """Per row, ``(routed / tokens)^2``: a row's share of the answer's token weight
+    tokens^2/steps when it is weighed by the tokens routed to it (``routed^2/steps``)."""
+    share = torch.tensor(routed, dtype=torch.float64) / max(1, tokens)
+    return share.mul_(share)
 
 
 def _merge(deltas: Sequence[torch.Tensor], weights: Sequence[float], rda: bool) -> torch.Tensor:

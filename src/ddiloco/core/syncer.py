@@ -27,7 +27,7 @@ from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
 from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment, storage_bytes, take_fragment
-from ddiloco.core.merge import Accumulator, make_delta, token_weight
+from ddiloco.core.merge import Accumulator, RowAccumulator, make_delta, row_factors, token_weight
 from ddiloco.core.messages import (
     Ack,
     Contribution,
@@ -292,6 +292,9 @@ class Pending:
     claimed: float = 0.0
     """Its weight as its counters claim it, after the fleet's weight cap, before the robust
     merge's judgement: what the weight cap's reference records (the judgement is not pace)."""
+    factors: list[torch.Tensor | None] = field(default_factory=list)
+    """Per piece, each row's share of ``weight`` from its routed-token counts (``row_factors``;
+    None: no counts for the piece); empty when it sent none or they are not used."""
 
 
 def _norm(values: Sequence[torch.Tensor]) -> float:
@@ -321,8 +324,11 @@ class Round:
     rejected_total: int = 0
     refused: set[int] = field(default_factory=set)
     """Learners whose answer in this round was refused (and not replaced by a good one)."""
-    merge: list[Accumulator] = field(default_factory=list)
+    merge: list[Accumulator | RowAccumulator] = field(default_factory=list)
     """The running merge, one accumulator per piece, fed as contributions arrive."""
+    per_row: list[bool] = field(default_factory=list)
+    """Pieces merged row by row (``algo.expert_weights = "routed"``: every answer in the round
+    carries routed-token counts for them)."""
     final: bool = False
     """A round of the run's final sync: it waits for every live learner it asked."""
     late: bool = False
@@ -550,7 +556,7 @@ class Syncer:
         info.strikes = 0
         info.quarantine = None  # it answered from a fresh version: it has re-synced
         old = rnd.pending.get(c.learner)
-        if old is not None:  # a newer answer replaces the older one: take that one back out
+        if old is not None and not any(rnd.per_row):  # a newer answer replaces the older one: take it back out
             self._feed(rnd, old, sign=-1.0)
         weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
         if cap is not None and weight > cap:
@@ -560,8 +566,13 @@ class Syncer:
         # the encoded payload, decoded, is no longer needed.
         meta = dataclasses.replace(c, values=[], encoded=[])
         pending = rnd.pending[c.learner] = Pending(meta, values, norms, weight, now, clipped, scale, claimed=weight)
+        if self.cfg.expert_weights == "routed" and c.routed and c.tokens > 0:
+            pending.factors = [row_factors(r, c.tokens) if r else None for r in c.routed]
         rnd.refused.discard(c.learner)
-        self._feed(rnd, pending)
+        if (old is not None and any(rnd.per_row)) or self._per_row(rnd) != rnd.per_row:
+            self._rebuild(rnd)  # rows weighed apart start or stop: every answer goes in again
+        else:
+            self._feed(rnd, pending)
         if rnd.quorum_at is not None:
             rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
         if rnd.first_answer_at is None:
@@ -658,8 +669,8 @@ class Syncer:
             self.cfg.merge == "rda" and not emb and pc.kind == "param"
             for pc, emb in zip(self.layout.fragments[p], self._emb[p])
         ]
-        merge = [Accumulator(t, rda=r) for t, r in zip(scratch, rda)]
-        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge, scratch=flat)
+        merge: list[Accumulator | RowAccumulator] = [Accumulator(t, rda=r) for t, r in zip(scratch, rda)]
+        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge, scratch=flat, per_row=[False] * len(rda))
         self.rounds[p] = rnd
         return rnd
 
@@ -859,9 +870,23 @@ class Syncer:
                     cut = True
         return cut
 
+    def _per_row(self, rnd: Round) -> list[bool]:
+        """The pieces every answer in the round has routed-token counts for (none unless
+        ``expert_weights = "routed"``): those are merged row by row."""
+        n = len(rnd.merge)
+        answers = list(rnd.pending.values())
+        if self.cfg.expert_weights != "routed" or not answers:
+            return [False] * n
+        return [all(len(pd.factors) == n and pd.factors[i] is not None for pd in answers) for i in range(n)]
+
     def _rebuild(self, rnd: Round) -> None:
-        """Rebuild the running sums from what remains (exact; a subtraction would leave residue)."""
-        rnd.merge = [Accumulator(acc.acc, acc.rda) for acc in rnd.merge]
+        """Rebuild the running sums from what remains (exact; a subtraction would leave residue),
+        each piece merged as a whole or row by row as the answers now in the round allow."""
+        rnd.per_row = self._per_row(rnd)
+        rnd.merge = [
+            RowAccumulator(acc.acc, acc.rda) if rows else Accumulator(acc.acc, acc.rda)
+            for acc, rows in zip(rnd.merge, rnd.per_row)
+        ]
         for pd in rnd.pending.values():
             self._feed(rnd, pd)
 
@@ -870,7 +895,11 @@ class Syncer:
         are a plain weighted mean of values: no staleness discount (it would shrink them)."""
         buffers = self._buffers[rnd.fragment]
         for i, (acc, d, n) in enumerate(zip(rnd.merge, pd.deltas, pd.norms)):
-            acc.add(d, n, pd.weight, sign=sign, scale=1.0 if i in buffers else pd.scale)
+            scale = 1.0 if i in buffers else pd.scale
+            if isinstance(acc, RowAccumulator):
+                acc.add(d, n, pd.weight, sign=sign, scale=scale, factors=pd.factors[i])
+            else:
+                acc.add(d, n, pd.weight, sign=sign, scale=scale)
 
     def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
         self._screen_round(rnd, now, out)

@@ -36,6 +36,29 @@ def check_counters(steps: object, tokens: object, cfg: DiLoCoConfig) -> Problem 
     return None
 
 
+def check_routed(c: Contribution, pieces: Sequence[Piece]) -> Problem | None:
+    """Routed-token counts weigh rows quadratically (w x (r / tokens)^2): one per row of a
+    parameter piece, each an integer in [0, tokens] (a token reaches an expert at most once)."""
+    routed = cast(list[object], c.routed)  # decoded from outside: check, don't trust
+    if not isinstance(routed, list) or not routed:
+        return None if isinstance(routed, list) else ("bad_counters", "routed counts must be a list")
+    if len(routed) != len(pieces):
+        return "bad_counters", f"routed counts for {len(routed)} pieces, fragment {c.fragment} has {len(pieces)}"
+    for pc, counts in zip(pieces, routed):
+        if not isinstance(counts, list):
+            return "bad_counters", f"routed counts of {pc.name} must be a list"
+        if not counts:
+            continue
+        rows = pc.row_end - pc.row_start
+        if pc.kind != "param" or len(counts) != rows:
+            what = "a buffer" if pc.kind != "param" else f"{rows} rows"
+            return "bad_counters", f"{len(counts)} routed counts for {pc.name} ({what})"
+        for r in counts:
+            if type(r) is not int or not 0 <= r <= c.tokens:
+                return "bad_counters", f"routed count {r!r} of {pc.name} is not an integer in [0, tokens={c.tokens}]"
+    return None
+
+
 def check_payload(c: Contribution, pieces: Sequence[Piece]) -> Problem | None:
     """The tensors must match the fragment's layout: count, shapes and dtype."""
     if c.kind not in ("values", "delta"):

@@ -583,16 +583,23 @@ class LearnerSession:
     # -- the training side -------------------------------------------------------------------
 
     def step(
-        self, tokens: int, duration_s: float, now: float, data_position: int | None = None, loss: float | None = None
+        self,
+        tokens: int,
+        duration_s: float,
+        now: float,
+        data_position: int | None = None,
+        loss: float | None = None,
+        routed: Mapping[str, torch.Tensor] | None = None,
     ) -> BoundaryPlan:
         """Count one finished inner step (``duration_s``: its time since the previous boundary,
-        this boundary included) and plan the boundary after it."""
+        this boundary included; ``routed``: its routed-token counts, see ``LearnerCore.on_step``)
+        and plan the boundary after it."""
         self.busy_s += max(duration_s, 0.0)
         self.tokens += tokens
         self.position = self.position + 1 if data_position is None else data_position
         if loss is not None:
             self.loss = loss
-        self._due += [p for p in self.core.on_step(tokens) if p not in self._due]
+        self._due += [p for p in self.core.on_step(tokens, routed) if p not in self._due]
         return self.boundary(now)
 
     def boundary(self, now: float) -> BoundaryPlan:
@@ -648,8 +655,8 @@ class LearnerSession:
         # A contribution measures progress, never the eager displacement (``core/overlap.py``).
         values = {p: self.overlap.undisplaced(p, v) for p, v in values.items()}
         for p in dict.fromkeys([*plan.answer, *plan.push]):  # a fragment both asked for and due goes once
-            out.send.append(self._sent(self.core.contribution(p, values[p], self.position)))
-        self._prepared = {p: self.core.contribution(p, values[p], self.position) for p in plan.prepare}
+            out.send.append(self._sent(self._contribution(p, values[p])))
+        self._prepared = {p: self._contribution(p, values[p]) for p in plan.prepare}
         limit = int(self.rt.peer_state_chunk_mb * (1 << 20))
         out.send += [Send(0, piece) for ps in peer_states for piece in peer_state_chunks(ps, limit)]
         if self.wants_peer_state and not self._asked_peer_state and len(self.received) == self.layout.num_fragments:
@@ -660,6 +667,9 @@ class LearnerSession:
                 self._awaiting_peer_state = True
                 out.send.append(Send(0, PeerStateRequest(self.learner, self.incarnation)))
         return out
+
+    def _contribution(self, p: int, values: list[torch.Tensor]) -> Contribution:
+        return self.core.contribution(p, values, self.position, pieces=self.layout.fragments[p])
 
     def _sent(self, c: Contribution) -> Send:
         # Encoded only now, when it leaves: a snapshot prepared and then dropped must not move

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from torch import nn
 from ddiloco.config import Config, load_config
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import write_fragment
+from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
 from ddiloco.protocol.config import RuntimeConfig
@@ -263,6 +264,8 @@ class Learner:
         self.cfg = cfg = adopt(given, {k: v for k, v in run.items() if k not in claimed}) if run else given
         self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
         self.pieces = self.layout.fragments.fragments
+        # Rows (dim 0) of each parameter: what routed-token counts must match (``step(routed=...)``).
+        self._expert_rows = {pc.name: pc.row_end for frag in self.pieces for pc in frag if pc.kind == "param"}
         if self.world > 1 and cfg.algo.late_fragment == "wait":
             if sock is not None:
                 sock.close()
@@ -386,7 +389,14 @@ class Learner:
         self.close()
         return done
 
-    def step(self, tokens: int, data_position: int | None = None, *, loss: float | torch.Tensor | None = None) -> None:
+    def step(
+        self,
+        tokens: int,
+        data_position: int | None = None,
+        *,
+        loss: float | torch.Tensor | None = None,
+        routed: Mapping[str, torch.Tensor | Sequence[int]] | None = None,
+    ) -> None:
         """Count one finished inner step of ``tokens`` tokens (this process's; a torchrun group
         counts ``tokens x world size``) and run the step boundary. Never waits on the network
         (except for the lock-step baselines, ``late_fragment = wait``).
@@ -398,9 +408,23 @@ class Learner:
         ``ddiloco status`` and recorded in metrics/learners.jsonl; the last one given is kept, so
         it may be passed every N steps only. A tensor is read at once: on an accelerator that
         waits for the step to finish (a device sync), so pass a number you already have, or the
-        tensor every N steps. A loss that is not finite (or negative) is reported as unknown."""
+        tensor every N steps. A loss that is not finite (or negative) is reported as unknown.
+
+        ``routed``: for a mixture of experts with ``algo.expert_weights = "routed"``, the tokens
+        this step routed to each expert, keyed by the name of each expert-stacked parameter (the
+        expert index on dim 0): one count per row, each at most ``tokens`` (e.g. a bincount of
+        the router's choices). The merge then weighs each expert's row by the tokens it saw on
+        this learner. Read at once (a device sync for an accelerator tensor); ignored under
+        "tokens". In a torchrun group the counts are this rank's, scaled by the world size as
+        ``tokens`` is. A model without it needs nothing: plain token weighting."""
         t0 = time.perf_counter()
         self._check_can_step(tokens, data_position)
+        counts = None
+        if routed is not None and self.cfg.algo.expert_weights == "routed":
+            try:
+                counts = routed_counts(routed, self._expert_rows, tokens, self.world)
+            except ValueError as e:
+                raise UsageError(f"step(routed=...): {e}") from None
         if loss is not None:
             self.stats.loss = self._loss_value(loss)
         if self._last_end is not None:
@@ -414,7 +438,7 @@ class Learner:
         plan = None
         if self.session is not None:
             with self._lock():
-                plan = self.session.step(n, duration, self.clock.monotonic(), self._position, self.stats.loss)
+                plan = self.session.step(n, duration, self.clock.monotonic(), self._position, self.stats.loss, counts)
         self._boundary(plan)
         blocked = self._block_if_lock_step()
         self.stats.steps += 1

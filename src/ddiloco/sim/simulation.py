@@ -29,9 +29,11 @@ from torch import nn
 from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
 from ddiloco.config import Config
 from ddiloco.core.fragments import assemble, read_fragment, write_fragment
+from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import RoundRecord, TapeRecord
+from ddiloco.errors import DataError
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession, Registration
 from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
 from ddiloco.protocol.traffic import TrafficMeter, payload_nbytes
@@ -55,7 +57,7 @@ from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for, load_global, param_spec, synced_tensors
 from ddiloco.training.peer_state import load_state, state_message
-from ddiloco.workloads.base import DataStream, Workload, loss_unit
+from ddiloco.workloads.base import DataStream, Workload, loss_unit, routed_tokens
 
 SYNCER = 1 << 30  # actor ids of the syncer shards in the event order (after every learner)
 MAX_TIME_FACTOR = 4.0
@@ -150,6 +152,7 @@ class Simulation:
         base = workload.build_model(r.seed)
         self.model_layout: ModelLayout = layout_for(base, workload, a)
         self.layout = self.model_layout.fragments
+        self._expert_rows = {pc.name: pc.row_end for frag in self.layout.fragments for pc in frag if pc.kind == "param"}
         self.initial = {k: v.detach().clone() for k, v in synced_tensors(base).items()}
         self.registration = Registration(param_spec(base), self.model_layout.digest)
         self.tape: list[TapeRecord] = []
@@ -371,7 +374,14 @@ class Simulation:
         self.processed += batch.tokens
         if self.now >= self._next_sample:
             self._sample()
-        plan = session.step(batch.tokens, duration, self.now, ln.stream.position, ln.loss)
+        counts = None
+        if self.cfg.algo.expert_weights == "routed":
+            routed = routed_tokens(self.wl, ln.model)
+            try:
+                counts = routed_counts(routed, self._expert_rows, batch.tokens) if routed else None
+            except ValueError as e:
+                raise DataError(f"workload {self.wl.name}: routed_tokens(): {e}") from None
+        plan = session.step(batch.tokens, duration, self.now, ln.stream.position, ln.loss, counts)
         self._boundary(ln, plan)
         self._observe_tokens()
         kill = next((f for i, f in enumerate(self.faults) if isinstance(f, KillLearner) and f.learner == ln.id

@@ -7,7 +7,7 @@ the config (``workload.factory = "package.module:factory"``) without editing thi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -69,6 +69,21 @@ class Workload(Protocol):
     def is_embedding_like(self, name: str) -> bool:
         """Whether parameter ``name`` is merged by weighted mean instead of RDA."""
         ...
+
+    # Optional: ``routed_tokens(model) -> Mapping[str, torch.Tensor]``, the tokens the last
+    # training ``loss()`` routed to each expert row (see ``routed_tokens`` below).
+
+
+def routed_tokens(workload: object, model: nn.Module) -> Mapping[str, torch.Tensor] | None:
+    """The tokens the last training ``loss()`` routed to each row of each expert-stacked
+    parameter (a mixture of experts, the expert index on dim 0), keyed by parameter name: the
+    workload's optional ``routed_tokens(model)``, or None for a workload without one (plain
+    token weighting; ``algo.expert_weights``)."""
+    method = getattr(workload, "routed_tokens", None)
+    if not callable(method):
+        return None
+    counts = method(model)
+    return counts if isinstance(counts, Mapping) else None
 
 
 def loss_unit(workload: object) -> str:

@@ -48,7 +48,9 @@ experts; with ``experts = 1`` those tensors cannot be split at all. "per_layer" 
 experts in one fragment and "strided" moves whole tensors.
 
 ``MoEGPT.routed_tokens()`` returns the [n_layer, experts] int64 counts of token assignments of
-the last forward, for an optional per-expert token weighting of the merge (not wired yet).
+the last forward; the workload's ``routed_tokens(model)`` hands them to the runtimes keyed by
+the expert tensors' names, for ``algo.expert_weights = "routed"`` (each expert's rows merged
+by the tokens it saw on each learner; ``core/merge.py: RowAccumulator``).
 """
 
 from __future__ import annotations
@@ -254,8 +256,7 @@ class MoEGPT(nn.Module):
 
     def routed_tokens(self) -> torch.Tensor:
         """[n_layer, experts] int64: token assignments each block routed to each expert in the
-        last forward (top_k per token; zeros before the first). For an optional per-expert
-        token weighting of the merge, which is not wired yet."""
+        last forward (top_k per token; zeros before the first)."""
         rows = [
             ffn.counts.cpu() if ffn.counts is not None else torch.zeros(ffn.experts, dtype=torch.int64)
             for ffn in self._ffns()
@@ -308,6 +309,18 @@ class MoEWorkload(TextWorkload):
         if model.training and self.aux_loss_coef > 0:
             return lm + self.aux_loss_coef * aux
         return lm
+
+    def routed_tokens(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The tokens the last forward routed to each expert, for both expert-stacked
+        parameters of every block (``w_in`` and ``w_out``; the router's rows see every token):
+        the per-expert counts of ``algo.expert_weights = "routed"``."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        out = {}
+        for ffn in moe_model(model)._ffns():
+            counts = ffn.counts if ffn.counts is not None else torch.zeros(ffn.experts, dtype=torch.int64)
+            for param in (ffn.w_in, ffn.w_out):
+                out[names[id(param)]] = counts
+        return out
 
 
 def make_workload(cfg: WorkloadConfig) -> MoEWorkload:
