@@ -13,6 +13,7 @@ Parameter names: ``tok_emb.weight``, ``pos_emb.weight``, ``blocks.{i}.ln1.{weigh
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,16 +101,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Byte-level GPT. ``forward(idx)`` maps int64 ids [batch, seq] to logits [batch, seq, vocab]."""
+    """Byte-level GPT. ``forward(idx)`` maps int64 ids [batch, seq] to logits [batch, seq, vocab].
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    ``block`` makes each transformer block (default ``Block``): the MoE GPT
+    (``workloads/moe.py``) passes its own and extends ``init_module``."""
+
+    def __init__(self, cfg: GPTConfig, block: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head != 0:
             raise ValueError(f"d_model ({cfg.d_model}) must be divisible by n_head ({cfg.n_head})")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList((block or (lambda: Block(cfg)))() for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -119,14 +123,18 @@ class GPT(nn.Module):
         residual output projections scaled by 1/sqrt(2 * n_layer) (GPT-2)."""
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, module in self.named_modules():  # fixed registration order -> deterministic
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
+            self.init_module(name, module, generator, resid_std)
+
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator, resid_std: float) -> None:
+        """Initialise one module (called in registration order, so the draws are deterministic)."""
+        if isinstance(module, nn.LayerNorm):
+            module.weight.fill_(1.0)
+            module.bias.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            std = resid_std if name.endswith(".proj") else 0.02
+            module.weight.normal_(0.0, std, generator=generator)
+            if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                std = resid_std if name.endswith(".proj") else 0.02
-                module.weight.normal_(0.0, std, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, t = idx.shape

@@ -62,11 +62,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddiloco.errors import ConfigError, DataError
+from ddiloco.errors import ConfigError
 from ddiloco.workloads import shakespeare
 from ddiloco.workloads.base import Batch
 from ddiloco.workloads.config import WorkloadConfig, check_known_options
-from ddiloco.workloads.gpt import CausalSelfAttention, GPTConfig
+from ddiloco.workloads.gpt import GPT, CausalSelfAttention, GPTConfig
 from ddiloco.workloads.text import TextWorkload
 
 MAX_EXPERTS = 64
@@ -185,60 +185,28 @@ class MoEBlock(nn.Module):
         return out
 
 
-class MoEGPT(nn.Module):
-    """Byte-level MoE GPT: ``forward(idx)`` maps int64 ids [batch, seq] to logits [batch, seq, vocab]."""
+class MoEGPT(GPT):
+    """Byte-level MoE GPT: the dense GPT (``forward``, embeddings, head) with ``MoEBlock`` blocks;
+    ``forward(idx)`` maps int64 ids [batch, seq] to logits [batch, seq, vocab]."""
 
     def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        g = cfg.gpt
-        if g.d_model % g.n_head != 0:
-            raise ValueError(f"d_model ({g.d_model}) must be divisible by n_head ({g.n_head})")
         if not 1 <= cfg.top_k <= cfg.experts:
             raise ValueError(f"top_k ({cfg.top_k}) must be in 1..experts ({cfg.experts})")
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(g.vocab_size, g.d_model)
-        self.pos_emb = nn.Embedding(g.seq_len, g.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(g.n_layer))
-        self.ln_f = nn.LayerNorm(g.d_model)
-        self.lm_head = nn.Linear(g.d_model, g.vocab_size, bias=False)
+        super().__init__(cfg.gpt, block=lambda: MoEBlock(cfg))
+        self.moe_cfg = cfg
         self.last_lm_loss: torch.Tensor | None = None
         """Detached next-byte loss of the last workload ``loss()``."""
         self.last_aux_loss: torch.Tensor | None = None
         """Detached load-balancing loss (summed over blocks, before the coefficient) of the last ``loss()``."""
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator) -> None:
-        """The GPT's init from ``generator`` (N(0, 0.02), zero biases, unit LayerNorms, residual
-        output projections at 0.02 / sqrt(2 * n_layer)); the router N(0, 0.02), expert input
-        weights N(0, 0.02) and expert output weights at the residual scale."""
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.gpt.n_layer)
-        for name, module in self.named_modules():  # fixed registration order -> deterministic
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-                module.bias.zero_()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                std = resid_std if name.endswith(".proj") else 0.02
-                module.weight.normal_(0.0, std, generator=generator)
-                bias = getattr(module, "bias", None)
-                if isinstance(bias, torch.Tensor):
-                    bias.zero_()
-            elif isinstance(module, MoEFeedForward):
-                module.w_in.normal_(0.0, 0.02, generator=generator)
-                module.w_out.normal_(0.0, resid_std, generator=generator)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _, t = idx.shape
-        if t > self.cfg.gpt.seq_len:
-            raise DataError(
-                f"sequence of {t} tokens is longer than the model's seq_len {self.cfg.gpt.seq_len}; "
-                "shorten the batch or raise workload.seq_len"
-            )
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits: torch.Tensor = self.lm_head(self.ln_f(x))
-        return logits
+    def init_module(self, name: str, module: nn.Module, generator: torch.Generator, resid_std: float) -> None:
+        """The GPT's init (the router is a Linear: N(0, 0.02)); expert input weights N(0, 0.02)
+        and expert output weights at the residual scale, drawn in registration order."""
+        if isinstance(module, MoEFeedForward):
+            module.w_in.normal_(0.0, 0.02, generator=generator)
+            module.w_out.normal_(0.0, resid_std, generator=generator)
+        else:
+            super().init_module(name, module, generator, resid_std)
 
     def _ffns(self) -> list[MoEFeedForward]:
         return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
