@@ -22,13 +22,25 @@ F. Seeds 3-4 of B and of E (five in all).
 G. Synchronous DiLoCo at its quality.py settings (H = 12), seeds 0-4, as the baseline.
 H. M = 8 at 8.2M tokens (the regime's bound: 1,000 steps per learner, 41 outer steps at H = 24
    at 4.1M), DP and Decoupled DiLoCo with the chosen rule, seed 0.
+I. MoE expert weighting: Decoupled DiLoCo with ``algo.expert_weights = "routed"`` (each expert's
+   rows merged by the tokens each learner routed to it) beside plain token weighting, seeds 0-1;
+   and plain seed 0 again at the current code, which must give D's loss to the bit (see EARLIER).
+J. M scaling: the outer LR swept at M = 2 (4.1M tokens, 2,000 steps per learner), 4 and 8 (8.2M,
+   1,000 steps per learner), H, inner LR and momentum at M = 4's choice; DP at its M = 4 LR and
+   at that LR scaled by sqrt(M / 4) (its batch is M x 8), the better one the reference. Seed 0.
+K. The dense re-sweep at the chosen H: inner LR x/÷ sqrt(2) and outer momentum 0.8 (J's M = 4
+   points are its outer LR coordinate), seed 0; a point better than the chosen one by more than
+   RULE_NOISE gets seeds 0-4.
 
-What is cut when the compute runs out is said in the report (arms with no runs).
+Phases run in the order of PHASES (G, a baseline without a target, last). What is cut when the
+compute runs out is said in the report (arms with no runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -66,8 +78,49 @@ RULE_NOISE = 0.005
 """A rule replaces overwrite only if it beats it by more than this at seed 0 (seed to seed,
 the paired ratios of one arm spread by about 1%; DP's own loss moves 0.3% between machines)."""
 MOE = ["workload.factory=ddiloco.workloads.moe:make_workload", "workload.options={experts = 4, top_k = 2}"]
+ROUTED = ["algo.expert_weights=routed"]
+EARLIER = ("3625e1326200f30f",)
+"""Code digests whose cached runs the report still reads when the current code has not run
+them: since 3625e1326200f30f the simulator changed only by ``algo.expert_weights`` (off by
+default), and phase I reruns a MoE run at the current code to show it gives the same loss to
+the bit (the golden runs are unchanged too)."""
+M_OUTER = {2: (0.35, 0.5, 0.7), 4: (0.35, 0.5, 0.7), 8: (0.5, 0.7, 1.0)}
+"""Outer LRs per M (phase J): a bracket around M = 4's 0.5, shifted up at M = 8 (a mean of more
+learners is less noisy, so it may bear a longer step)."""
+M_TOKENS = {2: q.TOKENS, 4: q.TOKENS, 8: 2 * q.TOKENS}
+"""Tokens per M: the regime's bound (2,000 DP steps, >= 80 outer steps per fragment at H = 24)
+at every M; M = 2 keeps M = 4's budget (2,000 steps per learner)."""
 
 Job = q.Job
+
+
+class Runner(q.Runner):
+    """quality.py's runner, reading also the runs of the EARLIER digests (unless a job must
+    run at the current code: ``fresh``)."""
+
+    def __init__(self, cache: Path, workers: int, code: str, earlier: tuple[str, ...] = EARLIER) -> None:
+        super().__init__(cache, workers, code)
+        self.earlier = tuple(c for c in earlier if c != code)
+        self.fresh: set[str] = set()  # keys that only the current code may answer
+
+    def cached(self, method: str, overrides: tuple[str, ...]) -> dict[str, Any] | None:
+        hit = super().cached(method, overrides)
+        if hit is not None or self.key(method, overrides) in self.fresh:
+            return hit
+        for code in self.earlier:
+            old = self.cached_at(method, overrides, code)
+            if old is not None:
+                return old
+        return None
+
+    def cached_at(self, method: str, overrides: tuple[str, ...], code: str) -> dict[str, Any] | None:
+        """The cached run of a job at code digest ``code`` (None if there is none)."""
+        p = self.cache / f"{method}-{q.job_key(method, overrides, code)}.json"
+        try:
+            hit = json.loads(p.read_text()) if p.exists() else None
+        except (OSError, ValueError):
+            return None
+        return hit if isinstance(hit, dict) and hit.get("code") == code else None
 
 
 def job(label: str, method: str, over: list[str], seed: int) -> Job:
@@ -242,6 +295,86 @@ class Bench:
         dec = [*m8, *DEC, f"algo.sync_every={h}", f"algo.on_merged={rule}"]
         self.run([("M=8 dp", job("M=8 dp", "dp", [*m8, *DP], 0)), (arm, job(arm, "decoupled", dec, 0))])
 
+    def phase_i(self) -> None:
+        rule, h = self.best_rule()
+        plain = f"moe decoupled {rule} H={h}"
+        jobs = [(plain, job(plain, "decoupled", [*overlap_arm(rule, h), *MOE], s)) for s in MOE_SEEDS]
+        routed = f"moe decoupled {rule} H={h} routed"
+        jobs += [(routed, job(routed, "decoupled", [*overlap_arm(rule, h), *MOE, *ROUTED], s)) for s in MOE_SEEDS]
+        # The same job as plain seed 0, trained again at the current code (its own label).
+        _, method, over = jobs[0][1]
+        again = ("moe rerun at the current code seed 0", method, over)
+        self.runner.fresh.add(self.runner.key(method, over))
+        self.settings["rerun"] = {"method": method, "overrides": list(over)}
+        self.run([*jobs, ("moe rerun at the current code", again)])
+
+    def m_base(self, m: int) -> list[str]:
+        kept = [o for o in BASE if not o.startswith(("run.num_learners", "run.processed_tokens"))]
+        return [*kept, f"run.num_learners={m}", f"run.processed_tokens={M_TOKENS[m]}"]
+
+    def m_dp_lrs(self, m: int) -> tuple[float, ...]:
+        lr = float(DP[0].split("=")[1])
+        return (lr,) if m == q.M else (lr, round(lr * math.sqrt(m / q.M), 7))
+
+    def m_arm(self, m: int, outer: float) -> tuple[str, list[str]]:
+        rule, h = self.best_rule()
+        over = [*self.m_base(m), *DEC[:1], f"algo.outer_lr={outer:g}", DEC[2], f"algo.sync_every={h}"]
+        return f"M={m} decoupled {rule} H={h} outer {outer:g}", [*over, f"algo.on_merged={rule}"]
+
+    def m_dp_arm(self, m: int, lr: float) -> str:
+        """DP's arm at M learners and inner LR ``lr`` (M = 4 and M = 8 at M = 4's LR keep the
+        labels of phases B and H)."""
+        if m == q.M and lr == self.m_dp_lrs(m)[0]:
+            return "dp"
+        if lr == self.m_dp_lrs(m)[0]:
+            return f"M={m} dp"
+        return f"M={m} dp lr {lr:g}"
+
+    def phase_j(self) -> None:
+        jobs = []
+        for m in (2, 4, 8):
+            for lr in self.m_dp_lrs(m):
+                arm = self.m_dp_arm(m, lr)
+                jobs.append((arm, job(arm, "dp", [*self.m_base(m), f"inner.lr={lr:g}"], 0)))
+            for outer in M_OUTER[m]:
+                arm, over = self.m_arm(m, outer)
+                if m == q.M and outer == 0.5:
+                    arm = "decoupled {} H={}".format(*self.best_rule())  # phase B's run
+                jobs.append((arm, job(arm, "decoupled", over, 0)))
+        self.run(jobs)
+
+    def k_points(self) -> dict[str, list[str]]:
+        """Phase K's points: label -> overrides (the chosen rule and H, one coordinate moved)."""
+        rule, h = self.best_rule()
+        inner = float(DEC[0].split("=")[1])
+        base = overlap_arm(rule, h)
+        points = {}
+        for lr in (inner / math.sqrt(2), inner * math.sqrt(2)):
+            points[f"decoupled {rule} H={h} inner {lr:.3g}"] = [*base, f"inner.lr={lr:.3g}"]
+        points[f"decoupled {rule} H={h} momentum 0.8"] = [*base, "algo.outer_momentum=0.8"]
+        return points
+
+    def k_best(self) -> str | None:
+        """The label of phase K's (or J's M = 4) point that beats the chosen one by more than
+        RULE_NOISE at seed 0, if any."""
+        rule, h = self.best_rule()
+        chosen = self.loss(f"decoupled {rule} H={h} seed 0")
+        tried = [*self.k_points(), *(self.m_arm(q.M, o)[0] for o in M_OUTER[q.M] if o != 0.5)]
+        losses = sorted((self.loss(f"{label} seed 0"), label) for label in tried)
+        if not losses or losses[0][0] == float("inf") or losses[0][0] * (1 + RULE_NOISE) >= chosen:
+            return None
+        return losses[0][1]
+
+    def phase_k(self) -> None:
+        points = self.k_points()
+        self.run([(label, job(label, "decoupled", over, 0)) for label, over in points.items()])
+        best = self.k_best()
+        if best is None:
+            return
+        over = points.get(best) or self.m_arm(q.M, float(best.rsplit(" ", 1)[1]))[1]
+        self.settings["resweep_best"] = best
+        self.run([(best, job(best, "decoupled", over, s)) for s in SEEDS5])
+
 
 # ----------------------------------------------------------------------------- the report
 
@@ -314,8 +447,56 @@ def summarise(b: Bench) -> dict[str, Any]:
         if label.startswith("vision") and label.endswith("seed 0")
     }
     rep["m8"] = [paired(b, f"M=8 {best}", "M=8 dp")]
+    rep["moe_weighting"] = [
+        paired(b, f"moe {best} routed", "moe dp"),
+        paired(b, f"moe {best} routed", f"moe {best}"),
+    ]
+    rerun = b.settings.get("rerun")
+    if rerun is not None:
+        runner = b.runner
+        if not isinstance(runner, Runner):
+            raise TypeError("the report needs breadth.Runner (it reads runs of earlier digests)")
+        over = tuple(rerun["overrides"])
+        now = runner.cached_at(rerun["method"], over, runner.code)
+        then = [(c, runner.cached_at(rerun["method"], over, c)) for c in runner.earlier]
+        rep["rerun"] = {
+            "current": {"code": runner.code, "eval_loss": now["eval_loss"] if now else None},
+            "earlier": [{"code": c, "eval_loss": r["eval_loss"] if r else None} for c, r in then],
+        }
+    rep["m_scaling"] = m_scaling(b)
+    rep["resweep"] = {
+        label: b.loss(f"{label} seed 0") for label in [best, *b.k_points()] if b.loss(f"{label} seed 0") < float("inf")
+    }
+    best_k = b.settings.get("resweep_best")
+    rep["resweep_best"] = paired(b, best_k, "dp") if best_k else None
     rep["arms_without_runs"] = sorted(a for a in b.arms if not by_seed(b, a))
     return rep
+
+
+def m_scaling(b: Bench) -> list[dict[str, Any]]:
+    """Per M: DP at its better LR, each outer LR's Decoupled loss at seed 0 and its ratio to it."""
+    rows = []
+    for m in (2, 4, 8):
+        dps = {lr: b.loss(f"{b.m_dp_arm(m, lr)} seed 0") for lr in b.m_dp_lrs(m)}
+        lr_dp = min(dps, key=lambda lr: dps[lr])
+        row: dict[str, Any] = {"M": m, "tokens": M_TOKENS[m], "dp_lr": lr_dp, "dp_loss": dps[lr_dp], "dp_by_lr": dps}
+        row["steps_per_learner"] = M_TOKENS[m] // (m * q.BATCH * q.SEQ)
+        row["outer"] = {}
+        for outer in M_OUTER[m]:
+            arm = b.m_arm(m, outer)[0]
+            if m == q.M and outer == 0.5:
+                arm = "decoupled {} H={}".format(*b.best_rule())
+            r = b.results.get(f"{arm} seed 0")
+            if r is not None and dps[lr_dp] < float("inf"):
+                row["outer"][f"{outer:g}"] = {
+                    "loss": r["eval_loss"],
+                    "ratio": r["eval_loss"] / dps[lr_dp],
+                    "merged_share": r["merged_share"],
+                }
+        if row["outer"]:
+            row["best_outer"] = min(row["outer"], key=lambda o: row["outer"][o]["loss"])
+        rows.append(row)
+    return rows
 
 
 def _ci(t: Any, fmt: str = "{:.4f}") -> str:
@@ -357,6 +538,47 @@ def to_markdown(rep: dict[str, Any], facts: dict[str, Any]) -> str:
             )
         else:
             out.append(f"| {r['arm']} (vs {r['ref']}) | 0 | not run | | | |")
+    out += ["", "## MoE expert weighting", "", "| arm | seeds | loss | ratio | merged |", "|---|---|---|---|---|"]
+    for r in rep["moe_weighting"]:
+        if "ratio" in r:
+            out.append(
+                f"| {r['arm']} (vs {r['ref']}) | {len(r['seeds'])} | {r['loss']:.4f} | {_ci(r['ratio'])} | "
+                f"{r['merged_share']:.1%} |"
+            )
+        else:
+            out.append(f"| {r['arm']} (vs {r['ref']}) | 0 | not run | | |")
+    rerun = rep.get("rerun")
+    if rerun:
+        now = rerun["current"]
+        for e in rerun["earlier"]:
+            same = e["eval_loss"] is not None and e["eval_loss"] == now["eval_loss"]
+            out.append(
+                f"\nThe MoE seed 0 run at the current code ({now['code']}): loss {now['eval_loss']}; at "
+                f"{e['code']}: {e['eval_loss']} ({'the same to the bit' if same else 'NOT the same'})."
+            )
+    out += ["", "## M scaling (seed 0)", ""]
+    out += ["| M | tokens | steps per learner | DP LR | DP loss | outer LR | loss | L / L_dp | merged |"]
+    out += ["|---|---|---|---|---|---|---|---|---|"]
+    for r in rep["m_scaling"]:
+        for outer, v in r["outer"].items():
+            mark = " (best)" if outer == r.get("best_outer") else ""
+            out.append(
+                f"| {r['M']} | {r['tokens'] / 1e6:.1f}M | {r['steps_per_learner']} | {r['dp_lr']:g} | "
+                f"{r['dp_loss']:.4f} | {outer}{mark} | {v['loss']:.4f} | {v['ratio']:.4f} | {v['merged_share']:.1%} |"
+            )
+        if not r["outer"]:
+            out.append(f"| {r['M']} | {r['tokens'] / 1e6:.1f}M | {r['steps_per_learner']} | | | not run | | | |")
+    dp_lrs = "; ".join(
+        f"M = {r['M']}: " + ", ".join(f"{lr:g} -> {loss:.4f}" for lr, loss in r["dp_by_lr"].items())
+        for r in rep["m_scaling"]
+    )
+    out += ["", f"DP by LR (seed 0): {dp_lrs}."]
+    if rep["resweep"]:
+        out += ["", "## Re-sweep at the chosen H (seed 0)", ""]
+        out += [f"- {label}: {loss:.4f}" for label, loss in rep["resweep"].items()]
+        best = rep.get("resweep_best")
+        if best and "ratio" in best:
+            out.append(f"\nBetter point, {len(best['seeds'])} seeds: {best['arm']}: {_ci(best['ratio'])} x DP.")
     out += ["", "## Vision (Fashion-MNIST, test accuracy on 2,000 test images)", ""]
     out += ["| model | seeds | accuracy | DP accuracy | points vs DP | L / L_dp |", "|---|---|---|---|---|---|"]
     for r in rep["vision"]:
@@ -374,7 +596,7 @@ def to_markdown(rep: dict[str, Any], facts: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-PHASES = "ABCDEFGH"
+PHASES = "ABCDEFHIJKG"
 
 
 def main() -> int:
@@ -390,7 +612,7 @@ def main() -> int:
         print(f"error: --phases {args.phases!r} names none of {', '.join(PHASES)}")
         return 2
     started, code = time.time(), q.code_digest()
-    runner = q.Runner(Path(args.cache), args.workers, code)
+    runner = Runner(Path(args.cache), args.workers, code)
     b = Bench(runner, train=not args.report)
     # Every phase after A reads A's choice: with --report or a later phase alone, A's cached runs.
     for p in PHASES:

@@ -26,7 +26,7 @@ def breadth():
 
 
 def _bench(breadth, cache: Path, code: str | None = None):
-    runner = breadth.q.Runner(cache, 1, code or breadth.q.code_digest())
+    runner = breadth.Runner(cache, 1, code or breadth.q.code_digest())
     b = breadth.Bench(runner, train=False)
     try:
         for phase in breadth.PHASES:
