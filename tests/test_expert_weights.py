@@ -7,25 +7,36 @@ refuses, the training loop's helper names the problem), the wire, and a simulate
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import Piece, TensorSpec, balanced_layout
+from ddiloco.core.fragments import Piece, TensorSpec, balanced_layout, tensor_rows
 from ddiloco.core.learner import LearnerCore, routed_counts
 from ddiloco.core.merge import RowAccumulator, row_factors
 from ddiloco.core.messages import Contribution, FragmentUpdate, Join
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
+from ddiloco.core.validation import check_routed
 from ddiloco.service.wire import WireError, decode, encode
 
 # -- the row-by-row merge ---------------------------------------------------------------------
 
 
-def test_row_factors_are_the_squared_routed_share() -> None:
-    assert torch.equal(row_factors([0, 5, 10], 10), torch.tensor([0.0, 0.25, 1.0], dtype=torch.float64))
+def test_row_factors_share_the_answers_weight_by_its_routed_tokens() -> None:
+    f64 = torch.float64
+    assert torch.equal(row_factors([0, 5, 15], 0, 3), torch.tensor([0.0, 0.75, 2.25], dtype=f64))
+    assert torch.equal(row_factors([0, 5, 15], 1, 3), torch.tensor([0.75, 2.25], dtype=f64))  # a piece's rows
+    assert torch.equal(row_factors([0, 0, 0], 0, 3), torch.zeros(3, dtype=f64))  # nothing routed
+    # Counts move weight between rows, never add to it: whatever is claimed, the factors over the
+    # tensor's rows sum to its row count (an honest even router gets all 1: the plain merge), and
+    # a claim of every token on every expert is just the plain weight.
+    for claim in ([10, 10, 10], [10, 0, 0], [3, 9, 1]):
+        assert math.isclose(float(row_factors(claim, 0, 3).sum()), 3.0)
+    assert torch.equal(row_factors([10, 10, 10], 0, 3), torch.ones(3, dtype=f64))
 
 
 def test_the_row_mean_weighs_each_row_by_its_own_weights() -> None:
@@ -113,6 +124,39 @@ def test_a_round_with_an_answer_without_counts_weighs_whole_tensors() -> None:
     assert torch.allclose(s.fragments[0].values[0], torch.full((2, 2), -2.0))
 
 
+def test_an_answer_of_no_steps_leaves_the_rows_weighed_apart() -> None:
+    s = _syncer()
+    s.handle(_answer(0, 1.0, [[10, 0], []]), 1.0)
+    empty = Contribution(1, 0, 0, 0, 1, [torch.zeros(2, 2)] * 2, steps=0, tokens=0, data_position=0, step=0)
+    s.handle(empty, 1.0)  # asked right after a version arrived: nothing to add, and no counts
+    experts = s.fragments[0].values[0]
+    assert torch.allclose(experts, torch.tensor([[-1.0, -1.0], [0.0, 0.0]]))  # row 1: nobody routed to it
+
+
+def test_a_hostile_count_cannot_outweigh_an_honest_learner_beyond_its_token_weight() -> None:
+    s = _syncer()
+    s.handle(_answer(0, 1.0, [[10, 0], []]), 1.0)  # honest: every token to expert 0
+    s.handle(_answer(1, 7.0, [[10, 10], []]), 1.0)  # claims every token on every expert
+    experts = s.fragments[0].values[0]
+    # row 0: factors 2 (honest) and 1 (the claim is the plain weight): (2 x 1 + 1 x 7) / 3
+    assert torch.allclose(experts[0], torch.full((2,), -3.0))
+    assert torch.allclose(experts[1], torch.full((2,), -7.0))  # row 1: only the claim
+
+
+def test_counts_of_a_split_tensor_cover_its_whole_rows_in_every_piece() -> None:
+    layout = balanced_layout([TensorSpec("experts", (8, 64)), TensorSpec("b", (8, 8))], 2)
+    rows = tensor_rows(layout)
+    assert rows == {"experts": 8, "b": 8}
+    split = [pc for frag in layout.fragments for pc in frag if pc.name == "experts"]
+    assert len(split) > 1 and max(pc.row_end for pc in split) == 8  # pieces in any order
+    c = Contribution(0, 0, 0, 0, 1, [], steps=1, tokens=10, data_position=0, step=1)
+    pieces = layout.fragments[0]
+    good = [[1] * 8 if pc.name == "experts" else [] for pc in pieces]
+    assert check_routed(dataclasses.replace(c, routed=good), pieces, rows) is None
+    bad = [[1] * (pc.row_end - pc.row_start) if pc.name == "experts" else [] for pc in pieces]  # the piece's rows
+    assert check_routed(dataclasses.replace(c, routed=bad), pieces, rows) is not None
+
+
 @pytest.mark.parametrize(
     "routed, why",
     [
@@ -145,12 +189,17 @@ def test_the_learner_counts_routed_tokens_since_the_fragments_version() -> None:
     core.on_step(10, {"w": torch.tensor([4, 6, 10])})
     core.on_step(10, {"w": torch.tensor([1, 9, 10])})
     c = core.contribution(0, [torch.zeros(1)] * 3, 0, pieces=_pieces())
-    assert c.routed == [[5], [15, 20], []] and c.tokens == 20
+    assert c.routed == [[5, 15, 20], [5, 15, 20], []] and c.tokens == 20  # each piece: its whole tensor
     core.sent(c)
     core.on_step(10, {"w": torch.tensor([2, 8, 10])})
     core.on_update(FragmentUpdate(0, 0, 1, [], 0.0, 1))  # the merge overwrites: counting starts again
     core.on_step(10, {"w": torch.tensor([3, 7, 0])})
-    assert core.contribution(0, [torch.zeros(1)] * 3, 0, pieces=_pieces()).routed == [[3], [7, 0], []]
+    assert core.contribution(0, [torch.zeros(1)] * 3, 0, pieces=_pieces()).routed == [[3, 7, 0], [3, 7, 0], []]
+    for reason in ("join", "stale"):  # a fetch or a rebase starts the count again too
+        core.on_update(FragmentUpdate(0, 0, core.base_version[0] + 1, [], 0.0, 1, reason=reason))  # type: ignore[arg-type]
+        assert core.contribution(0, [], 0, pieces=_pieces()).routed == [[0, 0, 0], [0, 0, 0], []]
+        core.on_step(10, {"w": torch.tensor([1, 0, 0])})
+        assert core.contribution(0, [], 0, pieces=_pieces()).routed == [[1, 0, 0], [1, 0, 0], []]
 
 
 def test_the_learner_sends_no_counts_without_routed_or_without_steps_of_them() -> None:
@@ -168,7 +217,7 @@ def test_under_shift_the_counts_after_the_answer_stay_for_the_next() -> None:
     core.sent(core.contribution(0, [], 0, pieces=_pieces()))
     core.on_step(10, {"w": torch.tensor([1, 2, 3])})  # the overlap: kept by the shift
     core.on_update(FragmentUpdate(0, 0, 1, [], 0.0, 1))
-    assert core.contribution(0, [], 0, pieces=_pieces()).routed == [[1], [2, 3], []]
+    assert core.contribution(0, [], 0, pieces=_pieces()).routed == [[1, 2, 3], [1, 2, 3], []]
 
 
 @pytest.mark.parametrize(
@@ -179,11 +228,12 @@ def test_under_shift_the_counts_after_the_answer_stay_for_the_next() -> None:
         ({"w": [1, 2, 11]}, "must lie in [0, tokens=10]"),
         ({"w": torch.tensor([0.5, 1.0, 2.0])}, "pass integers"),
         ({"w": 3}, "a tensor or a list of integers"),
+        ({"big": [0] * 5000}, "at most 4096 experts"),
     ],
 )
 def test_the_training_loops_counts_are_checked_with_one_line(routed: dict[str, object], why: str) -> None:
     with pytest.raises(ValueError, match="routed counts") as e:
-        routed_counts(routed, {"w": 3}, 10)
+        routed_counts(routed, {"w": 3, "big": 5000}, 10)
     assert why in str(e.value)
 
 
@@ -236,14 +286,16 @@ def test_a_simulated_moe_run_weighs_expert_rows_by_their_routed_tokens(monkeypat
         assert not _rejections_of(results[mode].tape)
         if mode == "tokens":
             assert fed == []  # no rows weighed apart
-    assert fed and all(f.shape == (4,) or f.numel() < 4 for f in fed)
-    # shares of a top-2 of 4 router: each expert gets between none and all of the tokens, and a
-    # learner's shares sum to about 2 (each token goes to two experts)
-    assert all(float(f.min()) >= 0.0 and float(f.max()) <= 1.0 for f in fed)
-    assert any(not torch.allclose(f, f[0].expand_as(f)) for f in fed if f.numel() == 4)  # uneven routing
+    assert fed
+    whole = [f for f in fed if f.numel() == 4]  # pieces holding all 4 experts: factors average 1
+    assert whole and all(math.isclose(float(f.sum()), 4.0) for f in whole)
+    assert all(float(f.min()) >= 0.0 and float(f.max()) <= 4.0 for f in fed)
+    assert any(not torch.allclose(f, f[0].expand_as(f)) for f in whole)  # uneven routing
     assert math.isfinite(results["routed"].final_loss)
     assert results["routed"].final_loss != results["tokens"].final_loss  # the weighting did something
 
 
 def _rejections_of(tape: list[dict[str, object]]) -> list[object]:
-    return [r for e in tape if e.get("event") == "round" for r in e.get("rejected") or []]  # type: ignore[attr-defined]
+    """Refusals in rounds and outside them."""
+    inside = [r for e in tape if e.get("event") == "round" for r in e.get("rejected") or []]  # type: ignore[attr-defined]
+    return inside + [e for e in tape if e.get("event") == "rejected"]

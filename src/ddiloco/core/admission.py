@@ -69,9 +69,12 @@ def check_identity(
     return None
 
 
-def check_claims(c: Contribution, pieces: Sequence[Piece], cfg: DiLoCoConfig) -> Problem | None:
-    """Its counters and payload (the shapes of the fragment's pieces)."""
-    return check_counters(c.steps, c.tokens, cfg) or check_payload(c, pieces) or check_routed(c, pieces)
+def check_claims(
+    c: Contribution, pieces: Sequence[Piece], cfg: DiLoCoConfig, rows: Mapping[str, int] | None = None
+) -> Problem | None:
+    """Its counters and payload (the shapes of the fragment's pieces), and its routed-token
+    counts (``rows``: each tensor's rows; without it, no counts are accepted)."""
+    return check_counters(c.steps, c.tokens, cfg) or check_payload(c, pieces) or check_routed(c, pieces, rows or {})
 
 
 def check_quarantine(c: Contribution, quarantine: Mapping[int, int] | None) -> Problem | None:

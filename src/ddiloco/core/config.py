@@ -66,11 +66,13 @@ class DiLoCoConfig:
     """Merge of non-embedding tensors: weighted radial-directional averaging or weighted mean."""
     expert_weights: ExpertWeights = "tokens"
     """How the merge weighs the rows of an expert-stacked tensor (a mixture of experts' experts
-    on dim 0): "tokens" weighs each learner's whole tensor by its token weight w; "routed" weighs
-    row e by w x (r_e / tokens)^2, r_e the tokens the learner routed to that row's expert (the
-    counts its training loop passes to ``step(routed=...)``), so an expert's update comes mostly
-    from the learners that used it. Rows no answer routed a token to keep their value. A piece
-    falls back to "tokens" in a round where an answer carries no counts for it."""
+    on dim 0): "tokens" weighs each learner's whole tensor by its token weight w; "routed" shares
+    w among the rows in proportion to the tokens the learner routed to each (row e:
+    w x E x r_e / sum(r), E rows; the counts its training loop passes to ``step(routed=...)``),
+    so an expert's update comes mostly from the learners that used it, and counts can move a
+    learner's weight between experts but never add to it. Rows no answer routed a token to get
+    no outer gradient (momentum still moves them). A piece falls back to "tokens" in a round
+    where a weighted answer carries no counts for it."""
     outer_lr: float = 0.7
     """Outer learning rate of the per-fragment Nesterov SGD."""
     outer_momentum: float = 0.9

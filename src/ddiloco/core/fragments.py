@@ -304,6 +304,17 @@ def assemble(layout: FragmentLayout, values: Mapping[int, Sequence[torch.Tensor]
 # -- the staggered schedule -----------------------------------------------------------------
 
 
+def tensor_rows(layout: FragmentLayout) -> dict[str, int]:
+    """Rows (along dim 0) of each parameter of ``layout``: the furthest row any piece of it
+    reaches (pieces of a split tensor may lie in any order across fragments)."""
+    rows: dict[str, int] = {}
+    for frag in layout.fragments:
+        for pc in frag:
+            if pc.kind == "param":
+                rows[pc.name] = max(rows.get(pc.name, 0), pc.row_end)
+    return rows
+
+
 def fragment_offset(p: int, num_fragments: int, sync_every: int) -> int:
     """Step offset of fragment p within each period of H steps: floor(p*H/P)."""
     return (p * sync_every) // num_fragments

@@ -21,6 +21,9 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, PayloadKind
 from ddiloco.core.validation import check_update
 
 ApplyMode = Literal["overwrite", "blend", "shift", "ignore"]
+MAX_EXPERT_ROWS = 4096
+"""Most rows (experts) of a tensor that routed-token counts may describe (they travel in the
+JSON header with every answer of its fragment)."""
 ROUTED_SNAPSHOTS = 4
 """Routed-count totals kept per fragment for contributions built but not sent yet."""
 
@@ -37,6 +40,8 @@ def routed_counts(
     for name, counts in routed.items():
         if name not in rows:
             raise ValueError(f"routed counts for {name!r}: not a parameter of the model's layout")
+        if rows[name] > MAX_EXPERT_ROWS:
+            raise ValueError(f"routed counts for {name!r}: {rows[name]} rows, at most {MAX_EXPERT_ROWS} experts")
         if isinstance(counts, torch.Tensor):
             t = counts.detach().to("cpu").reshape(-1)
             if t.is_floating_point() or t.dtype == torch.bool:
@@ -179,9 +184,9 @@ class LearnerCore:
         )
 
     def _routed_counts(self, p: int, pieces: Sequence[Piece]) -> list[list[int]]:
-        """Per piece of fragment p, the tokens routed to each of its rows since p's mark (empty
-        for a piece without counts; empty altogether if no piece has any). Each is clamped to
-        [0, tokens], the bound the syncer checks (a restart or a user's count can exceed it)."""
+        """Per piece of fragment p, the tokens routed to each row of its whole tensor since p's
+        mark (empty for a piece without counts; empty altogether if no piece has any). Each is
+        clamped to [0, tokens], the bound the syncer checks (a restart can exceed it)."""
         mark, most = self._routed_mark[p], self.tokens[p]
         out: list[list[int]] = []
         for pc in pieces:
@@ -190,7 +195,7 @@ class LearnerCore:
                 out.append([])
                 continue
             since = total - mark[pc.name] if pc.name in mark and mark[pc.name].shape == total.shape else total
-            out.append([min(max(int(r), 0), most) for r in since[pc.row_start : pc.row_end].tolist()])
+            out.append([min(max(int(r), 0), most) for r in since.tolist()])
         return out if any(out) else []
 
     def sent(self, c: Contribution) -> None:

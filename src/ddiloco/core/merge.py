@@ -195,11 +195,16 @@ class RowAccumulator:
         return self.acc
 
 
-def row_factors(routed: Sequence[int], tokens: int) -> torch.Tensor:
-    """Per row, ``(routed / tokens)^2``: a row's share of the answer's token weight
-    tokens^2/steps when it is weighed by the tokens routed to it (``routed^2/steps``)."""
-    share = torch.tensor(routed, dtype=torch.float64) / max(1, tokens)
-    return share.mul_(share)
+def row_factors(routed: Sequence[int], row_start: int, row_end: int) -> torch.Tensor:
+    """Rows [row_start, row_end) of ``rows x routed / sum(routed)``: an answer's token weight
+    shared among a tensor's rows in proportion to the tokens it routed to each (their mean over
+    the tensor is 1, so counts move weight between experts and never add any: one row gets at
+    most ``rows`` times, whatever is claimed). All zero when nothing was routed."""
+    counts = torch.tensor(routed, dtype=torch.float64)
+    total = float(counts.sum())
+    if total <= 0:
+        return torch.zeros(row_end - row_start, dtype=torch.float64)
+    return counts[row_start:row_end].mul_(len(routed) / total)
 
 
 def _merge(deltas: Sequence[torch.Tensor], weights: Sequence[float], rda: bool) -> torch.Tensor:

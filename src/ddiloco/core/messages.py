@@ -144,9 +144,10 @@ class Contribution:
     """What goes on the wire, one encoding per piece (``values`` are what it decodes to); empty:
     ``values`` go as they are."""
     routed: list[list[int]] = field(default_factory=list, metadata={**COUNT, "max_len": MAX_ID + 1})
-    """Per piece, the tokens routed to the expert of each of its rows since the learner last
-    received p (``algo.expert_weights = "routed"``): empty for a piece without counts, and empty
-    altogether when the learner sends none. Each count is at most ``tokens``."""
+    """Per piece, the tokens routed to each row (expert) of the piece's whole tensor since the
+    learner last received p (``algo.expert_weights = "routed"``): one count per row of the
+    tensor, each at most ``tokens``; empty for a piece without counts, and empty altogether
+    when the learner sends none."""
 
     @property
     def identity(self) -> ContributionId:

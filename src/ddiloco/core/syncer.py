@@ -26,7 +26,15 @@ from ddiloco.core.codec import Chain
 from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
-from ddiloco.core.fragments import FragmentLayout, assemble, due_fragments, read_fragment, storage_bytes, take_fragment
+from ddiloco.core.fragments import (
+    FragmentLayout,
+    assemble,
+    due_fragments,
+    read_fragment,
+    storage_bytes,
+    take_fragment,
+    tensor_rows,
+)
 from ddiloco.core.merge import Accumulator, RowAccumulator, make_delta, row_factors, token_weight
 from ddiloco.core.messages import (
     Ack,
@@ -362,6 +370,8 @@ class Syncer:
         model for this and lets it go): fp32 fragments are views of them, not copies."""
         self.cfg = cfg
         self.layout = layout
+        # Rows (dim 0) of each tensor: what routed-token counts must match (``expert_weights``).
+        self._rows = tensor_rows(layout)
         # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
         self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
         self.fragments: list[FragmentState] = []
@@ -567,7 +577,10 @@ class Syncer:
         meta = dataclasses.replace(c, values=[], encoded=[])
         pending = rnd.pending[c.learner] = Pending(meta, values, norms, weight, now, clipped, scale, claimed=weight)
         if self.cfg.expert_weights == "routed" and c.routed and c.tokens > 0:
-            pending.factors = [row_factors(r, c.tokens) if r else None for r in c.routed]
+            pieces = self.layout.fragments[c.fragment]
+            pending.factors = [
+                row_factors(r, pc.row_start, pc.row_end) if r else None for r, pc in zip(c.routed, pieces)
+            ]
         rnd.refused.discard(c.learner)
         if (old is not None and any(rnd.per_row)) or self._per_row(rnd) != rnd.per_row:
             self._rebuild(rnd)  # rows weighed apart start or stop: every answer goes in again
@@ -595,7 +608,7 @@ class Syncer:
         if problem is not None or info is None or frag is None:
             return problem
         return (
-            admission.check_claims(c, self.layout.fragments[p], self.cfg)
+            admission.check_claims(c, self.layout.fragments[p], self.cfg, self._rows)
             or admission.check_quarantine(c, info.quarantine)
             or admission.check_pace(c, frag.made_at(c.base_version), now, self.t_step(now), self.cfg)
         )
@@ -874,7 +887,7 @@ class Syncer:
         """The pieces every answer in the round has routed-token counts for (none unless
         ``expert_weights = "routed"``): those are merged row by row."""
         n = len(rnd.merge)
-        answers = list(rnd.pending.values())
+        answers = [pd for pd in rnd.pending.values() if pd.weight > 0]  # the others add nothing
         if self.cfg.expert_weights != "routed" or not answers:
             return [False] * n
         return [all(len(pd.factors) == n and pd.factors[i] is not None for pd in answers) for i in range(n)]
@@ -897,7 +910,7 @@ class Syncer:
         for i, (acc, d, n) in enumerate(zip(rnd.merge, pd.deltas, pd.norms)):
             scale = 1.0 if i in buffers else pd.scale
             if isinstance(acc, RowAccumulator):
-                acc.add(d, n, pd.weight, sign=sign, scale=scale, factors=pd.factors[i])
+                acc.add(d, n, pd.weight, sign=sign, scale=scale, factors=pd.factors[i] if pd.factors else None)
             else:
                 acc.add(d, n, pd.weight, sign=sign, scale=scale)
 

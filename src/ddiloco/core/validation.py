@@ -8,7 +8,7 @@ a value is not finite (or the norm overflows), and ``check_norm`` refuses both.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
@@ -36,23 +36,27 @@ def check_counters(steps: object, tokens: object, cfg: DiLoCoConfig) -> Problem 
     return None
 
 
-def check_routed(c: Contribution, pieces: Sequence[Piece]) -> Problem | None:
-    """Routed-token counts weigh rows quadratically (w x (r / tokens)^2): one per row of a
-    parameter piece, each an integer in [0, tokens] (a token reaches an expert at most once)."""
+def check_routed(c: Contribution, pieces: Sequence[Piece], rows: Mapping[str, int]) -> Problem | None:
+    """Routed-token counts share an answer's weight among a tensor's rows: one per row of the
+    piece's whole tensor (``rows``: each tensor's rows), each an integer in [0, tokens] (a token
+    reaches an expert at most once), the same for every piece of one tensor."""
     routed = cast(list[object], c.routed)  # decoded from outside: check, don't trust
     if not isinstance(routed, list) or not routed:
         return None if isinstance(routed, list) else ("bad_counters", "routed counts must be a list")
     if len(routed) != len(pieces):
         return "bad_counters", f"routed counts for {len(routed)} pieces, fragment {c.fragment} has {len(pieces)}"
+    seen: dict[str, list[object]] = {}
     for pc, counts in zip(pieces, routed):
         if not isinstance(counts, list):
             return "bad_counters", f"routed counts of {pc.name} must be a list"
         if not counts:
             continue
-        rows = pc.row_end - pc.row_start
-        if pc.kind != "param" or len(counts) != rows:
-            what = "a buffer" if pc.kind != "param" else f"{rows} rows"
+        n = rows.get(pc.name, 0)
+        if pc.kind != "param" or len(counts) != n:
+            what = "a buffer" if pc.kind != "param" else f"{n} rows"
             return "bad_counters", f"{len(counts)} routed counts for {pc.name} ({what})"
+        if seen.setdefault(pc.name, counts) != counts:
+            return "bad_counters", f"two pieces of {pc.name} carry different routed counts"
         for r in counts:
             if type(r) is not int or not 0 <= r <= c.tokens:
                 return "bad_counters", f"routed count {r!r} of {pc.name} is not an integer in [0, tokens={c.tokens}]"

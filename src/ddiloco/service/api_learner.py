@@ -28,7 +28,7 @@ from torch import nn
 
 from ddiloco.config import Config, load_config
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import write_fragment
+from ddiloco.core.fragments import tensor_rows, write_fragment
 from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
@@ -265,7 +265,7 @@ class Learner:
         self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
         self.pieces = self.layout.fragments.fragments
         # Rows (dim 0) of each parameter: what routed-token counts must match (``step(routed=...)``).
-        self._expert_rows = {pc.name: pc.row_end for frag in self.pieces for pc in frag if pc.kind == "param"}
+        self._expert_rows = tensor_rows(self.layout.fragments)
         if self.world > 1 and cfg.algo.late_fragment == "wait":
             if sock is not None:
                 sock.close()

@@ -29,6 +29,7 @@ from ddiloco.service.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.status import write_status
 from ddiloco.settings import SETTINGS
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
+from ddiloco.workloads.base import routed_tokens
 from ddiloco.workloads.config import load_workload
 from ddiloco.workloads.custom import move_to
 
@@ -178,7 +179,8 @@ class LearnerProcess:
                 time.sleep(rt.step_sleep_s)
             loss_value = float(loss.detach())  # read once: the status file and the heartbeats show it
             try:
-                learner.step(batch.tokens, data_position=self.stream.position, loss=loss_value)
+                routed = routed_tokens(self.wl, self.model) if self.cfg.algo.expert_weights == "routed" else None
+                learner.step(batch.tokens, data_position=self.stream.position, loss=loss_value, routed=routed)
             except (RefusedError, CommError):
                 pass  # the comm thread stopped: _should_stop ends the loop on every rank, _finish says why
             dt = time.perf_counter() - t0

@@ -28,7 +28,7 @@ from torch import nn
 
 from ddiloco.chaos.schedule import ChaosSchedule, make_schedule
 from ddiloco.config import Config
-from ddiloco.core.fragments import assemble, read_fragment, write_fragment
+from ddiloco.core.fragments import assemble, read_fragment, tensor_rows, write_fragment
 from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.syncer import Syncer
@@ -152,7 +152,7 @@ class Simulation:
         base = workload.build_model(r.seed)
         self.model_layout: ModelLayout = layout_for(base, workload, a)
         self.layout = self.model_layout.fragments
-        self._expert_rows = {pc.name: pc.row_end for frag in self.layout.fragments for pc in frag if pc.kind == "param"}
+        self._expert_rows = tensor_rows(self.layout)
         self.initial = {k: v.detach().clone() for k, v in synced_tensors(base).items()}
         self.registration = Registration(param_spec(base), self.model_layout.digest)
         self.tape: list[TapeRecord] = []
