@@ -82,8 +82,9 @@ ROUTED = ["algo.expert_weights=routed"]
 EARLIER = ("3625e1326200f30f",)
 """Code digests whose cached runs the report still reads when the current code has not run
 them: since 3625e1326200f30f the simulator changed only by ``algo.expert_weights`` (off by
-default), and phase I reruns a MoE run at the current code to show it gives the same loss to
-the bit (the golden runs are unchanged too)."""
+default: no counts are sent or used) and by the MoE GPT reusing the dense GPT's init and
+forward (the same draws in the same order). Phase I reruns a MoE run at the current code, and
+the report says whether it gives the earlier loss to the bit; the golden runs are unchanged."""
 M_OUTER = {2: (0.35, 0.5, 0.7), 4: (0.35, 0.5, 0.7), 8: (0.5, 0.7, 1.0)}
 """Outer LRs per M (phase J): a bracket around M = 4's 0.5, shifted up at M = 8 (a mean of more
 learners is less noisy, so it may bear a longer step)."""
