@@ -145,6 +145,7 @@ class Bench:
         self.arms: dict[str, list[str]] = {}  # arm -> its job labels
         self.settings: dict[str, Any] = {}
         self.vision_lrs = list(VISION_LRS)
+        self.wanted = PHASES  # the phases asked for (main sets it)
 
     def run(self, jobs: list[tuple[str, Job]]) -> None:
         """Run (or, with --report, look up) ``jobs``: (arm, job) pairs."""
@@ -307,6 +308,9 @@ class Bench:
         again = ("moe rerun at the current code seed 0", method, over)
         self.runner.fresh.add(self.runner.key(method, over))
         self.settings["rerun"] = {"method": method, "overrides": list(over)}
+        if self.train and "J" in self.wanted:  # J needs nothing from I: no worker waits for I's last run
+            for _, j in self.j_jobs():
+                self.runner.submit(j)
         self.run([*jobs, ("moe rerun at the current code", again)])
 
     def m_base(self, m: int) -> list[str]:
@@ -332,6 +336,9 @@ class Bench:
         return f"M={m} dp lr {lr:g}"
 
     def phase_j(self) -> None:
+        self.run(self.j_jobs())
+
+    def j_jobs(self) -> list[tuple[str, Job]]:
         jobs = []
         for m in (2, 4, 8):
             for lr in self.m_dp_lrs(m):
@@ -342,7 +349,7 @@ class Bench:
                 if m == q.M and outer == 0.5:
                     arm = "decoupled {} H={}".format(*self.best_rule())  # phase B's run
                 jobs.append((arm, job(arm, "decoupled", over, 0)))
-        self.run(jobs)
+        return jobs
 
     def k_points(self) -> dict[str, list[str]]:
         """Phase K's points: label -> overrides (the chosen rule and H, one coordinate moved)."""
@@ -615,6 +622,7 @@ def main() -> int:
     started, code = time.time(), q.code_digest()
     runner = Runner(Path(args.cache), args.workers, code)
     b = Bench(runner, train=not args.report)
+    b.wanted = "".join(wanted)
     # Every phase after A reads A's choice: with --report or a later phase alone, A's cached runs.
     for p in PHASES:
         if p == "A" or p in wanted:
