@@ -31,6 +31,8 @@ J. M scaling: the outer LR swept at M = 2 (4.1M tokens, 2,000 steps per learner)
 K. The dense re-sweep at the chosen H: inner LR x/÷ sqrt(2) and outer momentum 0.8 (J's M = 4
    points are its outer LR coordinate), seed 0; a point better than the chosen one by more than
    RULE_NOISE gets seeds 0-4.
+L. Vision, the Decoupled inner LR bracket extended: a model whose best was the bracket's lower
+   edge (lr_dp / 4) tries lr_dp / 8 at seed 0; the better LR then runs seed 1 too.
 
 Phases run in the order of PHASES (G, a baseline without a target, last). What is cut when the
 compute runs out is said in the report (arms with no runs).
@@ -308,9 +310,12 @@ class Bench:
         again = ("moe rerun at the current code seed 0", method, over)
         self.runner.fresh.add(self.runner.key(method, over))
         self.settings["rerun"] = {"method": method, "overrides": list(over)}
-        if self.train and "J" in self.wanted:  # J needs nothing from I: no worker waits for I's last run
-            for _, j in self.j_jobs():
-                self.runner.submit(j)
+        if self.train:
+            for j in [*(j for _, j in jobs), again]:  # I's runs first in the pool's queue, then J's
+                self.runner.submit(j)  # (which need nothing from I): no worker idles behind I's last
+            if "J" in self.wanted:
+                for _, j in self.j_jobs():
+                    self.runner.submit(j)
         self.run([*jobs, ("moe rerun at the current code", again)])
 
     def m_base(self, m: int) -> list[str]:
@@ -372,6 +377,23 @@ class Bench:
         if not losses or losses[0][0] == float("inf") or losses[0][0] * (1 + RULE_NOISE) >= chosen:
             return None
         return losses[0][1]
+
+    def phase_l(self) -> None:
+        rule, _ = self.best_rule()
+        lrs = self.settings.get("vision_lr", {})
+        for model in VISION_MODELS:
+            if model not in lrs:
+                continue
+            lr_dp, chosen = lrs[model]["dp"], lrs[model]["decoupled"]
+            if chosen != lr_dp / 4:
+                continue  # not at the lower edge: C's bracket holds its best
+            lower = lr_dp / 8
+            arm = f"vision {model} decoupled lr {lower:g}"
+            over = [*vision_arm(model, "decoupled", lower), f"algo.on_merged={rule}"]
+            self.run([(arm, job(arm, "decoupled", over, 0))])
+            if self.loss(f"{arm} seed 0") < self.loss(f"vision {model} decoupled lr {chosen:g} seed 0"):
+                lrs[model]["decoupled"] = lower
+                self.run([(arm, job(arm, "decoupled", over, s)) for s in VISION_SEEDS[1:]])
 
     def phase_k(self) -> None:
         points = self.k_points()
@@ -604,7 +626,7 @@ def to_markdown(rep: dict[str, Any], facts: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-PHASES = "ABCDEFHIJKG"
+PHASES = "ABCDEFHIJKLG"
 
 
 def main() -> int:

@@ -210,8 +210,21 @@ class Runner:
         label, method, over = job
         key = self.key(method, over)
         if key not in self.futures and self.cached(method, over) is None:
-            self.futures[key] = self.pool.submit(run_one, job)
+            future = self.pool.submit(run_one, job)
+            # Cached the moment it ends, whoever waits for it and when: a run submitted ahead of
+            # the phase that reads it is not lost if the benchmark stops first.
+            future.add_done_callback(lambda f, job=job: self._store(job, f))
+            self.futures[key] = future
         return key
+
+    def _store(self, job: Job, future: Future[dict[str, Any]]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        _, method, over = job
+        p = self.path(method, over)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**future.result(), "code": self.code}, indent=1))
+        os.replace(tmp, p)
 
     def ready(self, job: Job) -> bool:
         future = self.futures.get(self.key(job[1], job[2]))
@@ -221,16 +234,16 @@ class Runner:
         """Wait for a job's result (from the cache, or from its run, which is then cached)."""
         label, method, over = job
         key = self.key(method, over)
-        hit = self.cached(method, over)
-        if hit is not None:
+        future = self.futures.pop(key, None)
+        if future is None:
+            hit = self.cached(method, over)
+            if hit is None:
+                raise KeyError(f"{label}: neither cached nor submitted")
             self.used[key] = hit
             return hit
-        res = {**self.futures.pop(key).result(), "code": self.code}
+        res = {**future.result(), "code": self.code}
+        self._store(job, future)  # (again: the callback may not have run yet)
         self.used[key] = res
-        p = self.path(method, over)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, p)
         self.trained += 1
         print(
             f"  {label:<44} loss {res['eval_loss']:.4f}  goodput {res['goodput']:.1%}  "
