@@ -87,9 +87,15 @@ them: since 3625e1326200f30f the simulator changed only by ``algo.expert_weights
 default: no counts are sent or used) and by the MoE GPT reusing the dense GPT's init and
 forward (the same draws in the same order). Phase I reruns a MoE run at the current code, and
 the report says whether it gives the earlier loss to the bit; the golden runs are unchanged."""
-M_OUTER = {2: (0.35, 0.5, 0.7), 4: (0.35, 0.5, 0.7), 8: (0.5, 0.7, 1.0)}
-"""Outer LRs per M (phase J): a bracket around M = 4's 0.5, shifted up at M = 8 (a mean of more
-learners is less noisy, so it may bear a longer step)."""
+M_POINTS: dict[int, tuple[tuple[float, float], ...]] = {
+    2: ((0.25, 0.9), (0.35, 0.9), (0.5, 0.9), (0.7, 0.9)),
+    4: ((0.35, 0.9), (0.5, 0.9), (0.7, 0.9)),
+    8: ((0.35, 0.9), (0.5, 0.9), (0.7, 0.9), (1.0, 0.9), (0.5, 0.8)),
+}
+"""(outer LR, outer momentum) per M (phase J): a bracket around M = 4's 0.5, first shifted up at
+M = 8 (a mean of more learners is less noisy, so it might bear a longer step); extended past
+the edge where the best fell (M = 2 down to 0.25, M = 8 down to 0.35), and M = 8 at momentum
+0.8, which phase K found better at M = 4."""
 M_TOKENS = {2: q.TOKENS, 4: q.TOKENS, 8: 2 * q.TOKENS}
 """Tokens per M: the regime's bound (2,000 DP steps, >= 80 outer steps per fragment at H = 24)
 at every M; M = 2 keeps M = 4's budget (2,000 steps per learner)."""
@@ -326,10 +332,11 @@ class Bench:
         lr = float(DP[0].split("=")[1])
         return (lr,) if m == q.M else (lr, round(lr * math.sqrt(m / q.M), 7))
 
-    def m_arm(self, m: int, outer: float) -> tuple[str, list[str]]:
+    def m_arm(self, m: int, outer: float, momentum: float = 0.9) -> tuple[str, list[str]]:
         rule, h = self.best_rule()
-        over = [*self.m_base(m), *DEC[:1], f"algo.outer_lr={outer:g}", DEC[2], f"algo.sync_every={h}"]
-        return f"M={m} decoupled {rule} H={h} outer {outer:g}", [*over, f"algo.on_merged={rule}"]
+        over = [*self.m_base(m), *DEC[:1], f"algo.outer_lr={outer:g}", f"algo.outer_momentum={momentum:g}"]
+        label = f"M={m} decoupled {rule} H={h} outer {outer:g}" + (f" momentum {momentum:g}" if momentum != 0.9 else "")
+        return label, [*over, f"algo.sync_every={h}", f"algo.on_merged={rule}"]
 
     def m_dp_arm(self, m: int, lr: float) -> str:
         """DP's arm at M learners and inner LR ``lr`` (M = 4 and M = 8 at M = 4's LR keep the
@@ -349,9 +356,9 @@ class Bench:
             for lr in self.m_dp_lrs(m):
                 arm = self.m_dp_arm(m, lr)
                 jobs.append((arm, job(arm, "dp", [*self.m_base(m), f"inner.lr={lr:g}"], 0)))
-            for outer in M_OUTER[m]:
-                arm, over = self.m_arm(m, outer)
-                if m == q.M and outer == 0.5:
+            for outer, momentum in M_POINTS[m]:
+                arm, over = self.m_arm(m, outer, momentum)
+                if m == q.M and (outer, momentum) == (0.5, 0.9):
                     arm = "decoupled {} H={}".format(*self.best_rule())  # phase B's run
                 jobs.append((arm, job(arm, "decoupled", over, 0)))
         return jobs
@@ -364,7 +371,8 @@ class Bench:
         points = {}
         for lr in (inner / math.sqrt(2), inner * math.sqrt(2)):
             points[f"decoupled {rule} H={h} inner {lr:.3g}"] = [*base, f"inner.lr={lr:.3g}"]
-        points[f"decoupled {rule} H={h} momentum 0.8"] = [*base, "algo.outer_momentum=0.8"]
+        for momentum in (0.8, 0.6):  # 0.6: past 0.8, which beat 0.9
+            points[f"decoupled {rule} H={h} momentum {momentum:g}"] = [*base, f"algo.outer_momentum={momentum:g}"]
         return points
 
     def k_best(self) -> str | None:
@@ -372,7 +380,7 @@ class Bench:
         RULE_NOISE at seed 0, if any."""
         rule, h = self.best_rule()
         chosen = self.loss(f"decoupled {rule} H={h} seed 0")
-        tried = [*self.k_points(), *(self.m_arm(q.M, o)[0] for o in M_OUTER[q.M] if o != 0.5)]
+        tried = [*self.k_points(), *(self.m_arm(q.M, o, mo)[0] for o, mo in M_POINTS[q.M] if (o, mo) != (0.5, 0.9))]
         losses = sorted((self.loss(f"{label} seed 0"), label) for label in tried)
         if not losses or losses[0][0] == float("inf") or losses[0][0] * (1 + RULE_NOISE) >= chosen:
             return None
@@ -404,6 +412,8 @@ class Bench:
         over = points.get(best) or self.m_arm(q.M, float(best.rsplit(" ", 1)[1]))[1]
         self.settings["resweep_best"] = best
         self.run([(best, job(best, "decoupled", over, s)) for s in SEEDS5])
+        arm = f"chaos {best}"  # the final settings under chaos, judged at their token count
+        self.run([(arm, job(arm, "decoupled", [*over, *q.CHAOS], s)) for s in SEEDS5])
 
 
 # ----------------------------------------------------------------------------- the report
@@ -499,6 +509,7 @@ def summarise(b: Bench) -> dict[str, Any]:
     }
     best_k = b.settings.get("resweep_best")
     rep["resweep_best"] = paired(b, best_k, "dp") if best_k else None
+    rep["resweep_chaos"] = paired(b, f"chaos {best_k}", "dp", at_tokens=True) if best_k else None
     rep["arms_without_runs"] = sorted(a for a in b.arms if not by_seed(b, a))
     return rep
 
@@ -512,13 +523,13 @@ def m_scaling(b: Bench) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"M": m, "tokens": M_TOKENS[m], "dp_lr": lr_dp, "dp_loss": dps[lr_dp], "dp_by_lr": dps}
         row["steps_per_learner"] = M_TOKENS[m] // (m * q.BATCH * q.SEQ)
         row["outer"] = {}
-        for outer in M_OUTER[m]:
-            arm = b.m_arm(m, outer)[0]
-            if m == q.M and outer == 0.5:
+        for outer, momentum in M_POINTS[m]:
+            arm = b.m_arm(m, outer, momentum)[0]
+            if m == q.M and (outer, momentum) == (0.5, 0.9):
                 arm = "decoupled {} H={}".format(*b.best_rule())
             r = b.results.get(f"{arm} seed 0")
             if r is not None and dps[lr_dp] < float("inf"):
-                row["outer"][f"{outer:g}"] = {
+                row["outer"][f"{outer:g} / {momentum:g}"] = {
                     "loss": r["eval_loss"],
                     "ratio": r["eval_loss"] / dps[lr_dp],
                     "merged_share": r["merged_share"],
@@ -587,7 +598,7 @@ def to_markdown(rep: dict[str, Any], facts: dict[str, Any]) -> str:
                 f"{e['code']}: {e['eval_loss']} ({'the same to the bit' if same else 'NOT the same'})."
             )
     out += ["", "## M scaling (seed 0)", ""]
-    out += ["| M | tokens | steps per learner | DP LR | DP loss | outer LR | loss | L / L_dp | merged |"]
+    out += ["| M | tokens | steps per learner | DP LR | DP loss | outer LR / momentum | loss | L / L_dp | merged |"]
     out += ["|---|---|---|---|---|---|---|---|---|"]
     for r in rep["m_scaling"]:
         for outer, v in r["outer"].items():
