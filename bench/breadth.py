@@ -566,12 +566,13 @@ def to_markdown(rep: dict[str, Any], facts: dict[str, Any]) -> str:
             out.append(f"| {r['rule']} | {r['H']} | not run | | |")
     out += ["", f"Best: `algo.on_merged = \"{rep['best']['on_merged']}\"` at H = {rep['best']['sync_every']}.", ""]
     out += [
-        "## Dense GPT, M = 4",
+        "## Paired with DP (dense GPT at M = 4 unless the arm says otherwise)",
         "",
         "| arm | seeds | loss | L / L_dp | merged | goodput |",
         "|---|---|---|---|---|---|",
     ]
-    for r in [*rep["dense"], *rep["moe"], *rep["m8"]]:
+    final = [r for r in (rep.get("resweep_best"), rep.get("resweep_chaos")) if r]  # K's better settings
+    for r in [*rep["dense"], *final, *rep["moe"], *rep["m8"]]:
         if "ratio" in r:
             out.append(
                 f"| {r['arm']} (vs {r['ref']}) | {len(r['seeds'])} | {r['loss']:.4f} | {_ci(r['ratio'])} | "
