@@ -196,7 +196,10 @@ def test_train_chaos_runs_to_its_end_with_learners_behind_relays(tmp_path):
 
     links = ['chaos.links=["1:2mbit,20ms,jitter=5ms,stall=0.05:100ms"]', "chaos.site_link=50mbit",
              'chaos.link_faults=["1:hold:2s@12s", "1:reset_every:3s", "0:cut:2s@16s", "0:hold:13s@1s"]',
-             "chaos.failures_per_learner=0"]  # fmt: skip
+             "chaos.failures_per_learner=0",
+             # Longer than the 13 s hold: a learner whose join is held must wait, not stop (on a
+             # busy machine the learners start late, inside the holds, and 5 s ran out).
+             "runtime.join_timeout_s=30"]  # fmt: skip
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "ddiloco.cli", "train", "--chaos", "--run-dir", str(run_dir), *SETTINGS,
