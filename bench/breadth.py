@@ -657,13 +657,13 @@ def main() -> int:
     runner = Runner(Path(args.cache), args.workers, code)
     b = Bench(runner, train=not args.report)
     b.wanted = "".join(wanted)
-    # Every phase after A reads A's choice: with --report or a later phase alone, A's cached runs.
+    # Later phases read earlier ones' choices (A's rule, C's vision LRs, J's points): every phase
+    # runs, those not asked for from the cache only, so the report is always the whole one.
+    train = b.train
     for p in PHASES:
-        if p == "A" or p in wanted:
-            train = b.train
-            b.train = train and p in wanted
-            getattr(b, f"phase_{p.lower()}")()
-            b.train = train
+        b.train = train and p in wanted
+        getattr(b, f"phase_{p.lower()}")()
+    b.train = train
     rep = summarise(b)
     args.quick, args.verify = False, ""
     facts = q.invocation_facts(args, started, runner, code)
