@@ -45,7 +45,13 @@ def test_the_report_reads_the_committed_cache_back(breadth):
     assert rep["best"] == published["best"]
     assert [r.get("ratio") for r in rep["overlap"]] == [r.get("ratio") for r in published["overlap"]]
     assert rep["dense"][0]["ratio"] == published["dense"][0]["ratio"]
-    assert len(rep["dense"][0]["seeds"]) == 3
+    assert len(rep["dense"][0]["seeds"]) == 5
+    assert rep["m_scaling"] == published["m_scaling"] and rep["moe_weighting"] == published["moe_weighting"]
+    # The runs of the earlier digest are read only because the current code gives the same loss
+    # on the run made again at it: the report shows both.
+    rerun = rep["rerun"]
+    assert rerun["current"]["eval_loss"] is not None
+    assert all(e["eval_loss"] == rerun["current"]["eval_loss"] for e in rerun["earlier"])
 
 
 def test_overwrite_stays_unless_a_rule_wins_by_more_than_the_noise(breadth, tmp_path):
