@@ -137,7 +137,7 @@ class RowAccumulator:
     Row e of an answer counts with ``weight x factors[e]``. The mean is taken row by row, and
     RDA keeps each row's weighted mean length along its weighted mean direction (the experts are
     separate subspaces: one expert's long step must not set another's length). A row that no
-    answer weighs gets a zero outer gradient: its expert keeps its value."""
+    answer weighs gets a zero outer gradient (the outer momentum still moves it)."""
 
     def __init__(self, out: torch.Tensor, rda: bool) -> None:
         """``out`` is scratch space of the tensor's shape (overwritten, as ``Accumulator``'s)."""
