@@ -1,4 +1,4 @@
-"""GPU check of a fragment's host<->device copies (src/ddiloco/service/device_copies.py).
+"""GPU check of a fragment's host<->device copies (src/ddiloco/service/learner/device_copies.py).
 
 Run on a machine with a CUDA GPU (about a minute; at most 5):
 
@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():  # the module alone, without the package (and its dependencies)
-    spec = importlib.util.spec_from_file_location("device_copies", ROOT / "src/ddiloco/service/device_copies.py")
+    spec = importlib.util.spec_from_file_location(
+        "device_copies", ROOT / "src/ddiloco/service/learner/device_copies.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -240,7 +240,7 @@ def plain_rate(work: Path, args: argparse.Namespace) -> float:
 
 
 def fleet(work: Path, args: argparse.Namespace) -> dict:
-    from ddiloco.service.launcher import free_port
+    from ddiloco.service.ops.launcher import free_port
 
     run_dir = work / "fleet"
     address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"

@@ -48,7 +48,7 @@ class Cluster:
     """Syncer + learners as processes (the bench's own small supervisor)."""
 
     def __init__(self, run_dir: Path, extra: list[str]) -> None:
-        from ddiloco.service.launcher import free_port
+        from ddiloco.service.ops.launcher import free_port
 
         self.run_dir, self.extra = run_dir, extra
         self.addr = f"tcp://127.0.0.1:{free_port()}"
@@ -209,7 +209,7 @@ def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict
 def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
     """Row 4: goodput under Poisson SIGKILLs of every learner (restarted at once)."""
     from ddiloco.config import load_config
-    from ddiloco.service.launcher import Launcher
+    from ddiloco.service.ops.launcher import Launcher
 
     overrides = [a for a in GPT if a != "--set"] + [
         "chaos.enabled=true",
@@ -247,7 +247,7 @@ def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
 def sleep_fleet(work: Path, duration_s: float) -> dict:
     """Row 5: 4 learners with a sleep-based synthetic step: merges/s and syncer CPU share."""
     from ddiloco.config import load_config
-    from ddiloco.service.launcher import Launcher
+    from ddiloco.service.ops.launcher import Launcher
 
     cfg = load_config(
         None,

@@ -294,9 +294,9 @@ def idle_worker() -> dict[str, Any]:
 
     torch.set_num_threads(1)
     import ddiloco.cli  # noqa: F401
-    import ddiloco.service.evaluator  # noqa: F401
-    import ddiloco.service.learner  # noqa: F401
-    import ddiloco.service.syncer  # noqa: F401
+    import ddiloco.service.learner.process  # noqa: F401
+    import ddiloco.service.ops.evaluator  # noqa: F401
+    import ddiloco.service.syncer.service  # noqa: F401
     import ddiloco.workloads.synthetic  # noqa: F401
 
     time.sleep(0.5)
@@ -309,8 +309,7 @@ def plain_worker(hidden: int, depth: int, seconds: float) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from ddiloco.config import InnerConfig
-    from ddiloco.training.inner import inner_step, make_optimizer
+    from ddiloco.training.inner import InnerConfig, inner_step, make_optimizer
     from ddiloco.workloads.config import WorkloadConfig
     from ddiloco.workloads.synthetic import SyntheticWorkload
 

@@ -172,8 +172,8 @@ def learner_classes(rec: Records) -> tuple[type, type]:
     """The real session and comm thread with a recorder on requests and contributions."""
     from ddiloco.core.messages import Contribution, FragmentRequest
     from ddiloco.protocol.learner_session import LearnerOutput, LearnerSession, Send
-    from ddiloco.service.learner_comm import LearnerComm
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.wire import encode
+    from ddiloco.service.learner.comm import LearnerComm
 
     class RecordingSession(LearnerSession):
         def receive(self, shard: int, msg: Any, now: float) -> LearnerOutput:
@@ -241,8 +241,8 @@ def worker_main(spec_path: Path) -> int:
     torch.set_num_threads(1)
     from ddiloco.config import load_config
     from ddiloco.protocol.learner_session import Registration
-    from ddiloco.service.clock import SYSTEM_CLOCK
-    from ddiloco.service.transport import ZmqLearnerSocket, learner_identity
+    from ddiloco.service.base.clock import SYSTEM_CLOCK
+    from ddiloco.service.base.transport import ZmqLearnerSocket, learner_identity
     from ddiloco.settings import EVERY_LEARNER, run_settings
     from ddiloco.training.layout import layout_of, param_spec
 

@@ -102,7 +102,7 @@ class Cluster:
     """Syncer + learners (+ attacker, intruder) as processes; the bench's own small supervisor."""
 
     def __init__(self, run_dir: Path, keys: Path) -> None:
-        from ddiloco.service.launcher import free_port
+        from ddiloco.service.ops.launcher import free_port
 
         self.run_dir, self.keys = run_dir, keys
         self.addr = f"tcp://127.0.0.1:{free_port()}"
@@ -221,8 +221,8 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
     import torch
 
     from ddiloco.core.tape import RoundRecord, parse_tape_record
-    from ddiloco.service.evaluator import fetch_global
-    from ddiloco.service.keys import ClientKeys, make_keys
+    from ddiloco.service.base.keys import ClientKeys, make_keys
+    from ddiloco.service.ops.evaluator import fetch_global
 
     run_dir = work / ("attack" if attack else "baseline")
     run_dir.mkdir(parents=True)
@@ -377,7 +377,7 @@ def finish(
     from ddiloco.core.syncer import Syncer
     from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.report.invariants import Restore, check_run
-    from ddiloco.service.store import SyncerStore
+    from ddiloco.service.syncer.store import SyncerStore
     from ddiloco.training.evaluate import evaluate
     from ddiloco.training.layout import layout_for, synced_tensors
     from ddiloco.workloads.config import load_workload
@@ -579,9 +579,9 @@ def attacker_main(args) -> int:
     from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
     from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.transport import learner_identity
-    from ddiloco.service.wire import WireError, decode, encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.transport import learner_identity
+    from ddiloco.service.base.wire import WireError, decode, encode
     from ddiloco.training.layout import layout_for, param_spec
     from ddiloco.workloads.config import load_workload
 
@@ -741,9 +741,9 @@ def intruder_main(args) -> int:
     import zmq.auth
 
     from ddiloco.protocol.messages import Register
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.transport import learner_identity
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.transport import learner_identity
+    from ddiloco.service.base.wire import encode
 
     ctx = zmq.Context.instance()
     server = ClientKeys.load(args.keys, "observer").server  # the syncer's public key is public

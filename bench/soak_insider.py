@@ -69,7 +69,7 @@ def tampering_learner_main(kind: str, argv: list[str]) -> int:
     (the wire's encode and decode, as the comm thread uses them, are wrapped)."""
     import torch
 
-    import ddiloco.service.learner_comm as comm
+    import ddiloco.service.learner.comm as comm
     from ddiloco.cli import main as cli_main
     from ddiloco.core.messages import Contribution, FragmentUpdate
 
@@ -132,8 +132,8 @@ def protocol_attacker_main(addr: str, keys: str, until: float, run_dir: str) -> 
     torch.set_num_threads(1)
     from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
     from ddiloco.protocol.messages import JoinReply, PeerState, PeerStateRequest, Register, SyncerHeartbeat
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.wire import WireError, decode, encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.wire import WireError, decode, encode
     from ddiloco.training.layout import layout_for, param_spec
     from ddiloco.workloads.config import load_workload
 
@@ -218,9 +218,9 @@ def observer_attacker_main(addr: str, keys: str, until: float, run_dir: str) -> 
 
     torch.set_num_threads(1)
     from ddiloco.protocol.messages import FetchGlobal, GlobalState, Register
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.transport import learner_identity
-    from ddiloco.service.wire import WireError, decode, encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.transport import learner_identity
+    from ddiloco.service.base.wire import WireError, decode, encode
     from ddiloco.training.layout import layout_for, param_spec
     from ddiloco.workloads.config import load_workload
 
@@ -270,7 +270,7 @@ def observer_attacker_main(addr: str, keys: str, until: float, run_dir: str) -> 
 def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]:
     from ddiloco.core.tape import RoundRecord, parse_tape_record
     from ddiloco.report.invariants import check_run
-    from ddiloco.service.keys import make_keys
+    from ddiloco.service.base.keys import make_keys
 
     run_dir = work / f"{arm}-{rep}"
     if run_dir.exists():

@@ -123,7 +123,7 @@ def evaluate(model: torch.nn.Module, args: argparse.Namespace) -> float:
 
 def run_all(args: argparse.Namespace) -> float:
     """Syncer and learners as local processes; then evaluate and export the global model."""
-    from ddiloco.service.launcher import free_port
+    from ddiloco.service.ops.launcher import free_port
 
     address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     common = [sys.executable, __file__, "--text", str(args.text), "--run-dir", str(args.run_dir)]

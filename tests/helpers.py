@@ -58,10 +58,10 @@ def keyed_syncer(run_dir: Path, keys: Path, settings: list[str], host: str, lear
     """A syncer with CURVE keys (made in ``keys`` for ``learners`` learners) on ``host``,
     serving in a thread until the block ends: yields (cfg, address, service)."""
     from ddiloco.config import load_config
-    from ddiloco.service.keys import ServerKeys, make_keys
-    from ddiloco.service.launcher import free_port
-    from ddiloco.service.syncer import SyncerService
-    from ddiloco.service.transport import ZmqSyncerSocket
+    from ddiloco.service.base.keys import ServerKeys, make_keys
+    from ddiloco.service.base.transport import ZmqSyncerSocket
+    from ddiloco.service.ops.launcher import free_port
+    from ddiloco.service.syncer.service import SyncerService
 
     make_keys(keys, learners=learners)
     cfg = load_config(None, settings)

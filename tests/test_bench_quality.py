@@ -44,7 +44,7 @@ def test_the_digest_covers_what_a_simulated_run_imports_and_nothing_else(quality
 def test_the_digest_changes_with_the_simulators_code_only(quality, src):
     digest = quality.code_digest(src)
     assert digest == quality.code_digest(ROOT / "src" / "ddiloco")  # paths are relative: any checkout
-    wire = src / "service" / "wire.py"
+    wire = src / "service" / "base" / "wire.py"
     wire.write_text(wire.read_text() + "\n# a runtime-only change\n")
     assert quality.code_digest(src) == digest
     merge = src / "core" / "merge.py"

@@ -249,7 +249,7 @@ def test_a_batchnorm_model_through_learner_and_syncer_server_exports_its_statist
 
     from test_library import SETTINGS
 
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.transport import InProcessNetwork
 
     torch.set_num_threads(1)
     address = "inproc://buffers-syncer"
@@ -312,7 +312,7 @@ def test_a_joining_learner_takes_the_global_statistics(tmp_path):
     from helpers import wait_for
     from test_library import SETTINGS
 
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.transport import InProcessNetwork
 
     torch.set_num_threads(1)
     address = "inproc://buffers-join"

@@ -159,10 +159,10 @@ def test_set_run_method_wins_over_method(command, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     fake = {
         "simulate": ("ddiloco.sim.run", "simulate"),
-        "syncer": ("ddiloco.service.syncer", "open_syncer"),
-        "learner": ("ddiloco.service.learner", "run_learner"),
-        "evaluator": ("ddiloco.service.evaluator", "run_evaluator"),
-        "train": ("ddiloco.service.launcher", "Launcher"),
+        "syncer": ("ddiloco.service.syncer.service", "open_syncer"),
+        "learner": ("ddiloco.service.learner.process", "run_learner"),
+        "evaluator": ("ddiloco.service.ops.evaluator", "run_evaluator"),
+        "train": ("ddiloco.service.ops.launcher", "Launcher"),
     }[command]
     seen = _capture(monkeypatch, *fake)
 
@@ -348,7 +348,7 @@ def test_resume_loads_the_saved_config_and_allows_only_runtime_overrides(tmp_pat
     monkeypatch.chdir(tmp_path)
     saved = load_config(None, ["run.method=diloco", "algo.sync_every=7"])
     prepare_run_dir(tmp_path / "r", "test", saved)
-    seen = _capture(monkeypatch, "ddiloco.service.launcher", "Launcher")
+    seen = _capture(monkeypatch, "ddiloco.service.ops.launcher", "Launcher")
     assert main(["train", "--resume", "r", "--set", "runtime.duration_s=5", "--set", "run.threads=2"]) == 2
     assert seen["cfg"].algo.sync_every == 7 and seen["cfg"].run.method == "diloco"
     assert seen["cfg"].runtime.duration_s == 5 and seen["args"][0] == (tmp_path / "r").resolve()
@@ -393,7 +393,7 @@ def test_a_format_1_folder_is_refused_before_anything_is_written(tmp_path, monke
     with pytest.raises(DDiLoCoError, match="is of format 1; this ddiloco writes format 2"):
         prepare_run_dir(d, "test", Config())
     monkeypatch.chdir(tmp_path)
-    seen = _capture(monkeypatch, "ddiloco.service.syncer", "open_syncer")
+    seen = _capture(monkeypatch, "ddiloco.service.syncer.service", "open_syncer")
     assert main(["syncer", "--bind", "tcp://127.0.0.1:5555", "--run-dir", "old"]) == 2
     assert "format 1" in capsys.readouterr().err and not seen
     assert sorted(p.name for p in d.iterdir()) == ["metrics.jsonl", "run.json"]
@@ -401,7 +401,7 @@ def test_a_format_1_folder_is_refused_before_anything_is_written(tmp_path, monke
 
 def test_the_syncer_resumes_its_run_folder_without_a_flag_if_the_config_matches(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    seen = _capture(monkeypatch, "ddiloco.service.syncer", "open_syncer")
+    seen = _capture(monkeypatch, "ddiloco.service.syncer.service", "open_syncer")
     argv = ["syncer", "--bind", "tcp://127.0.0.1:5555", "--run-dir", "r", "--set", "algo.sync_every=6"]
     assert main(argv) == 2 and seen["cfg"].algo.sync_every == 6
     assert (tmp_path / "r" / "config.toml").is_file()  # the first command on a folder saves its config
@@ -535,7 +535,7 @@ def test_a_learner_checks_an_existing_run_folder_but_makes_none(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     prepare_run_dir(tmp_path / "run", "test", load_config(None, ["algo.sync_every=6"]))
-    seen = _capture(monkeypatch, "ddiloco.service.learner", "run_learner")
+    seen = _capture(monkeypatch, "ddiloco.service.learner.process", "run_learner")
     argv = ["learner", "--syncer", "tcp://127.0.0.1:5555", "--id", "1", "--device", "cpu"]
     assert main([*argv, "--run-dir", "run"]) == 2 and not seen
     assert "was made with algo.sync_every = 6, but this command has algo.sync_every = 24" in capsys.readouterr().err
@@ -545,7 +545,7 @@ def test_a_learner_checks_an_existing_run_folder_but_makes_none(tmp_path, monkey
 
 
 def test_train_passes_host_and_port_to_the_launcher(tmp_path, monkeypatch):
-    import ddiloco.service.launcher as launcher
+    import ddiloco.service.ops.launcher as launcher
 
     monkeypatch.chdir(tmp_path)
     seen: dict = {}

@@ -20,7 +20,7 @@ from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Join
 from ddiloco.core.syncer import Syncer
-from ddiloco.service import wire
+from ddiloco.service.base import wire
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""A fragment's host<->device copies (service/device_copies.py): the CPU path is the plain copies,
+"""A fragment's host<->device copies (service/learner/device_copies.py): the CPU path is the plain copies,
 unchanged; the CUDA path's logic (pinned buffers from a pool, the side stream, the events the
 training stream waits for) runs here on a fake GPU made of CPU tensors and recorded calls.
 bench/gpu_copies_check.py checks the real thing on a GPU."""
@@ -10,8 +10,8 @@ import contextlib
 import pytest
 import torch
 
-from ddiloco.service import device_copies
-from ddiloco.service.device_copies import ALIGN, MAX_FREE, DeviceCopies
+from ddiloco.service.learner import device_copies
+from ddiloco.service.learner.device_copies import ALIGN, MAX_FREE, DeviceCopies
 
 
 def test_the_cpu_path_is_the_plain_copies():

@@ -21,7 +21,7 @@ from ddiloco.core.messages import Contribution, FragmentUpdate, Join
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.core.validation import check_routed
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.base.wire import WireError, decode, encode
 
 # -- the row-by-row merge ---------------------------------------------------------------------
 

@@ -17,10 +17,10 @@ from ddiloco.config import load_config
 from ddiloco.core.tape import RoundRecord
 from ddiloco.report.invariants import check_run
 from ddiloco.report.tape import read_tape
-from ddiloco.service.clock import SkewedClock
-from ddiloco.service.learner import LearnerProcess
-from ddiloco.service.syncer import SyncerService
-from ddiloco.service.transport import FaultInjector, InProcessNetwork, learner_identity
+from ddiloco.service.base.clock import SkewedClock
+from ddiloco.service.base.transport import FaultInjector, InProcessNetwork, learner_identity
+from ddiloco.service.learner.process import LearnerProcess
+from ddiloco.service.syncer.service import SyncerService
 
 pytestmark = pytest.mark.slow  # a real service run in threads: tens of seconds of real time
 

@@ -345,9 +345,9 @@ def keyed_fleet(tmp_path):
     """A keyed syncer on loopback and two keyed learners, as threads."""
     from helpers import keyed_syncer
 
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.learner import LearnerProcess
-    from ddiloco.service.transport import ZmqLearnerSocket
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.transport import ZmqLearnerSocket
+    from ddiloco.service.learner.process import LearnerProcess
 
     torch.set_num_threads(1)
     keys = tmp_path / "keys"
@@ -393,9 +393,9 @@ def test_over_curve_no_other_key_takes_a_learners_route_even_with_its_old_name(k
     """The attack of the issue: a connection with the observer's key (and one with learner 1's)
     using learner 0's old transport identity, registering and heartbeating as learner 0. Learner
     0 keeps merging; every such message is refused as an impostor; nothing is accepted."""
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.transport import learner_identity
-    from ddiloco.service.wire import decode, encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.transport import learner_identity
+    from ddiloco.service.base.wire import decode, encode
     from ddiloco.training.layout import layout_for, param_spec
     from ddiloco.workloads.config import load_workload
 
@@ -445,8 +445,8 @@ def test_over_curve_a_learner_whose_connection_changes_under_it_reconnects_and_m
 def test_over_curve_a_fetch_flood_from_the_observer_key_is_limited_per_key(keyed_fleet):
     """FetchGlobal from one observer key over many connections: the key's limit holds whatever
     connection it uses; refusals are counted."""
-    from ddiloco.service.keys import ClientKeys
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.keys import ClientKeys
+    from ddiloco.service.base.wire import encode
 
     _, addr, keys, service, _ = keyed_fleet
     wait_for(lambda: merged_of(service, 0) >= 1, 120, "the first merges")
@@ -481,10 +481,10 @@ class FrozenClock:
 def keyed_service(tmp_path, monkeypatch):
     """A keyed SyncerService fed by hand (``handle``), its clock frozen and its work clock stepped."""
     from ddiloco.config import load_config
-    from ddiloco.service import syncer as syncer_module
-    from ddiloco.service.keys import ClientKeys, ServerKeys, make_keys
-    from ddiloco.service.syncer import SyncerService
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.keys import ClientKeys, ServerKeys, make_keys
+    from ddiloco.service.base.transport import InProcessNetwork
+    from ddiloco.service.syncer.service import SyncerService
+    from ddiloco.service.syncer import service as syncer_module
 
     keys = tmp_path / "keys"
     make_keys(keys, learners=2)
@@ -508,7 +508,7 @@ def keyed_service(tmp_path, monkeypatch):
 
 
 def test_a_flood_from_one_key_over_many_connections_is_cut_by_its_keys_work_share(keyed_service):
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.wire import encode
 
     service, pub, decoded = keyed_service
     frames = encode(FetchGlobal("flood"))
@@ -523,7 +523,7 @@ def test_a_flood_from_one_key_over_many_connections_is_cut_by_its_keys_work_shar
 
 
 def test_the_message_rate_is_per_key_and_a_fetch_burst_is_refused_with_a_reason(keyed_service):
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.wire import encode
 
     service, pub, decoded = keyed_service
     service._busy = None  # only the session's read limit: 10 answered, the rest refused with a note
@@ -541,10 +541,10 @@ def test_without_keys_a_restarted_learner_connects_beside_its_predecessor_and_re
     """No handover any more: a new process of learner 1 gets a connection of its own (its
     predecessor's may still be open) and registers; the syncer routes learner 1 to it."""
     from ddiloco.config import load_config
-    from ddiloco.service.launcher import free_port
-    from ddiloco.service.learner import LearnerProcess
-    from ddiloco.service.syncer import SyncerService
-    from ddiloco.service.transport import ZmqLearnerSocket, ZmqSyncerSocket
+    from ddiloco.service.base.transport import ZmqLearnerSocket, ZmqSyncerSocket
+    from ddiloco.service.learner.process import LearnerProcess
+    from ddiloco.service.ops.launcher import free_port
+    from ddiloco.service.syncer.service import SyncerService
 
     torch.set_num_threads(1)
     cfg = load_config(None, SETTINGS)

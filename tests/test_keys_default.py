@@ -20,9 +20,9 @@ import ddiloco
 from ddiloco.cli import main
 from ddiloco.config import load_config
 from ddiloco.errors import DDiLoCoError
-from ddiloco.service.keys import ClientKeys, forget_local_keys, local_keys, remember_local_keys, run_keys
-from ddiloco.service.launcher import Launcher
-from ddiloco.service.observer import NoReply, fetch_status
+from ddiloco.service.base.keys import ClientKeys, forget_local_keys, local_keys, remember_local_keys, run_keys
+from ddiloco.service.base.observer import NoReply, fetch_status
+from ddiloco.service.ops.launcher import Launcher
 
 torch.set_num_threads(1)
 

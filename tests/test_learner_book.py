@@ -1,4 +1,4 @@
-"""The launcher's books of one learner (service/learner_book.py), driven by the events the
+"""The launcher's books of one learner (service/ops/learner_book.py), driven by the events the
 launcher sees: every second of its allocation is in exactly one state, work is banked once."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ddiloco.report.accounting import STATES
-from ddiloco.service.learner_book import LearnerBook
+from ddiloco.service.ops.learner_book import LearnerBook
 
 
 def status(pid: int, steps: int, tokens: int, pending: float = 0.0) -> dict:

@@ -22,7 +22,7 @@ from torch import nn
 
 import ddiloco
 from ddiloco.config import load_config
-from ddiloco.service.transport import InProcessNetwork
+from ddiloco.service.base.transport import InProcessNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
 ADDRESS = "inproc://library-syncer"
@@ -231,7 +231,7 @@ def test_dtensor_parameters_other_than_fsdp2_shards_are_refused_with_the_reason(
 
 
 def _free_port() -> int:
-    from ddiloco.service.launcher import free_port
+    from ddiloco.service.ops.launcher import free_port
 
     return free_port("127.0.0.1")
 

@@ -27,7 +27,7 @@ from torch import nn
 import ddiloco
 from ddiloco.config import load_config
 from ddiloco.errors import DDiLoCoError, UsageError
-from ddiloco.service.transport import InProcessNetwork
+from ddiloco.service.base.transport import InProcessNetwork
 
 SETTINGS = [
     "run.num_learners=2",
@@ -144,7 +144,7 @@ def run_fleet(
 def test_a_library_run_writes_the_run_folder_and_reports_like_a_cli_run(tmp_path):
     from ddiloco.report.html import load_run, render_report
     from ddiloco.report.summary import summary_table
-    from ddiloco.service.status_cmd import run_status
+    from ddiloco.service.ops.status_cmd import run_status
 
     d = tmp_path / "lib"
     config = cfg(f"run.processed_tokens={BUDGET}", "runtime.duration_s=inf")  # no time budget: ends at tokens
@@ -294,10 +294,10 @@ def test_an_evaluation_hook_that_raises_never_stops_the_syncer(tmp_path, caplog)
         raise RuntimeError("CUDA out of memory (a stand-in)")
 
     d = tmp_path / "lib"
-    with caplog.at_level(logging.WARNING, logger="ddiloco.service.eval_hook"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.service.syncer.eval_hook"):
         run_fleet(d, cfg(f"run.processed_tokens={BUDGET}"), evaluate=broken, eval_interval_s=0.2)
     assert len(calls) >= 2  # called at intervals and at the end
-    lines = [r.getMessage() for r in caplog.records if r.name == "ddiloco.service.eval_hook"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddiloco.service.syncer.eval_hook"]
     assert (
         "evaluate hook raised RuntimeError: CUDA out of memory (a stand-in); the final evaluation is not recorded"
         in lines
@@ -329,7 +329,7 @@ def test_a_slow_evaluation_hook_is_off_the_merge_path(tmp_path):
 
 def test_an_evaluation_hook_that_returns_no_loss_is_said_in_one_line(tmp_path, caplog):
     d = tmp_path / "lib"
-    with caplog.at_level(logging.WARNING, logger="ddiloco.service.eval_hook"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.service.syncer.eval_hook"):
         run_fleet(d, cfg(f"run.processed_tokens={BUDGET}"), learners=1, evaluate=lambda m: {"acc": 1.0})
     assert (
         "evaluate hook: its dict has no 'loss' (keys: acc); return the loss (a number) or a dict with a numeric "

@@ -21,9 +21,9 @@ from test_report_html import FIGURES, figures, pngs
 from test_runtime import ENV, SETTINGS, read
 
 from ddiloco.config import load_config
-from ddiloco.service.clock import SYSTEM_CLOCK
-from ddiloco.service.launcher import free_port
-from ddiloco.service.learner import EXIT_COMM_DIED, LearnerProcess
+from ddiloco.service.base.clock import SYSTEM_CLOCK
+from ddiloco.service.learner.process import EXIT_COMM_DIED, LearnerProcess
+from ddiloco.service.ops.launcher import free_port
 
 CLI = [sys.executable, "-m", "ddiloco.cli"]
 
@@ -238,7 +238,7 @@ def test_a_learner_address_without_scheme_or_port_is_refused_at_parse_time(bad):
 
 
 def test_a_resumed_train_run_adds_its_accounting_to_the_earlier_sessions():
-    from ddiloco.service.launcher import _add_sessions
+    from ddiloco.service.ops.launcher import _add_sessions
 
     first = {
         "horizon_s": 10.0, "tokens": 100, "compute_s": 18.0, "down_s": 1.0, "restarting_s": 0.5, "starting_s": 0.5,

@@ -16,7 +16,7 @@ from ddiloco.config import load_config
 from ddiloco.errors import ConfigError
 from ddiloco.link.command import LinkPlan, parse_hostport
 from ddiloco.link.config import DirectionConfig, LinkConfig, LinkFaults, Partition, parse_fault, parse_link
-from ddiloco.service.launcher import Launcher, check_chaos_horizon
+from ddiloco.service.ops.launcher import Launcher, check_chaos_horizon
 
 torch.set_num_threads(1)
 

@@ -21,8 +21,8 @@ from torch import nn
 
 import ddiloco
 from ddiloco.config import load_config
-from ddiloco.service.keys import forget_local_keys, make_keys
-from ddiloco.service.transport import InProcessNetwork
+from ddiloco.service.base.keys import forget_local_keys, make_keys
+from ddiloco.service.base.transport import InProcessNetwork
 from ddiloco.settings import SETTINGS as RUN_SETTINGS
 
 torch.set_num_threads(1)
@@ -392,8 +392,8 @@ def test_key_misuse_against_a_keyed_syncer_on_loopback_says_what_is_wrong(tmp_pa
 
 
 def test_the_cli_learner_exits_with_its_own_codes_when_superseded_or_given_up(tmp_path):
-    from ddiloco.service.learner import EXIT_GAVE_UP, EXIT_SUPERSEDED, LearnerProcess
-    from ddiloco.service.syncer import SyncerService
+    from ddiloco.service.learner.process import EXIT_GAVE_UP, EXIT_SUPERSEDED, LearnerProcess
+    from ddiloco.service.syncer.service import SyncerService
 
     synthetic = ["workload.factory=ddiloco.workloads.synthetic:make_workload", "workload.options={hidden = 8}"]
     config = cfg(*synthetic, "runtime.give_up_after_s=1.5", "runtime.step_sleep_s=0.01")

@@ -1,4 +1,4 @@
-"""The one observer client (service/observer.py) against a hand-driven ROUTER socket: the reply of
+"""The one observer client (service/base/observer.py) against a hand-driven ROUTER socket: the reply of
 the expected type is returned, anything else is skipped, and no reply is one clear error."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import zmq
 
 from ddiloco.protocol.messages import FetchGlobal, StatusReply, StatusRequest
-from ddiloco.service.launcher import free_port
-from ddiloco.service.observer import NoReply, ask, fetch_status
-from ddiloco.service.wire import decode, encode
+from ddiloco.service.base.observer import NoReply, ask, fetch_status
+from ddiloco.service.base.wire import decode, encode
+from ddiloco.service.ops.launcher import free_port
 
 
 class FakeSyncer:

@@ -10,8 +10,8 @@ from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.messages import Contribution, Join
 from ddiloco.core.syncer import Output, Syncer
-from ddiloco.service import store as persist
-from ddiloco.service.store import FORMAT, StateError, SyncerStore
+from ddiloco.service.syncer import store as persist
+from ddiloco.service.syncer.store import FORMAT, StateError, SyncerStore
 
 torch.set_num_threads(1)
 

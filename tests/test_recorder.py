@@ -16,8 +16,8 @@ from torch import nn
 import ddiloco
 from ddiloco.config import load_config
 from ddiloco.report.tape import read_tape
-from ddiloco.service.recorder import RecordingError, read_recording, replay
-from ddiloco.service.transport import InProcessNetwork
+from ddiloco.service.base.transport import InProcessNetwork
+from ddiloco.service.syncer.recorder import RecordingError, read_recording, replay
 
 ADDRESS = "inproc://recorded-syncer"
 SETTINGS = [

@@ -19,8 +19,8 @@ import torch
 
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.syncer import FragmentRecord
-from ddiloco.service import store as persist
-from ddiloco.service.store import StateError, SyncerStore, start_over
+from ddiloco.service.syncer import store as persist
+from ddiloco.service.syncer.store import StateError, SyncerStore, start_over
 
 torch.set_num_threads(1)
 
@@ -119,7 +119,7 @@ def test_damage_to_any_two_files_restores_every_durable_version_or_is_refused(tm
     outcomes: dict[str, int] = {}
     cases = [((a,), (da,)) for a in files for da in DAMAGES]
     cases += [((a, b), (da, db)) for a, b in itertools.combinations(files, 2) for da in DAMAGES for db in DAMAGES]
-    caplog.set_level(logging.ERROR, logger="ddiloco.service.store")  # the warnings are expected here
+    caplog.set_level(logging.ERROR, logger="ddiloco.service.syncer.store")  # the warnings are expected here
     for i, (names, damages) in enumerate(cases):
         d = tmp_path / f"case-{i}"
         shutil.copytree(pristine, d)
@@ -196,7 +196,7 @@ def test_a_record_whose_tensors_do_not_fit_the_layout_is_one_line(tmp_path):
 def test_a_snapshot_with_a_bad_header_is_passed_over_and_the_marks_still_hold(tmp_path, caplog):
     durable = a_store(tmp_path)
     (tmp_path / "state" / "snapshot.bin").write_bytes(framed(b'{"seq": "x", "tensors": []}', b"DDLS"))
-    with caplog.at_level(logging.WARNING, logger="ddiloco.service.store"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.service.syncer.store"):
         store, found = opened(tmp_path)
     assert {p: r.version for p, r in found.fragments.items()} == durable
     assert any("snapshot.bin" in r.getMessage() and "bad header" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,7 @@ import zmq
 from helpers import wait_for
 
 from ddiloco.report.tape import read_jsonl, rounds_of
-from ddiloco.service.launcher import free_port
+from ddiloco.service.ops.launcher import free_port
 
 pytestmark = pytest.mark.slow  # every test runs the syncer and learners as processes
 
@@ -157,7 +157,7 @@ def merged_learners(rounds: list[dict]) -> set[int]:
 
 def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluster):
     from ddiloco.core.messages import Contribution
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.wire import encode
 
     before = cluster.syncer()
     steps = [cluster.learner(m)["steps"] for m in (0, 1)]
@@ -197,8 +197,8 @@ def test_malformed_and_unknown_sender_are_rejected_while_training_goes_on(cluste
 def test_syncer_restart_resumes_from_the_durable_state_bit_for_bit(cluster):
     from ddiloco.config import load_config
     from ddiloco.core.syncer import Syncer
-    from ddiloco.service.evaluator import fetch_global
-    from ddiloco.service.store import SyncerStore
+    from ddiloco.service.ops.evaluator import fetch_global
+    from ddiloco.service.syncer.store import SyncerStore
     from ddiloco.training.layout import layout_for
     from ddiloco.workloads.config import load_workload
 
@@ -358,7 +358,7 @@ def test_torchrun_learner_group_applies_the_same_fragments_on_every_rank(cluster
 
 def test_syncer_sharded_by_fragment(tmp_path):
     """Two syncer shards own disjoint fragments; one learner talks to both."""
-    from ddiloco.service.evaluator import fetch_global
+    from ddiloco.service.ops.evaluator import fetch_global
 
     host = "127.0.0.6"
     addrs = [f"tcp://{host}:{free_port(host)}" for _ in range(2)]
@@ -448,7 +448,7 @@ def test_across_network_namespaces(tmp_path):
             assert _ip("-n", ns, "addr", "add", addr, "dev", dev)
             assert _ip("-n", ns, "link", "set", dev, "up") and _ip("-n", ns, "link", "set", "lo", "up")
         addr = "tcp://10.231.7.1:5601"
-        from ddiloco.service.keys import make_keys
+        from ddiloco.service.base.keys import make_keys
 
         keys = tmp_path / "keys"  # off loopback, CURVE is required: the test crosses the veth encrypted
         make_keys(keys, learners=1)

@@ -20,12 +20,12 @@ from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import FragmentUpdate
 from ddiloco.errors import DDiLoCoError
 from ddiloco.protocol.messages import FetchGlobal, GlobalState, JoinReply, Register
-from ddiloco.service.clock import SkewedClock
-from ddiloco.service.keys import ClientKeys, is_local, make_keys
-from ddiloco.service.learner import LearnerProcess, client_keys
-from ddiloco.service.syncer import SyncerService, open_syncer
-from ddiloco.service.transport import ZmqLearnerSocket, learner_identity
-from ddiloco.service.wire import decode, encode
+from ddiloco.service.base.clock import SkewedClock
+from ddiloco.service.base.keys import ClientKeys, client_keys, is_local, make_keys
+from ddiloco.service.base.transport import ZmqLearnerSocket, learner_identity
+from ddiloco.service.base.wire import decode, encode
+from ddiloco.service.learner.process import LearnerProcess
+from ddiloco.service.syncer.service import SyncerService, open_syncer
 
 SETTINGS = [
     "workload.factory=ddiloco.workloads.synthetic:make_workload",
@@ -182,7 +182,7 @@ def test_a_learner_ignores_implausible_versions_and_token_counts():
 def test_a_wall_clock_jump_changes_no_liveness_or_grace_decision(tmp_path, jump_s):
     """The core runs on the monotonic clock: stepping the wall clock by minutes mid-run leaves
     every learner live and every grace window the size it was."""
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.transport import InProcessNetwork
 
     cfg = load_config(None, SETTINGS)
     net = InProcessNetwork()
@@ -220,8 +220,8 @@ def test_a_wall_clock_jump_changes_no_liveness_or_grace_decision(tmp_path, jump_
 def test_floods_are_rate_limited_per_sender(tmp_path):
     """5000 fake joins and a message flood from one identity: dropped before they cost work,
     and the registered-learner count stays bounded."""
-    from ddiloco.service.ratelimit import RateLimits
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.ratelimit import RateLimits
+    from ddiloco.service.base.transport import InProcessNetwork
 
     limits: RateLimits[str] = RateLimits(rate=2.0, burst=10.0, max_keys=3)
     assert sum(limits.allow("a", 0.0) for _ in range(100)) == 10  # the burst, then nothing

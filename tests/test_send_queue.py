@@ -9,8 +9,8 @@ import torch
 
 from ddiloco.core.messages import FragmentRequest, FragmentUpdate
 from ddiloco.protocol.messages import JoinReply, SyncerHeartbeat
-from ddiloco.service.syncer import queue_rule
-from ddiloco.service.transport import SendQueue, frames_bytes
+from ddiloco.service.base.transport import SendQueue, frames_bytes
+from ddiloco.service.syncer.service import queue_rule
 
 torch.set_num_threads(1)
 
@@ -109,7 +109,7 @@ def test_a_router_whose_peer_stops_reading_keeps_the_backlog_in_our_queue() -> N
     older and the bound drops the oldest; once the peer reads, what waited arrives in order."""
     import zmq
 
-    from ddiloco.service.transport import ZmqSyncerSocket
+    from ddiloco.service.base.transport import ZmqSyncerSocket
 
     router = ZmqSyncerSocket("tcp://127.0.0.1:*", queue_bytes=8 << 20)
     address = bytes(router.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()

@@ -25,11 +25,11 @@ from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.messages import Register
 from ddiloco.protocol.syncer_session import Budget, SyncerSession
-from ddiloco.service.fleet_status import fleet_status, learner_records, status_reply
-from ddiloco.service.launcher import free_port
-from ddiloco.service.observer import NoReply, fetch_status
-from ddiloco.service.status_cmd import merge_views
-from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode
+from ddiloco.service.base.observer import NoReply, fetch_status
+from ddiloco.service.base.wire import MAX_HEADER, SCHEMA, WireError, decode, encode
+from ddiloco.service.ops.launcher import free_port
+from ddiloco.service.ops.status_cmd import merge_views
+from ddiloco.service.syncer.fleet_status import fleet_status, learner_records, status_reply
 
 SETTINGS = [
     "algo.sync_every=8",
@@ -136,7 +136,7 @@ def test_the_status_shows_each_learners_traffic_per_step_and_the_shards_add_up()
     from rich.console import Console
 
     from ddiloco.protocol.traffic import TrafficMeter
-    from ddiloco.service.status_cmd import render
+    from ddiloco.service.ops.status_cmd import render
 
     layout = balanced_layout([TensorSpec("w", (4,)), TensorSpec("b", (4,))], 2)
     core = Syncer(DiLoCoConfig(), layout, {"w": torch.zeros(4), "b": torch.zeros(4)}, [False, False])
@@ -248,7 +248,7 @@ def test_a_client_whose_request_cannot_even_be_queued_gets_no_answer_instead_of_
     here every new socket is made peerless-blocking (IMMEDIATE) towards an address nobody serves."""
     import zmq
 
-    from ddiloco.service.evaluator import fetch_global
+    from ddiloco.service.ops.evaluator import fetch_global
 
     ctx = zmq.Context.instance()
     plain = ctx.socket
@@ -271,9 +271,9 @@ def test_a_folder_without_status_files_is_refused(tmp_path, capsys):
 
 
 def test_with_keys_an_observer_key_may_ask_and_a_keyless_client_gets_nothing(tmp_path, capsys):
-    from ddiloco.service.keys import ServerKeys, make_keys
-    from ddiloco.service.syncer import SyncerService
-    from ddiloco.service.transport import ZmqSyncerSocket
+    from ddiloco.service.base.keys import ServerKeys, make_keys
+    from ddiloco.service.base.transport import ZmqSyncerSocket
+    from ddiloco.service.syncer.service import SyncerService
 
     keys = tmp_path / "keys"
     make_keys(keys, learners=1)

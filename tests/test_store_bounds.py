@@ -13,8 +13,8 @@ from ddiloco.config import load_config
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.syncer import FragmentRecord
 from ddiloco.errors import ConfigError
-from ddiloco.service import store as persist
-from ddiloco.service.store import StoreFull, SyncerStore
+from ddiloco.service.syncer import store as persist
+from ddiloco.service.syncer.store import StoreFull, SyncerStore
 
 torch.set_num_threads(1)
 

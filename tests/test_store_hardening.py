@@ -15,9 +15,9 @@ import torch
 
 from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.syncer import FragmentRecord
-from ddiloco.service import status
-from ddiloco.service import store as persist
-from ddiloco.service.store import MARK_SIZE, StateError, StoreFull, StoreLocked, SyncerStore
+from ddiloco.service.base import status
+from ddiloco.service.syncer import store as persist
+from ddiloco.service.syncer.store import MARK_SIZE, StateError, StoreFull, StoreLocked, SyncerStore
 
 torch.set_num_threads(1)
 
@@ -348,7 +348,7 @@ def test_a_crash_at_any_syscall_never_loses_an_acknowledged_version(tmp_path, mo
     at random moments lost nothing: it still does not); it leaves no rotation half done, no log
     over its bound, and a store that goes on writing."""
     point = 0
-    caplog.set_level(logging.WARNING, logger="ddiloco.service.store")
+    caplog.set_level(logging.WARNING, logger="ddiloco.service.syncer.store")
     while True:
         point += 1
         d = tmp_path / str(point)
@@ -437,7 +437,7 @@ def test_status_write_errors_warn_once_and_never_raise(tmp_path, monkeypatch, ca
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    with caplog.at_level(logging.WARNING, logger="ddiloco.service.status"):
+    with caplog.at_level(logging.WARNING, logger="ddiloco.service.base.status"):
         for v in (2, 3, 4):
             status.write_status(path, {"v": v})
     monkeypatch.undo()

@@ -197,7 +197,7 @@ def test_shards_merge_bytes_add_steps_do_not() -> None:
 
 
 def test_header_estimates_are_close_to_the_wire() -> None:
-    from ddiloco.service.wire import encode
+    from ddiloco.service.base.wire import encode
 
     for name, msg in STEADY_MESSAGES.items():
         frames = encode(msg)
@@ -248,7 +248,7 @@ def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_
 def test_a_restarted_syncer_goes_on_counting_from_its_traffic_file(tmp_path) -> None:
     import ddiloco
     from ddiloco.config import load_config
-    from ddiloco.service.transport import InProcessNetwork
+    from ddiloco.service.base.transport import InProcessNetwork
 
     torch.set_num_threads(1)
     cfg = load_config(None, ["run.num_learners=2", "algo.sync_every=4"])

@@ -24,7 +24,7 @@ from ddiloco.protocol.messages import (
     StatusRequest,
     SyncerHeartbeat,
 )
-from ddiloco.service.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, max_frame_bytes
+from ddiloco.service.base.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, max_frame_bytes
 
 
 def contribution(values, **kw):
@@ -296,8 +296,8 @@ def test_the_error_names_field_value_and_range():
 
 
 def test_every_numeric_field_of_every_message_declares_its_bounds():
-    from ddiloco.service.wire import MESSAGES as WIRE_MESSAGES
-    from ddiloco.service.wire import _plan
+    from ddiloco.service.base.wire import MESSAGES as WIRE_MESSAGES
+    from ddiloco.service.base.wire import _plan
 
     for cls in WIRE_MESSAGES.values():
         _plan(cls)  # raises TypeError for a numeric field without min/max

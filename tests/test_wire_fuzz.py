@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_wire import MESSAGES, same
 
-from ddiloco.service.wire import SCHEMA, WireError, decode, encode
+from ddiloco.service.base.wire import SCHEMA, WireError, decode, encode
 
 torch.set_num_threads(1)
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -209,7 +209,7 @@ def test_mutated_shapes_and_dtypes_against_their_frames(sample, data):
 
 
 def test_every_message_type_round_trips():
-    from ddiloco.service.wire import MESSAGES as WIRE_MESSAGES
+    from ddiloco.service.base.wire import MESSAGES as WIRE_MESSAGES
 
     assert {type(m).__name__ for m in MESSAGES} == set(WIRE_MESSAGES)
     for msg in MESSAGES:

@@ -18,9 +18,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Learner": "ddiloco.service.api_learner",
-    "LearnerStats": "ddiloco.service.api_learner",
-    "SyncerServer": "ddiloco.service.api_syncer",
+    "Learner": "ddiloco.service.learner.api",
+    "LearnerStats": "ddiloco.service.learner.api",
+    "SyncerServer": "ddiloco.service.syncer.api",
     "workload_from": "ddiloco.workloads.custom",
     "Config": "ddiloco.config",
     "load_config": "ddiloco.config",

@@ -5,8 +5,8 @@ from ddiloco.config import Config, load_config
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
 from ddiloco.export import export_model, fetch_state, load_state_dict, save_state_dict
-from ddiloco.service.api_learner import Learner, LearnerStats
-from ddiloco.service.api_syncer import SyncerServer
+from ddiloco.service.learner.api import Learner, LearnerStats
+from ddiloco.service.syncer.api import SyncerServer
 from ddiloco.workloads.custom import workload_from
 
 __all__ = [

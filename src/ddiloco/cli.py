@@ -144,12 +144,12 @@ def _check_run_dir(run_dir: str, cfg, by: str, create: bool = True) -> None:
 
 
 def cmd_syncer(args: argparse.Namespace) -> int:
-    from ddiloco.service.syncer import open_syncer
+    from ddiloco.service.syncer.service import open_syncer
 
     cfg = _load(args)
     _check_run_dir(args.run_dir, cfg, f"ddiloco syncer (shard {args.shard})")
     if args.start_over:
-        from ddiloco.service.store import start_over
+        from ddiloco.service.syncer.store import start_over
 
         start_over(args.run_dir, args.shard, args.num_shards)
     service, _ = open_syncer(
@@ -167,7 +167,7 @@ def cmd_syncer(args: argparse.Namespace) -> int:
 
 
 def cmd_learner(args: argparse.Namespace) -> int:
-    from ddiloco.service.learner import run_learner
+    from ddiloco.service.learner.process import run_learner
 
     cfg = _load(args)
     if not args.syncer and not args.standalone:
@@ -181,8 +181,8 @@ def cmd_learner(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluator(args: argparse.Namespace) -> int:
-    from ddiloco.service.evaluator import run_evaluator
-    from ddiloco.service.learner import client_keys
+    from ddiloco.service.base.keys import client_keys
+    from ddiloco.service.ops.evaluator import run_evaluator
 
     cfg = _load(args)
     _check_run_dir(args.run_dir, cfg, "ddiloco evaluator")
@@ -191,7 +191,7 @@ def cmd_evaluator(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from ddiloco.service.keys import make_keys
+    from ddiloco.service.base.keys import make_keys
 
     made = make_keys(args.dir, args.learners, args.observers)
     print(f"{len(made)} key pairs written to {args.dir} (existing ones kept). The syncer needs syncer.key_secret "
@@ -201,7 +201,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     try:  # Ctrl-C ends --watch quietly, even while the first query (or importing torch) is under way
-        from ddiloco.service.status_cmd import run_status
+        from ddiloco.service.ops.status_cmd import run_status
 
         return run_status(args.target, args.watch, args.keys, args.insecure, args.json, args.timeout)
     except KeyboardInterrupt:
@@ -214,7 +214,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from ddiloco.report.rundir import choose_run_dir, prepare_run_dir
     from ddiloco.report.summary import print_summary
-    from ddiloco.service.launcher import Launcher, check_chaos_horizon
+    from ddiloco.service.ops.launcher import Launcher, check_chaos_horizon
 
     options = _launcher_options(args)
     if args.resume:  # the folder first (one line if it is none), then its saved config

@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from ddiloco.chaos.schedule import ChaosConfig
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.errors import ConfigError, require, require_one_of
+from ddiloco.errors import ConfigError, UsageError, require, require_one_of
 from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.training.inner import InnerConfig
 from ddiloco.workloads.config import WorkloadConfig
 
 if sys.version_info >= (3, 11):
@@ -65,26 +66,6 @@ class RunSection:
     next to it and point ``latest`` at it; any other path is used as it is (like ``--run-dir``)."""
     threads: int = 1
     """torch.set_num_threads for this process."""
-
-
-@dataclass(frozen=True)
-class InnerConfig:
-    """The learners' inner optimizer (AdamW) and its schedule over global tokens."""
-
-    lr: float = 2e-3
-    """Peak learning rate."""
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    warmup_frac: float = 0.05
-    """Share of the token budget spent warming the LR up linearly."""
-    min_lr_frac: float = 0.1
-    """Cosine decay floor as a share of the peak LR."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
 
 
 @dataclass(frozen=True)
@@ -362,3 +343,23 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
         sec = dataclasses.asdict(getattr(cfg, f.name))
         out[f.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items()}
     return out
+
+
+ConfigLike = Config | DiLoCoConfig | str | Path | None
+"""A whole ``Config``, only its algorithm section, a TOML file shared with ``ddiloco syncer``,
+or None for the defaults."""
+
+
+def as_config(config: ConfigLike) -> Config:
+    """Any accepted form of ``config`` as a validated ``Config`` (one line when it is not one)."""
+    if config is None:
+        return Config().validate()
+    if isinstance(config, Config):
+        return config.validate()
+    if isinstance(config, DiLoCoConfig):
+        return Config(algo=config).validate()
+    if isinstance(config, (str, Path)):
+        return load_config(config)
+    raise UsageError(
+        f"config must be a ddiloco Config, a DiLoCoConfig, a TOML file path or None, not a {type(config).__name__}"
+    )

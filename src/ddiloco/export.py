@@ -39,16 +39,15 @@ def fetch_state(
     """The current global model of a live syncer (every shard), as a state dict of ``model``'s
     structure. ``config`` must give the syncer's fragment layout (a Config, DiLoCoConfig or TOML).
     ``insecure`` allows a syncer off this machine without keys (it is said once)."""
-    from ddiloco.service.api_learner import as_config
-    from ddiloco.service.evaluator import load_global
-    from ddiloco.service.observer import fetch_global, observer_keys
+    from ddiloco.config import as_config
+    from ddiloco.service.base.observer import fetch_global, observer_keys, write_global_states
     from ddiloco.training.layout import embedding_parameters, layout_of
 
     cfg = as_config(config)  # type: ignore[arg-type]
     keys = observer_keys(list(syncers), key, insecure)
     states = fetch_global(list(syncers), timeout_s, keys, requester="ddiloco export")  # NoReply says why not
     layout = layout_of(model, cfg.algo, embedding_parameters(model)).fragments
-    load_global(model, layout, states)
+    write_global_states(model, layout, states)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -79,7 +79,7 @@ def run_export(
             raise DDiLoCoError("pass either one run folder or the syncer shards' addresses, not both")
         cfg = _config(config, run_dir, sources[0])
         model = _run_model(cfg, run_dir, "exporting from a live syncer")
-        from ddiloco.service.keys import RUN_KEYS
+        from ddiloco.service.base.keys import RUN_KEYS
 
         if keys is None and not insecure and run_dir is not None and (Path(run_dir) / RUN_KEYS).is_dir():
             keys = str(Path(run_dir) / RUN_KEYS)  # a keyed run (ddiloco train makes keys there): its observer key

@@ -20,7 +20,7 @@ UpdateReason = Literal["merged", "join", "stale"]
 
 # Bounds of every numeric field, as dataclass field metadata: ``min``/``max`` bound the value (or
 # each element of a list or dict of numbers), ``max_len`` the length of a string, list or dict.
-# ``service/wire.py`` checks them on decode (a violation is a WireError naming field, value and
+# ``service/base/wire.py`` checks them on decode (a violation is a WireError naming field, value and
 # range) and on encode (a bug cannot put an out-of-range message on the wire). Counters stop at
 # 2**53 so that every one of them is exact as a float (token weights, JSON readers elsewhere).
 MAX_ID = 65535

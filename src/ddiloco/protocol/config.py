@@ -110,7 +110,7 @@ class RuntimeConfig:
     """Flight recorder: each syncer shard records what its session is handed (messages, with
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to
     this many MiB per start, so an incident can be replayed through the same session
-    (``ddiloco.service.recorder.replay``); 0: off."""
+    (``ddiloco.service.syncer.recorder.replay``); 0: off."""
     send_queue_mb: float = 512.0
     """What the syncer keeps waiting for one learner's link, in MiB (ZeroMQ itself holds only a
     few messages per peer): a newer version of a fragment replaces a waiting older one, and

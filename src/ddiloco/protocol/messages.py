@@ -3,7 +3,7 @@ optimizer hand-off, the run's end and observation.
 
 The algorithm's messages (Join, Leave, Heartbeat, Contribution, Ack, FragmentRequest,
 FragmentUpdate) live in ``ddiloco.core.messages``; the sessions (``learner_session``,
-``syncer_session``) speak both kinds, and ``service/wire.py`` encodes both. A learner registers
+``syncer_session``) speak both kinds, and ``service/base/wire.py`` encodes both. A learner registers
 with ``Register``, which the syncer session checks against its layout and turns into the core's
 ``Join``.
 """
@@ -222,7 +222,7 @@ class StatusRequest:
 @dataclass(frozen=True)
 class StatusReply:
     """Syncer -> observer: this shard's fleet view, the same figures as its status file
-    (``service/fleet_status.py`` builds it; learners and fragments are listed up to a cap)."""
+    (``service/syncer/fleet_status.py`` builds it; learners and fragments are listed up to a cap)."""
 
     status: dict[str, Any] = field(metadata={"max_len": MAX_STATUS_KEYS})
     """The status dict (JSON values only; bounded by the wire's header size and nesting)."""

@@ -1,13 +1,33 @@
-"""The learners' inner optimizer and its learning-rate schedule over global tokens."""
+"""The learners' inner optimizer and its learning-rate schedule over global tokens: the
+``[inner]`` section's config beside what it builds."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ddiloco.config import InnerConfig
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The learners' inner optimizer (AdamW) and its schedule over global tokens."""
+
+    lr: float = 2e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_frac: float = 0.05
+    """Share of the token budget spent warming the LR up linearly."""
+    min_lr_frac: float = 0.1
+    """Cosine decay floor as a share of the peak LR."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
 
 
 def make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:

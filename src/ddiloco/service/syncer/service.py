@@ -43,18 +43,18 @@ from ddiloco.report.model_file import save_pieces
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
-from ddiloco.service.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
-from ddiloco.service.heap import release_free_memory, resident_bytes
-from ddiloco.service.keys import ServerKeys, is_local
-from ddiloco.service.ratelimit import RateLimits
-from ddiloco.service.recorder import FlightRecorder
-from ddiloco.service.startup import StartupTimes
-from ddiloco.service.status import write_status
-from ddiloco.service.store import StoreFull, SyncerStore
-from ddiloco.service.syncer_load import RoundLoad
-from ddiloco.service.transport import Frames, SyncerSocket, ZmqSyncerSocket
-from ddiloco.service.wire import WireError, decode, encode, max_frame_bytes
+from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.base.heap import release_free_memory, resident_bytes
+from ddiloco.service.base.keys import ServerKeys, is_local
+from ddiloco.service.base.ratelimit import RateLimits
+from ddiloco.service.base.startup import StartupTimes
+from ddiloco.service.base.status import write_status
+from ddiloco.service.base.transport import Frames, SyncerSocket, ZmqSyncerSocket
+from ddiloco.service.base.wire import WireError, decode, encode, max_frame_bytes
+from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
+from ddiloco.service.syncer.load import RoundLoad
+from ddiloco.service.syncer.recorder import FlightRecorder
+from ddiloco.service.syncer.store import StoreFull, SyncerStore
 from ddiloco.settings import run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters

@@ -5,7 +5,7 @@ each optimizer step they call ``learner.step(tokens=n)``. That call never waits 
 (``late_fragment = continue``): it applies the global fragments that arrived since the last
 call, answers requests the comm thread could not answer itself, and copies to host memory only
 the fragments the schedule says will be asked for next. The comm thread (``learner_comm``) does
-all the talking. ``ddiloco learner`` (``service/learner.py``) is one user of this class.
+all the talking. ``ddiloco learner`` (``service/learner/process.py``) is one user of this class.
 
 Inside a torchrun group (DDP or FSDP2) rank 0 alone talks to the syncer and broadcasts what it
 received at each step boundary, so every rank applies the same fragments at the same step.
@@ -26,22 +26,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddiloco.config import Config, load_config
+from ddiloco.config import ConfigLike, as_config
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.fragments import tensor_rows, write_fragment
 from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import ID, FragmentUpdate
-from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
+from ddiloco.errors import CommError, RefusedError, UsageError
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
 from ddiloco.protocol.settings import SettingsQuery
-from ddiloco.service.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.keys import RUN_KEYS, ClientKeys, is_local, local_keys
-from ddiloco.service.learner_comm import LearnerComm
-from ddiloco.service.model_watch import ModelWatch
-from ddiloco.service.startup import LEARNER_LAST, StartupTimes
-from ddiloco.service.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.base.keys import ClientKeys, client_keys
+from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
+from ddiloco.service.base.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
+from ddiloco.service.base.wire import WireError, decode, encode
+from ddiloco.service.learner.comm import LearnerComm
+from ddiloco.service.learner.model_watch import ModelWatch
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 SocketFactory = Callable[[list[str], bytes], LearnerSocket]
 """Makes a learner's transport from (syncer addresses, transport identity): ZeroMQ by default,
 ``InProcessNetwork.learner`` in tests."""
-ConfigLike = Config | DiLoCoConfig | str | Path | None
-"""A whole ``Config``, only its algorithm section, a TOML file shared with ``ddiloco syncer``,
-or None for the defaults."""
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -88,21 +85,6 @@ class LearnerStats:
         return self.step_s + self.sync_s
 
 
-def as_config(config: ConfigLike) -> Config:
-    """Any accepted form of ``config`` as a validated ``Config`` (one line when it is not one)."""
-    if config is None:
-        return Config().validate()
-    if isinstance(config, Config):
-        return config.validate()
-    if isinstance(config, DiLoCoConfig):
-        return Config(algo=config).validate()
-    if isinstance(config, (str, Path)):
-        return load_config(config)
-    raise UsageError(
-        f"config must be a ddiloco Config, a DiLoCoConfig, a TOML file path or None, not a {type(config).__name__}"
-    )
-
-
 def check_addresses(syncer: str | Sequence[str] | None) -> list[str]:
     """The syncer shard addresses, in shard order (empty: standalone)."""
     if syncer is None:
@@ -114,37 +96,6 @@ def check_addresses(syncer: str | Sequence[str] | None) -> list[str]:
         if not isinstance(a, str) or not a.startswith(ADDRESS_SCHEMES):
             raise UsageError(f"syncer address {a!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
     return addrs
-
-
-def client_keys(
-    syncers: list[str], key: str | Path | ClientKeys | None, name: str, insecure: bool
-) -> ClientKeys | None:
-    """The keys to talk to ``syncers`` as ``name``: ``key`` is a folder from ``ddiloco keys`` (or
-    the ``NAME.key_secret`` file in it, next to ``syncer.key``). Without one: the keys of a
-    ``SyncerServer`` serving one of ``syncers`` in this process (it makes them by default); else
-    none on this machine, or with ``insecure`` (which is said once)."""
-    if isinstance(key, ClientKeys):
-        return key
-    if key is None and not insecure:
-        key = local_keys(syncers)
-    if key is not None:
-        path = Path(key)
-        if path.is_file():
-            if path.name != f"{name}.key_secret":
-                raise UsageError(f"key file {path} is not {name}.key_secret; pass that file or the folder holding it")
-            path = path.parent
-        if not (path / f"{name}.key_secret").exists() and (path / RUN_KEYS / f"{name}.key_secret").is_file():
-            path = path / RUN_KEYS  # a run folder given for its keys (ddiloco train, SyncerServer make them there)
-        return ClientKeys.load(path, name)
-    remote = [a for a in syncers if not is_local(a)]
-    if remote and not insecure:
-        raise DDiLoCoError(
-            f"{remote[0]} is not on this machine: pass the keys folder (--keys DIR, or key=DIR in Python) with "
-            f"syncer.key and {name}.key_secret from `ddiloco keys`, or --insecure (insecure=True) on a trusted network"
-        )
-    if remote:
-        log.warning("INSECURE: talking to %s without authentication or encryption", remote[0])
-    return None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -688,10 +639,10 @@ class Learner:
 
     def _host_values(self, p: int, wait: bool = True) -> list[torch.Tensor]:
         """Fragment p's current values, copied to host memory (on CUDA: on a side stream, into
-        pinned memory, ``service/device_copies.py``; ``wait=False`` returns before the copy is
+        pinned memory, ``service/learner/device_copies.py``; ``wait=False`` returns before the copy is
         complete: ``self._copies.wait([p])`` before reading it). An FSDP2 parameter is gathered
         first: a collective, so every rank of the group calls this for the same fragments."""
-        from ddiloco.service.device_copies import DeviceCopies
+        from ddiloco.service.learner.device_copies import DeviceCopies
 
         if getattr(self, "_copies", None) is None:
             self._copies = DeviceCopies(self.device)
@@ -707,7 +658,7 @@ class Learner:
         """Write fragment p's merged values into the model (``add``: parameters add theirs, as
         ``write_fragment``). On CUDA they are uploaded on a side stream and the training stream
         waits for them on the GPU: no host sync."""
-        from ddiloco.service.device_copies import DeviceCopies
+        from ddiloco.service.learner.device_copies import DeviceCopies
 
         if getattr(self, "_copies", None) is None:
             self._copies = DeviceCopies(self.device)

@@ -20,13 +20,12 @@ from ddiloco.config import Config
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError
 from ddiloco.lifecycle import ProgressLines, StopSignals
 from ddiloco.report.rundir import prepare_run_dir
-from ddiloco.service.api_learner import Learner, SocketFactory
-from ddiloco.service.api_learner import client_keys as api_client_keys
-from ddiloco.service.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.heap import release_free_memory
-from ddiloco.service.keys import ClientKeys
-from ddiloco.service.startup import LEARNER_LAST, StartupTimes
-from ddiloco.service.status import write_status
+from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
+from ddiloco.service.base.heap import release_free_memory
+from ddiloco.service.base.keys import ClientKeys, client_keys
+from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
+from ddiloco.service.base.status import write_status
+from ddiloco.service.learner.api import Learner, SocketFactory
 from ddiloco.settings import SETTINGS
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.base import routed_tokens
@@ -282,11 +281,6 @@ def _pending_steps(learner: Learner | None) -> float:
         return 0.0
     steps = learner.session.core.steps
     return sum(steps) / len(steps)
-
-
-def client_keys(syncers: list[str], keys_dir: str | None, name: str, insecure: bool) -> ClientKeys | None:
-    """The keys to talk to ``syncers`` as ``name`` (see ``api_learner.client_keys``)."""
-    return api_client_keys(syncers, keys_dir, name, insecure)
 
 
 def run_learner(

@@ -1,6 +1,6 @@
 """``ddiloco status ADDR|RUN_DIR``: the fleet at a glance, from a live syncer or a run folder.
 
-From an address it asks the syncer as an observer (``service/observer.py``: a ``StatusRequest``,
+From an address it asks the syncer as an observer (``service/base/observer.py``: a ``StatusRequest``,
 ``observer.key_secret`` with ``--keys``, a bounded wait for the ``StatusReply``). From a run
 folder it reads every shard's status/syncer-K.json. Either way it merges the shards' views into
 one and prints two tables (learners, fragments), or the dict with ``--json``; ``--watch``
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.service.keys import ClientKeys
-from ddiloco.service.observer import fetch_status, observer_keys
-from ddiloco.service.status import read_status
+from ddiloco.service.base.keys import ClientKeys
+from ddiloco.service.base.observer import fetch_status, observer_keys
+from ddiloco.service.base.status import read_status
 
 TERMS = "docs/operations.md#terms"
 _RANK = {"up": 2, "left": 1, "down": 0}

@@ -39,11 +39,10 @@ from ddiloco.core.fragments import FragmentLayout
 from ddiloco.errors import UsageError
 from ddiloco.protocol.messages import FetchGlobal, GlobalState
 from ddiloco.report.tape import read_jsonl
-from ddiloco.service import observer
-from ddiloco.service.evaluator import load_global
-from ddiloco.service.keys import ClientKeys
-from ddiloco.service.transport import InProcessNetwork
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.base import observer
+from ddiloco.service.base.keys import ClientKeys
+from ddiloco.service.base.transport import InProcessNetwork
+from ddiloco.service.base.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ class EvalHook:
                 if self._stop.is_set():
                     return
                 if state is not None:
-                    versions = load_global(self.model, self.layout, [state])
+                    versions = observer.write_global_states(self.model, self.layout, [state])
                     self._evaluate(final=False, merged_tokens=state.merged_tokens, versions=versions)
             if state is not None and state.run_ended:
                 return  # nothing changes any more; the final evaluation follows the syncer's stop

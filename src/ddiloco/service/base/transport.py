@@ -23,7 +23,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from ddiloco.service.keys import ClientKeys, ServerKeys
+from ddiloco.service.base.keys import ClientKeys, ServerKeys
 
 log = logging.getLogger(__name__)
 Frames = list[Any]

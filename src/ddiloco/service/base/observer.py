@@ -17,12 +17,15 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import zmq
 
+from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.errors import DDiLoCoError
 from ddiloco.protocol.messages import FetchGlobal, GlobalState, StatusReply, StatusRequest
-from ddiloco.service.keys import ClientKeys, local_keys
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.base.keys import ClientKeys, client_keys, local_keys
+from ddiloco.service.base.wire import WireError, decode, encode
+from ddiloco.training.layout import synced_tensors
 
 R = TypeVar("R")
 
@@ -36,8 +39,6 @@ class NoReply(DDiLoCoError):
 def observer_keys(addresses: list[str], keys: str | Path | ClientKeys | None, insecure: bool) -> ClientKeys | None:
     """The observer's keys for ``addresses`` (the learners' rule, under the name ``observer``:
     a keys folder or ``observer.key_secret``; none on this machine or with ``insecure``)."""
-    from ddiloco.service.api_learner import client_keys
-
     return client_keys(addresses, keys, "observer", insecure)
 
 
@@ -99,3 +100,16 @@ def fetch_status(
 ) -> dict[str, Any]:
     """One syncer shard's fleet view (``NoReply`` if it does not answer)."""
     return ask(address, StatusRequest(requester), StatusReply, timeout_s, keys).status
+
+
+def write_global_states(model: torch.nn.Module, layout: FragmentLayout, states: list[GlobalState]) -> dict[str, int]:
+    """Write the fetched fragments into ``model``; returns the version of every fragment."""
+    params = synced_tensors(model)  # the parameters and the persistent buffers
+    versions: dict[str, int] = {}
+    for st in states:
+        versions.update(st.versions)
+        for p_text in st.versions:
+            p = int(p_text)
+            pieces = layout.fragments[p]
+            write_fragment(params, pieces, [st.tensors[f"{p}.{i}"] for i in range(len(pieces))])
+    return {k: versions[k] for k in sorted(versions, key=int)}

@@ -20,9 +20,9 @@ from collections.abc import Iterable
 
 from ddiloco.core.messages import Contribution
 from ddiloco.protocol.learner_session import LearnerOutput, LearnerSession, Send
-from ddiloco.service.clock import Clock
-from ddiloco.service.transport import LearnerSocket
-from ddiloco.service.wire import WireError, decode, encode
+from ddiloco.service.base.clock import Clock
+from ddiloco.service.base.transport import LearnerSocket
+from ddiloco.service.base.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
 

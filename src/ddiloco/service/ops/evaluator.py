@@ -12,17 +12,17 @@ import time
 import torch
 
 from ddiloco.config import Config
-from ddiloco.core.fragments import FragmentLayout, write_fragment
 from ddiloco.lifecycle import ProgressLines, StopSignals
 from ddiloco.protocol.messages import GlobalState
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
-from ddiloco.service import observer
-from ddiloco.service.heap import release_free_memory
-from ddiloco.service.keys import ClientKeys
+from ddiloco.service.base import observer
+from ddiloco.service.base.heap import release_free_memory
+from ddiloco.service.base.keys import ClientKeys
+from ddiloco.service.base.observer import write_global_states
 from ddiloco.training.evaluate import evaluate
-from ddiloco.training.layout import layout_for, synced_tensors
+from ddiloco.training.layout import layout_for
 from ddiloco.workloads.base import loss_unit
 from ddiloco.workloads.config import load_workload
 
@@ -39,19 +39,6 @@ def fetch_global(
     except observer.NoReply as e:
         log.debug("%s", e)
         return None
-
-
-def load_global(model: torch.nn.Module, layout: FragmentLayout, states: list[GlobalState]) -> dict[str, int]:
-    """Write the fetched fragments into ``model``; returns the version of every fragment."""
-    params = synced_tensors(model)  # the parameters and the persistent buffers
-    versions: dict[str, int] = {}
-    for st in states:
-        versions.update(st.versions)
-        for p_text in st.versions:
-            p = int(p_text)
-            pieces = layout.fragments[p]
-            write_fragment(params, pieces, [st.tensors[f"{p}.{i}"] for i in range(len(pieces))])
-    return {k: versions[k] for k in sorted(versions, key=int)}
 
 
 def run_evaluator(
@@ -91,7 +78,7 @@ def _evaluate_until_the_end(
             next_at += cfg.runtime.eval_interval_s
             states = fetch_global(syncers, keys=keys)
             if states is not None:
-                versions = load_global(model, layout, states)
+                versions = write_global_states(model, layout, states)
                 merged = sum(s.merged_tokens for s in states) / len(states)
                 ended = all(s.run_ended for s in states)
                 del states  # the model holds the values now: one copy, not two, while it evaluates

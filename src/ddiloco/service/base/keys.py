@@ -24,6 +24,7 @@ address and keys folder in this process (``local_keys``): a ``Learner``, ``fetch
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from typing import Literal
 import zmq
 import zmq.auth
 
-from ddiloco.errors import DDiLoCoError
+from ddiloco.errors import DDiLoCoError, UsageError
+
+log = logging.getLogger(__name__)
 
 Role = Literal["learner", "observer"]
 _LEARNER = re.compile(r"^learner-(\d+)\.key$")
@@ -183,3 +186,34 @@ def is_local(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name or an interface: assume the network
+
+
+def client_keys(
+    syncers: list[str], key: str | Path | ClientKeys | None, name: str, insecure: bool
+) -> ClientKeys | None:
+    """The keys to talk to ``syncers`` as ``name``: ``key`` is a folder from ``ddiloco keys`` (or
+    the ``NAME.key_secret`` file in it, next to ``syncer.key``). Without one: the keys of a
+    ``SyncerServer`` serving one of ``syncers`` in this process (it makes them by default); else
+    none on this machine, or with ``insecure`` (which is said once)."""
+    if isinstance(key, ClientKeys):
+        return key
+    if key is None and not insecure:
+        key = local_keys(syncers)
+    if key is not None:
+        path = Path(key)
+        if path.is_file():
+            if path.name != f"{name}.key_secret":
+                raise UsageError(f"key file {path} is not {name}.key_secret; pass that file or the folder holding it")
+            path = path.parent
+        if not (path / f"{name}.key_secret").exists() and (path / RUN_KEYS / f"{name}.key_secret").is_file():
+            path = path / RUN_KEYS  # a run folder given for its keys (ddiloco train, SyncerServer make them there)
+        return ClientKeys.load(path, name)
+    remote = [a for a in syncers if not is_local(a)]
+    if remote and not insecure:
+        raise DDiLoCoError(
+            f"{remote[0]} is not on this machine: pass the keys folder (--keys DIR, or key=DIR in Python) with "
+            f"syncer.key and {name}.key_secret from `ddiloco keys`, or --insecure (insecure=True) on a trusted network"
+        )
+    if remote:
+        log.warning("INSECURE: talking to %s without authentication or encryption", remote[0])
+    return None

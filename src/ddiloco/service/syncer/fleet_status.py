@@ -19,7 +19,7 @@ from ddiloco.protocol.fleet import Progress
 from ddiloco.protocol.messages import StatusReply
 from ddiloco.protocol.syncer_session import SyncerSession
 from ddiloco.protocol.traffic import traffic_figures
-from ddiloco.service.wire import encode
+from ddiloco.service.base.wire import encode
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ processes pass ``key=run_dir/keys``, those in this process find them by themselv
 Its run folder is a run folder like ``ddiloco syncer``'s: ``run.json``, the resolved
 ``config.toml`` (``run.run_dir`` set to the folder) and, since the model comes from code rather
 than from ``workload.*``, ``model.json`` describing it (``report.rundir.MODEL_INFO``). With
-``evaluate=fn`` a background thread evaluates the global model (``service/eval_hook.py``).
+``evaluate=fn`` a background thread evaluates the global model (``service/syncer/eval_hook.py``).
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from typing import Any
 
 from torch import nn
 
+from ddiloco.config import ConfigLike, as_config
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
 from ddiloco.report.rundir import prepare_run_dir, write_model_info
 from ddiloco.report.summary import log_time_budget_short, write_summary
-from ddiloco.service.api_learner import ConfigLike, as_config
-from ddiloco.service.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
-from ddiloco.service.keys import forget_local_keys, is_local, remember_local_keys, run_keys
-from ddiloco.service.observer import observer_keys
-from ddiloco.service.store import start_over as start_store_over
-from ddiloco.service.syncer import open_syncer
-from ddiloco.service.transport import InProcessNetwork, SyncerSocket
+from ddiloco.service.base.keys import forget_local_keys, is_local, remember_local_keys, run_keys
+from ddiloco.service.base.observer import observer_keys
+from ddiloco.service.base.transport import InProcessNetwork, SyncerSocket
+from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
+from ddiloco.service.syncer.service import open_syncer
+from ddiloco.service.syncer.store import start_over as start_store_over
 
 log = logging.getLogger(__name__)
 

@@ -246,7 +246,7 @@ class Replay:
 def replay(path: str | Path) -> Replay:
     """Build the session as the recording's start state says, then hand it every recorded input
     at its recorded time (virtual time: no clock is read)."""
-    from ddiloco.service.wire import WireError, decode
+    from ddiloco.service.base.wire import WireError, decode
 
     records = read_recording(path)
     start = records[0].header

@@ -40,12 +40,12 @@ from ddiloco.report.accounting import STATES, uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
-from ddiloco.service.keys import run_keys
-from ddiloco.service.learner import EXIT_REFUSED, EXIT_SUPERSEDED
-from ddiloco.service.learner_book import LearnerBook
-from ddiloco.service.status import read_status
-from ddiloco.service.store import check_state
-from ddiloco.service.store import start_over as start_over_state
+from ddiloco.service.base.keys import run_keys
+from ddiloco.service.base.status import read_status
+from ddiloco.service.learner.process import EXIT_REFUSED, EXIT_SUPERSEDED
+from ddiloco.service.ops.learner_book import LearnerBook
+from ddiloco.service.syncer.store import check_state
+from ddiloco.service.syncer.store import start_over as start_over_state
 
 log = logging.getLogger(__name__)
 
