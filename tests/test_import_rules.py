@@ -145,7 +145,11 @@ def pure_violations(graph: dict[str, set[str]], name: str, allowed: set[str], st
 
 def test_the_graph_is_read():
     graph = imports()
-    assert "ddiloco.core.syncer" in graph and "ddiloco.service.syncer" in graph and "ddiloco.sim.simulation" in graph
+    assert (
+        "ddiloco.core.syncer" in graph
+        and "ddiloco.service.syncer.service" in graph
+        and "ddiloco.sim.simulation" in graph
+    )
     assert "ddiloco.core.merge" in graph["ddiloco.core.syncer"]
     # lazy imports inside functions count (cli imports the drivers per command)
     assert any(layer(d) == "service" for d in graph["ddiloco.cli"])
@@ -192,11 +196,11 @@ def test_protocol_imports_only_the_core_and_no_io():
 def test_the_protocol_rule_catches_what_it_must():
     graph = {
         "ddiloco.protocol.session": {"ddiloco.core.syncer", "ddiloco.errors", "dataclasses", "torch", "typing"},
-        "ddiloco.protocol.bad": {"ddiloco.service.wire", "time", "numpy", "ddiloco.protocol.session"},
+        "ddiloco.protocol.bad": {"ddiloco.service.base.wire", "time", "numpy", "ddiloco.protocol.session"},
     }
     bad = pure_violations(graph, "protocol", {"core", "errors"}, stdlib_only=True)
     assert [b.split(":")[0] for b in bad] == [
-        "ddiloco.protocol.bad imports ddiloco.service.wire",
+        "ddiloco.protocol.bad imports ddiloco.service.base.wire",
         "ddiloco.protocol.bad imports numpy",
         "ddiloco.protocol.bad imports time",
     ]
@@ -231,3 +235,108 @@ def test_the_link_emulator_imports_only_errors_and_its_scheduler_does_no_io():
         f"{m} imports {d}" for m in sorted(pure) for d in sorted(graph[m]) if d.split(".")[0] in IO_MODULES - {"random"}
     ]
     assert bad == []
+
+
+# The wings of service/ (docs/architecture.md): each imports only the wings listed for it.
+WINGS = {"base": set(), "syncer": {"base"}, "learner": {"base"}, "ops": {"base", "syncer", "learner"}}
+
+
+def wing(module: str) -> str | None:
+    """The wing of ``service`` that ``module`` belongs to (None outside the service, or for the
+    ``ddiloco.service`` package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "service" else None
+
+
+def wing_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in sorted(graph.items()):
+        own = wing(module)
+        if layer(module) == "service" and own not in WINGS and module != "ddiloco.service":
+            bad.append(f"{module} is in no wing: put it in one of {', '.join(WINGS)}")
+            continue
+        for dep in sorted(deps):
+            theirs = wing(dep)
+            if own is not None and theirs is not None and theirs != own and theirs not in WINGS.get(own, set()):
+                allowed = ", ".join(sorted(WINGS[own])) or "no other wing"
+                bad.append(f"{module} imports {dep}: the {own} wing imports {allowed}")
+    return bad
+
+
+def test_the_service_wings_import_only_the_wings_below_them():
+    graph = imports()
+    assert {wing(m) for m in graph if layer(m) == "service"} - {None} == set(WINGS)
+    assert wing_violations(graph) == []
+
+
+def test_the_wing_rule_catches_what_it_must():
+    graph = {
+        "ddiloco.service.base.wire": {"ddiloco.service.syncer.store"},
+        "ddiloco.service.syncer.service": {"ddiloco.service.base.wire", "ddiloco.service.learner.api"},
+        "ddiloco.service.learner.api": {"ddiloco.service.base.keys"},
+        "ddiloco.service.ops.launcher": {"ddiloco.service.syncer.store", "ddiloco.service.learner.process"},
+        "ddiloco.service.stray": set(),
+    }
+    assert wing_violations(graph) == [
+        "ddiloco.service.base.wire imports ddiloco.service.syncer.store: the base wing imports no other wing",
+        "ddiloco.service.stray is in no wing: put it in one of base, syncer, learner, ops",
+        "ddiloco.service.syncer.service imports ddiloco.service.learner.api: the syncer wing imports base",
+    ]
+
+
+# docs/architecture.md's table: what each folder or top-level module may import of ours.
+LEAVES = ("errors", "lifecycle", "methods", "cli_types")
+ALLOWED: dict[str, set[str]] = {
+    **{leaf: set() for leaf in LEAVES},
+    "": set(),  # the ddiloco package's __init__ (its names come in lazily)
+    "__main__": {"cli"},
+    "core": {"errors"},
+    "protocol": {"core", "errors"},
+    "link": {"errors"},
+    "workloads": {"errors"},
+    "chaos": {"errors", "link"},
+    "training": {"core", "errors", "protocol", "workloads"},
+    "config": {"chaos", "core", "errors", "protocol", "training", "workloads"},
+    "settings": {"config", "errors"},
+    "config_reference": {"config", "methods"},
+    "report": {"config", "core", "errors", "protocol"},
+    "goodput": {"chaos", "core", "errors", "protocol", "report"},
+    "sim": {"chaos", "config", "core", "errors", "link", "protocol", "report", "training", "workloads"},
+    "service": {
+        *("chaos", "config", "core", "errors", "lifecycle", "protocol"),
+        *("report", "settings", "training", "workloads"),
+    },
+    "export": {"config", "errors", "report", "service", "training"},
+    "export_cmd": {"config", "errors", "export", "report", "service", "workloads"},
+    "api": {"config", "core", "errors", "export", "service", "workloads"},
+}
+
+
+def table_violations(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    """Each import of ours across folders that the table does not allow; ``cli`` may import
+    anything (it is the top), and a folder missing from the table is named."""
+    bad = []
+    for name, deps in sorted(layer_graph(graph).items()):
+        if name == "cli":
+            continue
+        if name not in allowed:
+            bad.append(f"{name or 'ddiloco'} is not in the table of docs/architecture.md: add its row")
+            continue
+        for dep in sorted(deps - allowed[name]):
+            bad.append(
+                f"{name or 'ddiloco'} imports {dep}: its row allows {', '.join(sorted(allowed[name])) or 'nothing'}"
+            )
+    return bad
+
+
+def test_every_folder_imports_only_what_its_row_allows():
+    assert table_violations(imports(), ALLOWED) == []
+
+
+def test_the_table_has_no_ring_and_its_rule_catches_what_it_must():
+    assert cycles({k: set(v) for k, v in ALLOWED.items()}) == []
+    graph = {"ddiloco.training.inner": {"ddiloco.config"}, "ddiloco.newthing.x": set(), "ddiloco.cli": {"ddiloco.sim"}}
+    assert table_violations(graph, ALLOWED) == [
+        "newthing is not in the table of docs/architecture.md: add its row",
+        "training imports config: its row allows core, errors, protocol, workloads",
+    ]
