@@ -1,157 +1,110 @@
 """Runtime benchmark: the real processes over ZeroMQ on this machine (loopback).
 
-    python bench/runtime.py            # everything (~17 min; run nothing else meanwhile)
-    python bench/runtime.py --quick    # shortened phases (a smoke test, not a result)
+    python bench/runtime.py                     # everything (~17 min; run nothing else meanwhile)
+    python bench/runtime.py --quick             # shortened phases (a smoke test, not a result)
+    python bench/runtime.py --pairs 3           # steps/s with syncing off and on: 3 paired runs (~10 min)
+    python bench/runtime.py --pairs 2 --quick   # the paired mode's smoke test (~1.5 min; not a result)
 
 Model and data of the quality benchmark (byte-level GPT, Shakespeare), 2 learners at one
 thread each unless a row says otherwise. Writes docs/results/runtime.md and .json.
+
+The paired mode (issue 31: one on/off ratio is noise on a shared machine; two runs of the same
+code gave 1.20 and 0.898). Each pair is a phase with syncing off (2 standalone learners) and
+then a phase with syncing on (a syncer + 2 learners), so the phases alternate off, on, off,
+on ... and drift in the machine's load falls on both arms alike. Every phase is the same: fresh
+processes in a fresh run folder, a wait until each learner has made 5 steps (start-up, at most
+120 s), a warm-up of ``PAIR_WARMUP_S`` = 10 s, then ``PAIR_PHASE_S`` = 60 s measured, then the
+processes stopped. Per pair: each learner's steps/s off and on and the on/off ratio (the mean of
+the learners' ratios, as the main benchmark's row); over the pairs: the ratio's mean, min, max and
+standard deviation. A phase takes about 90 s of wall time (start-up ~15 s on 2 cores, 10 s warm-up,
+60 s measured, the stop), so 3 pairs take about 9-10 minutes, of which 6 minutes are measured.
+``--quick`` shortens every phase to a 2 s warm-up and 6 s measured (2 pairs: about 1.5 minutes).
+Writes docs/results/runtime_pairs.md and .json (``--quick``: runtime_pairs-quick).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import signal
+import logging
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-GPT = [
-    "--set",
-    "runtime.step_log=true",
-    "--set",
-    "runtime.status_interval_s=0.5",
-    "--set",
-    "run.num_learners=2",
-    "--set",
-    "run.processed_tokens=100000000",
-    "--set",
-    "runtime.duration_s=86400",  # the benchmark decides each phase's length (the chaos run sets its own)
-]
+from harness.cluster import Cluster, wait_until  # noqa: E402  (bench/harness, beside this script)
+from harness.files import step_logs  # noqa: E402
+from harness.paths import ENV, RESULTS, sets  # noqa: E402
+from harness.sampling import quantile_rank, rate, spread  # noqa: E402
+from harness.tables import facts, met, publish, table  # noqa: E402
 
+log = logging.getLogger("bench.runtime")
 
-def sets(*pairs: str) -> list[str]:
-    return [x for p in pairs for x in ("--set", p)]
-
-
-class Cluster:
-    """Syncer + learners as processes (the bench's own small supervisor)."""
-
-    def __init__(self, run_dir: Path, extra: list[str]) -> None:
-        from ddiloco.service.ops.launcher import free_port
-
-        self.run_dir, self.extra = run_dir, extra
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.spawned: dict[str, float] = {}
-
-    def start(self, name: str, *args: str) -> None:
-        log = open(self.run_dir / f"{name}.log", "ab")
-        self.spawned[name] = time.time()
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco", *args, *self.extra], stdout=log, stderr=subprocess.STDOUT, env=ENV
-        )
-
-    def syncer(self) -> None:
-        self.start("syncer", "syncer", "--bind", self.addr, "--run-dir", str(self.run_dir))
-
-    def learner(self, m: int, standalone: bool = False) -> None:
-        target = ["--standalone"] if standalone else ["--syncer", self.addr]
-        self.start(
-            f"learner-{m}", "learner", *target, "--id", str(m), "--run-dir", str(self.run_dir), "--device", "cpu"
-        )
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        p = self.procs[name]
-        if p.poll() is None:
-            p.send_signal(sig)
-        p.wait(timeout=30)
-
-    def stop(self) -> None:
-        for name in list(self.procs):
-            if self.procs[name].poll() is None:
-                self.kill(name, signal.SIGTERM)
-
-    def status(self, name: str) -> dict:
-        try:
-            return json.loads((self.run_dir / "status" / f"{name}.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
-
-    def steps(self, m: int) -> list[tuple[float, float]]:
-        out = []
-        for f in sorted((self.run_dir / "metrics").glob(f"steps-{m}-*.csv")):
-            for line in f.read_text().splitlines():
-                try:
-                    t, d = line.split(",")
-                    out.append((float(t), float(d)))
-                except ValueError:
-                    pass
-        return sorted(out)
-
-    def tape(self) -> list[dict]:
-        from ddiloco.report.tape import read_tape
-
-        return read_tape(self.run_dir / "state" / "tape.jsonl")
+GPT = sets(
+    [
+        "runtime.step_log=true",
+        "runtime.status_interval_s=0.5",
+        "run.num_learners=2",
+        "run.processed_tokens=100000000",
+        "runtime.duration_s=86400",  # the benchmark decides each phase's length (the chaos run sets its own)
+    ]
+)
+PAIR_PHASE_S = 60.0
+"""Seconds measured in each phase of a pair."""
+PAIR_WARMUP_S = 10.0
+"""Seconds every phase runs, after each learner's 5th step, before its measured window."""
+QUICK_PHASE_S, QUICK_WARMUP_S = 6.0, 2.0
+"""The same for ``--pairs N --quick`` (a smoke test of the code, not a result)."""
+LEARNERS = (0, 1)
 
 
-def wait_until(pred, timeout: float) -> bool:
-    end = time.time() + timeout
-    while time.time() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def rate(steps: list[tuple[float, float]], t0: float, t1: float) -> float:
-    n = sum(1 for t, _ in steps if t0 <= t < t1)
-    return n / (t1 - t0)
+def steps_per_s(c: Cluster, m: int, t0: float, t1: float) -> float:
+    return rate([t for t, _ in c.steps(m)], t0, t1)
 
 
 def p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+    return quantile_rank(xs, 0.99)
+
+
+def phase(run_dir: Path, sync: bool, phase_s: float, warmup_s: float = 0.0) -> tuple[Cluster, list[float]]:
+    """One measured phase: 2 learners (standalone, or with a syncer started first), the wait for
+    5 steps each, ``warmup_s``, then each learner's steps/s over ``phase_s``. The cluster is left
+    running (the caller goes on with it, or stops it)."""
+    c = Cluster(run_dir, GPT)
+    c.run_dir.mkdir(parents=True)
+    if sync:
+        c.syncer()
+        wait_until(lambda: c.status("syncer-0"), 120)
+    for m in LEARNERS:
+        c.learner(m, standalone=not sync)
+    wait_until(lambda: all(c.status(f"learner-{m}").get("steps", 0) > 5 for m in LEARNERS), 120)
+    time.sleep(warmup_s)
+    t0 = time.time()
+    time.sleep(phase_s)
+    return c, [steps_per_s(c, m, t0, time.time()) for m in LEARNERS]
+
+
+def on_off_ratio(on: list[float], off: list[float]) -> float:
+    """The mean of the learners' on/off steps/s ratios (NaN when a learner made no step off)."""
+    return statistics.fmean(a / b if b else math.nan for a, b in zip(on, off))
 
 
 def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict:
     """Rows 1-3 and 7: steps/s with syncing on vs off; survivor stall after a SIGKILL;
     restart to first merged contribution; syncer restart to resumed merges."""
     out: dict = {}
-    # syncing off: two standalone learners
-    off = Cluster(work / "off", GPT)
-    (off.run_dir).mkdir(parents=True)
-    for m in (0, 1):
-        off.learner(m, standalone=True)
-    wait_until(lambda: all(off.status(f"learner-{m}").get("steps", 0) > 5 for m in (0, 1)), 120)
-    t0 = time.time()
-    time.sleep(phase_s)
-    off_rates = [rate(off.steps(m), t0, time.time()) for m in (0, 1)]
+    off, off_rates = phase(work / "off", sync=False, phase_s=phase_s)  # two standalone learners
     off.stop()
-    # syncing on: syncer + two learners, the same measurement window
-    on = Cluster(work / "on", GPT)
-    on.run_dir.mkdir(parents=True)
-    on.syncer()
-    wait_until(lambda: on.status("syncer-0"), 120)
-    for m in (0, 1):
-        on.learner(m)
-    wait_until(lambda: all(on.status(f"learner-{m}").get("steps", 0) > 5 for m in (0, 1)), 120)
-    t0 = time.time()
-    time.sleep(phase_s)
-    on_rates = [rate(on.steps(m), t0, time.time()) for m in (0, 1)]
+    on, on_rates = phase(work / "on", sync=True, phase_s=phase_s)  # syncer + two learners, the same window
     out["steps_per_s_sync_off"] = off_rates
     out["steps_per_s_sync_on"] = on_rates
-    out["throughput_ratio"] = statistics.fmean(a / b for a, b in zip(on_rates, off_rates))
+    out["throughput_ratio"] = on_off_ratio(on_rates, off_rates)
     syncer = on.status("syncer-0")
     out["syncer_cpu_share"] = syncer["cpu_s"] / syncer["wall_s"]
     out["sync_cost"] = sync_cost(on.run_dir)
@@ -167,7 +120,7 @@ def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict
     out["survivor_steps_in_5s_after_kill"] = len(after)
     # restarted learner: process start -> first merged contribution
     on.learner(1)
-    spawn = on.spawned["learner-1"]
+    spawn = on.spawned["learner-1"][-1]
 
     def first_merge() -> float | None:
         from ddiloco.core.tape import RoundRecord, parse_tape_record
@@ -190,7 +143,7 @@ def throughput_and_faults(work: Path, phase_s: float, pre_kill_s: float) -> dict
     time.sleep(5.0)
     on.kill("syncer")
     on.syncer()
-    spawn = on.spawned["syncer"]
+    spawn = on.spawned["syncer"][-1]
 
     def resumed() -> float | None:
         for r in on.tape():
@@ -223,7 +176,8 @@ def chaos_goodput(work: Path, duration_s: float, mtbf_s: float) -> dict:
     summary = launcher.run()
     kills = [f for f in launcher.faults if f["kind"] == "sigkill"]
     restart = statistics.fmean(summary["restart_latencies_s"]) if summary["restart_latencies_s"] else float("nan")
-    step_s = statistics.fmean([d for m in range(2) for _, d in Cluster(work / "chaos", []).steps(m)] or [float("nan")])
+    steps = step_logs(work / "chaos")
+    step_s = statistics.fmean([d for m in range(2) for _, d, _ in steps.get(m, [])] or [float("nan")])
     H = cfg.algo.sync_every
     T = summary["run_time_s"] * cfg.run.num_learners
     target = 1 - len(kills) * (restart + H / 2 * step_s) / T - 0.02
@@ -467,7 +421,7 @@ def to_markdown(rep: dict) -> str:
         "|---|---|---|---|",
     ]
     for name, val, target, ok in rows:
-        lines.append(f"| {name} | {val} | {target} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
+        lines.append(f"| {name} | {val} | {target} | {met(ok)} |")
     lines += ["", "## Fault timeline of the chaos run", "", "| t (s) | fault | target |", "|---|---|---|"]
     lines += [f"| {f['t']:.1f} | {f['kind']} | {f['target']} |" for f in c["faults"]]
     lines += [
@@ -479,13 +433,87 @@ def to_markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pairs(work: Path, n: int, phase_s: float, warmup_s: float) -> dict[str, Any]:
+    """``n`` pairs of phases, off then on, interleaved; the on/off ratio of each and its spread."""
+    rows = []
+    for k in range(n):
+        row: dict[str, Any] = {"pair": k}
+        for arm, sync in (("off", False), ("on", True)):
+            started = time.time()
+            c, rates = phase(work / f"pair-{k}" / arm, sync=sync, phase_s=phase_s, warmup_s=warmup_s)
+            if sync:
+                st = c.status("syncer-0")
+                row["syncer_cpu_share"] = st["cpu_s"] / st["wall_s"] if st.get("wall_s") else math.nan
+                row["sync_cost"] = sync_cost(c.run_dir)
+            c.stop()
+            row[f"steps_per_s_{arm}"] = rates
+            row[f"{arm}_phase_wall_s"] = time.time() - started
+        row["ratio"] = on_off_ratio(row["steps_per_s_on"], row["steps_per_s_off"])
+        log.info("pair %d: off %s, on %s, ratio %.3f", k, row["steps_per_s_off"], row["steps_per_s_on"], row["ratio"])
+        rows.append(row)
+    return {
+        "pairs": rows,
+        "ratio": spread([r["ratio"] for r in rows]),
+        "phase_s": phase_s,
+        "warmup_s": warmup_s,
+        "order": "off, on per pair; pairs one after another",
+    }
+
+
+def pairs_markdown(rep: dict[str, Any]) -> str:
+    def rates(xs: list[float]) -> str:
+        return ", ".join(f"{x:.2f}" for x in xs)
+
+    r = rep["ratio"]
+    lines = [
+        "# Runtime benchmark: learner steps/s with syncing off and on, paired runs",
+        "",
+        f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, {rep['wall_s'] / 60:.1f} min). "
+        f"{len(rep['pairs'])} pairs, each a phase with syncing off (2 standalone learners) then one with syncing on "
+        f"(a syncer + 2 learners), fresh processes each; every phase waits for 5 steps per learner, runs "
+        f"{rep['warmup_s']:g} s of warm-up and measures {rep['phase_s']:g} s. GPT on Shakespeare, one thread per "
+        "learner. Ratio: the mean over the learners of steps/s on / off.",
+        "",
+        *table(
+            ["pair", "steps/s off (per learner)", "steps/s on (per learner)", "on / off", "syncer CPU share"],
+            [
+                [
+                    p["pair"],
+                    rates(p["steps_per_s_off"]),
+                    rates(p["steps_per_s_on"]),
+                    f"{p['ratio']:.3f}",
+                    f"{p['syncer_cpu_share']:.1%}",
+                ]
+                for p in rep["pairs"]
+            ],
+        ),
+        "",
+        f"On/off ratio over {r['n']} pairs: mean {r['mean']:.3f}, min {r['min']:.3f}, max {r['max']:.3f}, "
+        f"standard deviation {r['stdev']:.3f} (target: mean >= 0.96).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--pairs", type=int, default=0, help="only the paired on/off throughput runs: this many pairs")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.pairs < 0:
+        ap.error("--pairs takes a count of pairs (1 or more)")
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
+    suffix = " --quick" if args.quick else ""
+    if args.pairs:
+        phase_s, warmup_s = (QUICK_PHASE_S, QUICK_WARMUP_S) if args.quick else (PAIR_PHASE_S, PAIR_WARMUP_S)
+        rep = pairs(work, args.pairs, phase_s, warmup_s)
+        rep.update(facts(f"python bench/runtime.py --pairs {args.pairs}{suffix}"))
+        rep.update({"wall_s": time.time() - started, "work_dir": str(work)})
+        name = "runtime_pairs-quick" if args.quick else "runtime_pairs"
+        publish(Path(args.out), name, rep, pairs_markdown(rep))
+        return 0
     phase, pre_kill, chaos_s, mtbf, sleep_s = (20, 25, 90, 30, 20) if args.quick else (60, 70, 600, 120, 60)
     rep = {"merge": merge_throughput()}
     print(json.dumps(rep["merge"]), flush=True)
@@ -495,21 +523,10 @@ def main() -> int:
     print(json.dumps(rep["sleep_fleet"]), flush=True)
     rep["chaos"] = chaos_goodput(work, chaos_s, mtbf)
     print(json.dumps({k: v for k, v in rep["chaos"].items() if k != "faults"}), flush=True)
-    rep.update(
-        {
-            "command": "python bench/runtime.py" + (" --quick" if args.quick else ""),
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "wall_s": time.time() - started,
-            "work_dir": str(work),
-        }
-    )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    rep.update(facts(f"python bench/runtime.py{suffix}"))
+    rep.update({"wall_s": time.time() - started, "work_dir": str(work)})
     name = "runtime-quick" if args.quick else "runtime"
-    (out / f"{name}.json").write_text(json.dumps(rep, indent=2))
-    (out / f"{name}.md").write_text(to_markdown(rep))
-    print(to_markdown(rep))
+    publish(Path(args.out), name, rep, to_markdown(rep))
     return 0
 
 
