@@ -24,165 +24,50 @@ docs/results/reliability.md and .json (``--out``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import math
-import os
-import platform
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-HONEST = (0, 1, 2)
-ATTACKER = 3
-STRANGER_ID = 7  # an id nobody holds: the intruder claims it (and the real ones)
-SETTINGS = [
-    "workload.factory=ddiloco.workloads.synthetic:make_workload",
-    "workload.options={batchnorm=true}",  # a model with buffers: the hostile-buffer attacks need them
-    "run.num_learners=4",  # the same data shards in the baseline (learner 3 is then absent)
-    "run.processed_tokens=1000000000",  # no end in sight: the run is as long as --minutes
-    "runtime.duration_s=86400",  # (the syncer would end the run at its time budget otherwise)
-    "inner.warmup_frac=0",  # (5% of 1e9 tokens would keep the LR warming up through the whole soak)
-    "run.seed=0",
-    "algo.sync_every=16",
-    "runtime.step_sleep_s=0.05",
-    "runtime.status_interval_s=0.5",
-    "runtime.heartbeat_interval_s=0.25",
-    "runtime.snapshot_interval_s=10",
-    "runtime.backoff_max_s=1.0",
-    "runtime.join_timeout_s=5.0",
-]
-ATTACKS = (
-    "nan",
-    "norm_100x",
-    "inflated_counters",
-    "replay",
-    "wrong_shape",
-    "buffer_nan",  # a NaN running mean
-    "buffer_negative_var",  # a negative running variance
-    "buffer_count",  # num_batches_tracked beyond any plausible count
-    "buffer_shape",  # a running statistic of another shape
+from harness.cluster import Cluster  # noqa: E402  (bench/harness, beside this script)
+from harness.paths import CACHE, RESULTS, sets  # noqa: E402
+from harness.sampling import rss_kb  # noqa: E402
+from harness.tables import facts, met, publish  # noqa: E402
+from soak_setup import (  # noqa: E402  (the fleet's settings, shared with the insider phase)
+    ATTACKER,
+    ATTACKS,
+    HONEST,
+    LEARNER_RESTART_S,
+    OVERSIZED_CUT,
+    SETTINGS,
+    STRANGER_ID,
+    SYNCER_RESTART_S,
+    load_cfg,
 )
-BUFFER_ATTACKS = {  # what each hostile-buffer attack needs in the fragment it answers for
-    "buffer_nan": "running_mean",
-    "buffer_negative_var": "running_var",
-    "buffer_count": "num_batches_tracked",
-    "buffer_shape": "running_mean",
-}
-OVERSIZED_CUT = 0.1
-"""A 100x-norm attack may be merged only cut to at most this fraction of its size (the robust
-merge clips to 3x the round's median |delta| per step: about 0.03 of a 100x answer)."""
-LEARNER_RESTART_S = 2.0
-SYNCER_RESTART_S = 0.5
+
+ROLES = Path(__file__).resolve().parent / "soak_roles.py"
+"""The attacker's and the intruder's processes."""
 
 
-def sets(pairs: list[str]) -> list[str]:
-    return [x for p in pairs for x in ("--set", p)]
+def soak_cluster(run_dir: Path, keys: Path) -> Cluster:
+    """A syncer and learners over CURVE with the soak's settings."""
+    return Cluster(run_dir, sets(SETTINGS), keys=keys)
 
 
-def load_cfg():
-    from ddiloco.config import load_config
-
-    return load_config(None, SETTINGS)
-
-
-# -- the processes ---------------------------------------------------------------------------
+def start_helper(c: Cluster, role: str, until: float, extra: list[str]) -> None:
+    """The attacker or the intruder (bench/soak_roles.py) against ``c``'s syncer until ``until``."""
+    argv = [sys.executable, str(ROLES), f"--{role}", "--addr", c.addr, "--keys", str(c.keys)]
+    argv += ["--run-dir", str(c.run_dir), "--until", f"{until:.3f}", *extra]
+    c.start(role, argv)
 
 
-class Cluster:
-    """Syncer + learners (+ attacker, intruder) as processes; the bench's own small supervisor."""
-
-    def __init__(self, run_dir: Path, keys: Path) -> None:
-        from ddiloco.service.ops.launcher import free_port
-
-        self.run_dir, self.keys = run_dir, keys
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.spawned: dict[str, list[float]] = {}
-
-    def _start(self, name: str, argv: list[str]) -> None:
-        log = open(self.run_dir / f"{name}.log", "ab")
-        self.spawned.setdefault(name, []).append(time.time())
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-
-    def syncer(self) -> None:
-        argv = ["syncer", "--bind", self.addr, "--run-dir", str(self.run_dir), "--keys", str(self.keys)]
-        self._start("syncer", [sys.executable, "-m", "ddiloco", *argv, *sets(SETTINGS)])
-
-    def learner(self, m: int) -> None:
-        argv = ["learner", "--syncer", self.addr, "--id", str(m), "--run-dir", str(self.run_dir), "--keys"]
-        argv += [str(self.keys), "--device", "cpu", "--threads", "1"]
-        self._start(f"learner-{m}", [sys.executable, "-m", "ddiloco", *argv, *sets(SETTINGS)])
-
-    def helper(self, role: str, until: float, extra: list[str]) -> None:
-        argv = [sys.executable, __file__, f"--{role}", "--addr", self.addr, "--keys", str(self.keys)]
-        argv += ["--run-dir", str(self.run_dir), "--until", f"{until:.3f}", *extra]
-        self._start(role, argv)
-
-    def alive(self, name: str) -> bool:
-        p = self.procs.get(name)
-        return p is not None and p.poll() is None
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        p = self.procs[name]
-        if p.poll() is None:
-            p.send_signal(sig)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
-
-    def stop(self) -> None:
-        names = [n for n in self.procs if n != "syncer"] + (["syncer"] if "syncer" in self.procs else [])
-        for name in ("attacker", "intruder"):  # they stop on their own at the deadline and report
-            if self.alive(name):
-                try:
-                    self.procs[name].wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    pass
-        for name in names:  # learners first, so the syncer's final flush sees them gone
-            if self.alive(name):
-                self.kill(name, signal.SIGTERM)
-
-    def status(self, name: str) -> dict:
-        try:
-            return json.loads((self.run_dir / "status" / f"{name}.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return {}
-
-
-class TapeReader:
-    """Reads RUN/state/tape.jsonl incrementally (complete lines only)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.records = path, 0, []
-
-    def poll(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        new = []
-        for line in data[:end].splitlines():
-            try:
-                new.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        self.records += new
-        return new
+def learner(c: Cluster, m: int) -> None:
+    c.learner(m, threads=1)
 
 
 def kill_schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[float, str]]:
@@ -204,16 +89,6 @@ def kill_schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple
     return sorted(out)
 
 
-def rss_kb(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 # -- one run -----------------------------------------------------------------------------------
 
 
@@ -229,8 +104,8 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
     keys = work / "keys"
     make_keys(keys, learners=4)
     observer = ClientKeys.load(keys, "observer")
-    c = Cluster(run_dir, keys)
-    tape = TapeReader(run_dir / "state" / "tape.jsonl")
+    c = soak_cluster(run_dir, keys)
+    tape = c.tape_reader()
     violations: list[dict] = []
     t0 = time.time()
 
@@ -245,15 +120,15 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
     while not c.status("syncer-0") and time.time() < deadline:
         time.sleep(0.1)
     for m in HONEST:
-        c.learner(m)
+        learner(c, m)
     deadline = time.time() + 300
     while not all(c.status(f"learner-{m}").get("steps", 0) > 0 for m in HONEST) and time.time() < deadline:
         time.sleep(0.2)
     t0 = c.t0_wall = time.time()
     end = t0 + duration_s
     if attack:
-        c.helper("attacker", end, ["--attack-from", f"{t0 + 0.2 * duration_s:.3f}"])
-        c.helper("intruder", end, ["--flood-from", f"{t0 + 0.5 * duration_s:.3f}"])
+        start_helper(c, "attacker", end, ["--attack-from", f"{t0 + 0.2 * duration_s:.3f}"])
+        start_helper(c, "intruder", end, ["--flood-from", f"{t0 + 0.5 * duration_s:.3f}"])
     pending = list(schedule)
     restarts: list[tuple[float, str]] = []
     faults: list[dict] = []
@@ -293,7 +168,7 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
                     syncer_starts.append(time.time() - t0)
                     check_restore = True
                 else:
-                    c.learner(int(target.split("-")[1]))
+                    learner(c, int(target.split("-")[1]))
         # the syncer's status: versions never decrease (a restored syncer continues), live ids, RSS
         st = c.status("syncer-0") if c.alive("syncer") else {}
         if st and st.get("pid") == c.procs["syncer"].pid:
@@ -336,7 +211,7 @@ def run_once(work: Path, duration_s: float, seed: int, schedule: list[tuple[floa
         check_tape(tape.poll())
         time.sleep(max(0.0, 1.0 - (time.time() - t0 - now)))
     wall = time.time() - t0
-    c.stop()
+    c.stop(wait_for=("attacker", "intruder"))  # they stop on their own at the deadline and report
     check_tape(tape.poll())
     return finish(
         c,
@@ -568,262 +443,6 @@ def intruder_accounting(run_dir: Path, live_ids: set[int], violate) -> dict:
     return rep
 
 
-# -- the attacker (learner id 3 with its valid key) ----------------------------------------------
-
-
-def attacker_main(args) -> int:
-    import torch
-    import zmq
-
-    torch.set_num_threads(1)
-    from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate, Heartbeat
-    from ddiloco.core.tape import RoundRecord, parse_tape_record
-    from ddiloco.protocol.messages import JoinReply, Register, SyncerHeartbeat
-    from ddiloco.service.base.keys import ClientKeys
-    from ddiloco.service.base.transport import learner_identity
-    from ddiloco.service.base.wire import WireError, decode, encode
-    from ddiloco.training.layout import layout_for, param_spec
-    from ddiloco.workloads.config import load_workload
-
-    cfg = load_cfg()
-    wl = load_workload(cfg.workload)
-    model = wl.build_model(cfg.run.seed)
-    layout = layout_for(model, wl, cfg.algo)
-    spec = param_spec(model)
-    H = cfg.algo.sync_every
-    gen = torch.Generator().manual_seed(1)
-    run_dir = Path(args.run_dir)
-    log = open(run_dir / "attacks.jsonl", "a")
-    tape = TapeReader(run_dir / "state" / "tape.jsonl")
-    honest_norms: dict[int, list[float]] = {}
-    inc = time.time_ns() // 1000
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, learner_identity(ATTACKER))
-    ClientKeys.load(args.keys, f"learner-{ATTACKER}").apply(sock)
-    sock.connect(args.addr)
-    versions: dict[int, int] = {}
-    values: dict[int, list[torch.Tensor]] = {}
-    seq, epoch, registered_at, heard = 0, None, 0.0, 0.0
-    last_filler: dict[int, list] = {}
-    # Per fragment: whether its next answer attacks (every second one), and where it is in its
-    # own list of attacks. Shared counters let the interleaving of requests decide which kinds
-    # a fragment gets: a loaded machine once sent one hostile-buffer kind never.
-    turn: dict[int, int] = {}
-    rotation: dict[int, int] = {}
-    t_start = time.monotonic()
-
-    def record(kind: str, **kw) -> None:
-        log.write(json.dumps({"t": time.time(), "kind": kind, "incarnation": inc, **kw}) + "\n")
-        log.flush()
-
-    def register() -> None:
-        nonlocal registered_at
-        registered_at = time.monotonic()
-        sock.send_multipart(encode(Register(ATTACKER, inc, spec, layout.digest, [], os.getpid())))
-
-    def norm_of_honest(p: int) -> float:
-        for r in tape.poll():
-            rd = parse_tape_record(r)
-            if isinstance(rd, RoundRecord):
-                for e in rd.took_part:
-                    if e.learner in HONEST:
-                        honest_norms.setdefault(rd.fragment, []).append(e.norm)
-        xs = honest_norms.get(p, [])[-4:]
-        return max(xs) if xs else 0.0  # the current honest level (0: no reference for p yet)
-
-    def answer(req: FragmentRequest) -> None:
-        nonlocal seq
-        p = req.fragment
-        if p not in values:
-            return
-        base = values[p]
-        steps = H
-        step = int((time.monotonic() - t_start) / 0.05)
-        attacking = time.time() >= args.attack_from
-        # A fragment that holds buffers gets the hostile-buffer attacks that fit it; the others
-        # the rest: every kind comes round within a short run, whatever the machine's speed.
-        names = [pc.name for pc in layout.fragments.fragments[p]]
-        fitting = [k for k, suffix in BUFFER_ATTACKS.items() if any(n.endswith(suffix) for n in names)]
-        general = [k for k in ATTACKS if k not in BUFFER_ATTACKS]
-        kinds = fitting or general
-        kind = "filler"
-        if attacking and turn.get(p, 0) % 2 == 1:
-            kind = kinds[rotation.get(p, 0) % len(kinds)]
-            rotation[p] = rotation.get(p, 0) + 1
-        turn[p] = turn.get(p, 0) + 1
-        if kind == "replay" and p not in last_filler:
-            kind = "filler"
-        if kind == "norm_100x" and norm_of_honest(p) == 0.0:
-            kind = "filler"  # "100x the honest norm" needs an honest norm of this fragment to scale
-        target = next((i for i, n in enumerate(names) if n.endswith(BUFFER_ATTACKS.get(kind, "\0"))), None)
-        if kind == "replay":
-            frames, ident = last_filler[p]
-            sock.send_multipart(frames)
-            record("replay", fragment=p, seq=ident[1], base_version=ident[0])
-            return
-        seq += 1
-        vals = [v.clone() for v in base]
-        tokens = 0
-        if kind == "filler":  # zero steps, zero tokens: accepted with weight 0 (sets up replays)
-            steps = 0
-        elif kind == "nan":
-            vals[0].view(-1)[0] = float("nan")
-            tokens = steps * cfg.workload.batch_size
-        elif kind == "norm_100x":
-            d = [torch.randn(v.shape, generator=gen) for v in vals]
-            scale = 100 * norm_of_honest(p) / math.sqrt(sum(float(x.norm()) ** 2 for x in d))
-            vals = [v + scale * x for v, x in zip(vals, d)]
-            tokens = steps * cfg.workload.batch_size
-        elif kind == "inflated_counters":
-            tokens = 10**7 * steps + steps  # tokens/steps just above max_tokens_per_step = 1e7
-        elif kind == "wrong_shape":
-            vals[0] = torch.zeros(*[s + 1 for s in vals[0].shape])
-            tokens = steps * cfg.workload.batch_size
-        elif target is not None:  # the hostile buffers, with honest counters
-            tokens = steps * cfg.workload.batch_size
-            if kind == "buffer_nan":
-                vals[target].view(-1)[0] = float("nan")
-            elif kind == "buffer_negative_var":
-                vals[target].fill_(-1.0)
-            elif kind == "buffer_count":
-                vals[target].fill_(float(2**23))
-            else:  # buffer_shape
-                vals[target] = torch.zeros(vals[target].numel() + 1)
-        msg = Contribution(ATTACKER, inc, p, versions[p], seq, vals, steps, tokens, 0, step)
-        frames = encode(msg)
-        sock.send_multipart(frames)
-        if kind == "filler":
-            last_filler[p] = (frames, (versions[p], seq))
-        record(kind, fragment=p, seq=seq, base_version=versions[p])
-
-    register()
-    last_hb = 0.0
-    while time.time() < args.until:
-        now = time.monotonic()
-        if sock.poll(50):
-            try:
-                msg = decode(sock.recv_multipart())
-            except WireError:
-                continue
-            heard = now
-            if isinstance(msg, JoinReply):
-                if msg.accepted:
-                    epoch = msg.epoch
-                    record("registered", epoch=epoch)
-                else:
-                    record("refused", reason=msg.reason[:200])
-            elif isinstance(msg, SyncerHeartbeat):
-                if msg.epoch != epoch and now - registered_at > 1.0:
-                    epoch = None
-                    register()
-            elif isinstance(msg, FragmentUpdate):
-                versions[msg.fragment] = msg.version
-                values[msg.fragment] = [v.clone() for v in msg.values]
-            elif isinstance(msg, FragmentRequest):
-                answer(msg)
-        if now - last_hb >= 0.25:
-            last_hb = now
-            step = int((now - t_start) / 0.05)
-            sock.send_multipart(encode(Heartbeat(ATTACKER, inc, step, 0.05)))
-        if now - heard > 3.0 and now - registered_at > 3.0:
-            register()  # the syncer is gone or restarted: keep trying
-    log.close()
-    sock.close(0)
-    return 0
-
-
-# -- the intruder (no key, then an unknown key) ----------------------------------------------------
-
-
-def intruder_main(args) -> int:
-    import zmq
-    import zmq.auth
-
-    from ddiloco.protocol.messages import Register
-    from ddiloco.service.base.keys import ClientKeys
-    from ddiloco.service.base.transport import learner_identity
-    from ddiloco.service.base.wire import encode
-
-    ctx = zmq.Context.instance()
-    server = ClientKeys.load(args.keys, "observer").server  # the syncer's public key is public
-    reg = Register(STRANGER_ID, 1, [["w", [1]]], "x" * 16, [], os.getpid())
-    rep = {
-        "connections": 0,
-        "messages": 0,
-        "not_queued": 0,
-        "replies": 0,
-        "garbage": 0,
-        "registers": 0,
-        "flood_connections": 0,
-        "flood_s": 0.0,
-    }
-    rng = random.Random(2)
-    socks: list = []
-
-    def new_socket(keyed: bool, identity: bytes | None = None):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if identity is not None:
-            s.setsockopt(zmq.IDENTITY, identity)
-        if keyed:
-            pub, sec = zmq.curve_keypair()
-            s.curve_secretkey, s.curve_publickey, s.curve_serverkey = sec, pub, server
-        s.connect(args.addr)
-        rep["connections"] += 1
-        return s
-
-    def send_junk(s, i: int) -> None:
-        # A DEALER whose handshake never completes has no peer: a blocking send would wait forever.
-        if i % 2:
-            frames = [rng.randbytes(rng.randint(1, 512)) for _ in range(rng.randint(1, 3))]
-            rep["garbage"] += 1
-        else:
-            m = Register(rng.choice([0, 1, 2, 3, STRANGER_ID]), 1, reg.params, reg.layout, [], os.getpid())
-            frames = encode(m)
-            rep["registers"] += 1
-        rep["messages"] += 1
-        try:
-            s.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            rep["not_queued"] += 1
-
-    # two long-lived clients: no key, and a random unknown key, claiming learner identities
-    socks = [new_socket(False, learner_identity(0)), new_socket(True, learner_identity(STRANGER_ID))]
-    i = 0
-    next_flood = time.time()
-    flood_started = None
-    while time.time() < args.until:
-        for s in socks:
-            send_junk(s, i)
-            i += 1
-            while s.poll(0):
-                s.recv_multipart()
-                rep["replies"] += 1
-        if time.time() >= args.flood_from:  # ~100 fresh connections per second, bounded
-            flood_started = flood_started or time.time()
-            batch = []
-            while next_flood <= time.time() and len(batch) < 20:
-                next_flood = max(next_flood + 0.01, time.time() - 0.1)
-                s = new_socket(rng.random() < 0.5)
-                send_junk(s, i)
-                i += 1
-                batch.append(s)
-                rep["flood_connections"] += 1
-            time.sleep(0.02)
-            for s in batch:
-                while s.poll(0):
-                    s.recv_multipart()
-                    rep["replies"] += 1
-                s.close(0)
-        time.sleep(0.05)
-    for s in socks:
-        s.close(0)
-    rep["flood_s"] = time.time() - flood_started if flood_started else 0.0
-    (Path(args.run_dir) / "intruder.json").write_text(json.dumps(rep))
-    return 0
-
-
 # -- the report ------------------------------------------------------------------------------------
 
 
@@ -888,7 +507,7 @@ def to_markdown(rep: dict) -> str:
         kinds[v["kind"]] = kinds.get(v["kind"], 0) + 1
 
     def row(name: str, measured: str, target: str, ok: bool | None) -> None:
-        L.append(f"| {name} | {measured} | {target} | {'-' if ok is None else ('yes' if ok else '**no**')} |")
+        L.append(f"| {name} | {measured} | {target} | {met(ok)} |")
 
     row("invariant violations (all kinds)", str(len(a["violations"])), "0", not a["violations"])
     row(
@@ -1021,31 +640,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=8)
     ap.add_argument("--kill-every-s", type=float, default=30.0, help="mean gap of the Poisson kill schedule")
     ap.add_argument("--no-baseline", action="store_true", help="the attack run only (CI)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="folder for reliability.md/.json")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for reliability.md/.json")
     ap.add_argument("--work", help="work folder (default: a fresh temporary one)")
     ap.add_argument("--insider", action="store_true", help="the insider phase (bench/soak_insider.py): 6 arms")
     ap.add_argument("--insider-s", type=float, default=90.0, help="insider phase: seconds of training per run")
     ap.add_argument("--reps", type=int, default=3, help="insider phase: repetitions per arm")
     ap.add_argument("--insider-arms", default="", help="insider phase: only these arms (comma-separated; a look)")
-    # internal roles
-    ap.add_argument("--attacker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--intruder", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--addr", help=argparse.SUPPRESS)
-    ap.add_argument("--keys", help=argparse.SUPPRESS)
-    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
-    ap.add_argument("--until", type=float, help=argparse.SUPPRESS)
-    ap.add_argument("--attack-from", type=float, default=0.0, help=argparse.SUPPRESS)
-    ap.add_argument("--flood-from", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.attacker:
-        return attacker_main(args)
-    if args.intruder:
-        return intruder_main(args)
     if args.insider:
         import soak_insider
 
         cmd = f"python bench/soak.py --insider --insider-s {args.insider_s:g} --reps {args.reps}"
-        work = Path(args.work) if args.work else ROOT / "bench" / "cache" / "insider"
+        work = Path(args.work) if args.work else CACHE / "insider"
         arms = tuple(a for a in args.insider_arms.split(",") if a) or soak_insider.ARMS
         unknown = [a for a in arms if a not in soak_insider.ARMS]
         if unknown or "baseline" not in arms:
@@ -1063,22 +669,9 @@ def main() -> int:
         rep["baseline"] = run_once(work, duration, args.seed, schedule, attack=False)
     compare(rep, duration)
     cmd = f"python bench/soak.py --minutes {args.minutes:g}" + (" --no-baseline" if args.no_baseline else "")
-    rep.update(
-        {
-            "command": cmd,
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "total_wall_s": time.time() - started,
-            "work_dir": str(work),
-            "violations": len(rep["attack"]["violations"]),
-        }
-    )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "reliability.json").write_text(json.dumps(rep, indent=2, default=str))
-    md = to_markdown(rep)
-    (out / "reliability.md").write_text(md)
-    print(md, flush=True)
+    rep.update(facts(cmd, total_wall_s=time.time() - started, work_dir=str(work)))
+    rep["violations"] = len(rep["attack"]["violations"])
+    publish(Path(args.out), "reliability", rep, to_markdown(rep), default=str)
     return 1 if rep["violations"] else 0
 
 

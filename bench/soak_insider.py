@@ -32,11 +32,10 @@ interrupted benchmark resumes. Writes docs/results/insider.md and .json.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 import math
 import os
-import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,11 +43,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import soak  # noqa: E402  (the soak's settings, cluster and tape reader)
+import soak_setup as soak  # noqa: E402  (the soak's settings, shared with bench/soak.py)
+from harness.cluster import Cluster  # noqa: E402  (bench/harness, beside this script)
+from harness.files import TapeReader  # noqa: E402
+from harness.paths import sets  # noqa: E402
+from harness.tables import facts, publish  # noqa: E402
 
 ARMS = ("baseline", "reverse_capped", "drift", "reverse", "inflate", "protocol")
 INFLUENCE = ("reverse_capped", "drift", "reverse", "inflate")
@@ -278,22 +279,17 @@ def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]
     run_dir.mkdir(parents=True)
     keys = work / "keys"
     make_keys(keys, learners=4)
-    c = soak.Cluster(run_dir, keys)
-    common = sum((["--set", s] for s in settings(rep)), [])
-    c._start("syncer", [sys.executable, "-m", "ddiloco", "syncer", "--bind", c.addr, "--run-dir", str(run_dir),
-                        "--keys", str(keys), *common])  # fmt: skip
-
-    def learner_argv(m: int) -> list[str]:
-        return ["learner", "--syncer", c.addr, "--id", str(m), "--run-dir", str(run_dir), "--keys", str(keys),
-                "--device", "cpu", "--threads", "1", *common]  # fmt: skip
+    c = Cluster(run_dir, sets(settings(rep)), keys=keys)
+    c.syncer()
 
     deadline = time.time() + 300
     while not c.status("syncer-0") and time.time() < deadline:
         time.sleep(0.1)
     for m in soak.HONEST:
-        c._start(f"learner-{m}", [sys.executable, "-m", "ddiloco", *learner_argv(m)])
-    if arm in INFLUENCE:
-        c._start("learner-3", [sys.executable, __file__, "--tampering-learner", arm, "--", *learner_argv(3)])
+        c.learner(m, threads=1)
+    if arm in INFLUENCE:  # a real learner process of this file, its contributions rewritten
+        tampering = [sys.executable, __file__, "--tampering-learner", arm, "--", *c.learner_args(3, threads=1)]
+        c.start("learner-3", [*tampering, *c.extra])
     starters = [*soak.HONEST, *([3] if arm in INFLUENCE else [])]
     deadline = time.time() + 300
     while not all(c.status(f"learner-{m}").get("steps", 0) > 0 for m in starters) and time.time() < deadline:
@@ -302,7 +298,7 @@ def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]
     end = t0 + duration_s
     if arm == "protocol":
         for role in ("protocol-attacker", "observer-attacker"):
-            c._start(role, [sys.executable, __file__, f"--{role}", c.addr, str(keys), f"{end:.3f}", str(run_dir)])
+            c.start(role, [sys.executable, __file__, f"--{role}", c.addr, str(keys), f"{end:.3f}", str(run_dir)])
     losses: dict[int, list[float]] = {m: [] for m in range(4)}
     while time.time() < end:
         for m in range(4):
@@ -319,10 +315,10 @@ def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]
                 c.kill(role)
     st = c.status("syncer-0")
     if "learner-3" in c.procs and c.alive("learner-3"):
-        c.kill("learner-3", soak.signal.SIGTERM)  # first: the run's end is no time alone with the fleet
+        c.kill("learner-3", signal.SIGTERM)  # first: the run's end is no time alone with the fleet
     c.stop()
     eval_loss = final_eval_loss(run_dir, rep)
-    records = soak.TapeReader(run_dir / "state" / "tape.jsonl")
+    records = TapeReader(run_dir / "state" / "tape.jsonl")
     records.poll()
     rounds = [r for r in records.records if r.get("event") == "round"]
 
@@ -384,12 +380,11 @@ def final_eval_loss(run_dir: Path, rep: int) -> float:
     import torch
     from safetensors.torch import load_file
 
-    from ddiloco.config import load_config
     from ddiloco.training.evaluate import evaluate
     from ddiloco.workloads.config import load_workload
 
     torch.set_num_threads(1)
-    cfg = load_config(None, settings(rep))
+    cfg = soak.load_cfg([f"run.seed={rep}"])
     wl = load_workload(cfg.workload)
     model = wl.build_model(cfg.run.seed)
     final = run_dir / "final" / "model.safetensors"
@@ -532,20 +527,9 @@ def run_phase(work: Path, duration_s: float, reps: int, out: Path, command: str,
             print(f"  eval loss {r['eval_loss']:.4f}, honest merges/min {r['honest_merges_per_min']:.1f}, "
                   f"refusals {r['refusals']}", flush=True)  # fmt: skip
             runs.append(r)
-    rep = {
-        "command": command,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "total_wall_s": time.time() - started,
-        "work_dir": str(work),
-        "runs": runs,
-    }
+    rep = facts(command, total_wall_s=time.time() - started, work_dir=str(work), runs=runs)
     rep["summary"] = summarise(runs, duration_s, reps)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "insider.json").write_text(json.dumps(rep, indent=2, default=str))
-    md = to_markdown(rep)
-    (out / "insider.md").write_text(md)
-    print(md, flush=True)
+    publish(out, "insider", rep, to_markdown(rep), default=str)
     return 0 if all(c["met"] for c in rep["summary"]["checks"]) else 1
 
 
