@@ -41,12 +41,9 @@ folders in runs/bench-wan/. Writes docs/results/wan.md and .json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import hashlib
 import json
 import math
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -58,10 +55,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+from harness.cells import CellCache, cell_key  # noqa: E402  (bench/harness, beside this script)
+from harness.files import read_json_dict as _json  # noqa: E402
+from harness.files import read_jsonl as _jsonl  # noqa: E402
+from harness.files import started_at as _started_at  # noqa: E402
+from harness.files import step_logs  # noqa: E402
+from harness.paths import CACHE, ENV, RESULTS, ROOT, sets  # noqa: E402
+from harness.sampling import quantile_low  # noqa: E402
+from harness.sampling import rate as _rate  # noqa: E402
+from harness.tables import machine, met, publish, utc_now  # noqa: E402
+
 CACHE_VERSION = 1
 TOKENS = 400_000
 """Tokens the fleet processes in each link cell (about 45 s of training for 2 learners here)."""
@@ -175,13 +180,9 @@ FAULT_SETTINGS = ["run.processed_tokens=100000000", "inner.warmup_frac=0", *ENCO
 """The fault cells run on their time budget (the LR at its peak, no warm-up over 1e8 tokens)."""
 
 
-def sets(pairs: list[str] | tuple[str, ...]) -> list[str]:
-    return [x for p in pairs for x in ("--set", p)]
-
-
 def key_of(name: str, settings: list[str], extra: dict[str, Any]) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "name": name, "settings": sorted(settings), **extra}, sort_keys=True)
-    return f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    """A cell's cache key: its name and a digest of its settings (bench/cache/wan/KEY.json)."""
+    return cell_key(name, {"v": CACHE_VERSION, "name": name, "settings": sorted(settings), **extra})
 
 
 # ----------------------------------------------------------------------------- one run
@@ -227,59 +228,12 @@ def train(run_dir: Path, settings: list[str], timeout_s: float, kill_at: float |
     return seen
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        out = json.loads(path.read_text())
-        return out if isinstance(out, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
-def _started_at(run_dir: Path) -> float | None:
-    v = _json(run_dir / "run.json").get("started_at")
-    return float(v) if isinstance(v, (int, float)) else None
-
-
 # ----------------------------------------------------------------------------- reading a run folder
 
 
-def step_logs(run_dir: Path, t0: float) -> dict[int, list[tuple[float, float, int]]]:
-    """Learner -> [(time on the run's clock, step duration, pid)], sorted."""
-    out: dict[int, list[tuple[float, float, int]]] = {}
-    for f in sorted((run_dir / "metrics").glob("steps-*-*.csv")):
-        _, m, pid = f.stem.split("-")
-        rows = out.setdefault(int(m), [])
-        for line in f.read_text().splitlines():
-            try:
-                t, d = line.split(",")
-                rows.append((float(t) - t0, float(d), int(pid)))
-            except ValueError:
-                pass
-    for rows in out.values():
-        rows.sort()
-    return out
-
-
 def rate(rows: list[tuple[float, float, int]], a: float, b: float) -> float | None:
-    if b <= a:
-        return None
-    return sum(1 for t, _, _ in rows if a <= t < b) / (b - a)
+    """Steps per second of a step log in [a, b) (None for an empty window)."""
+    return None if b <= a else _rate([t for t, _, _ in rows], a, b)
 
 
 def fetch_times(tape_rounds: list[Any], evals: list[dict[str, Any]]) -> list[float | None]:
@@ -380,7 +334,7 @@ def analyse(run_dir: Path, seen: dict[str, Any]) -> dict[str, Any]:
         "round_latency_s": {
             "mean": statistics.fmean(lat) if lat else None,
             "median": statistics.median(lat) if lat else None,
-            "p90": lat[int(0.9 * (len(lat) - 1))] if lat else None,
+            "p90": quantile_low(lat, 0.9),
         },
         "staleness_mean": statistics.fmean(e.staleness for _, e in entries) if entries else None,
         "staleness_max": max((e.staleness for _, e in entries), default=None),
@@ -452,7 +406,7 @@ def fault_figures(run_dir: Path, a: dict[str, Any], f: Fault, seen: dict[str, An
         out["l0_steps_per_s_during"] = rate(l0, a0, b0)
         out["l0_steps_per_s_after"] = rate(l0, b0, b0 + 30)
         before = sorted(d for t, d, _ in l0 if start + 2 <= t < a0)
-        out["l0_p99_step_before_s"] = before[int(0.99 * (len(before) - 1))] if before else None
+        out["l0_p99_step_before_s"] = quantile_low(before, 0.99)
         out["l0_max_step_during_s"] = max((d for t, d, _ in l0 if a0 <= t < b0), default=None)
         out["l1_steps_per_s_before"] = rate(l1, start + 2, a0)
         out["l1_steps_per_s_during"] = rate(l1, a0, b0)
@@ -540,14 +494,10 @@ class Bench:
         return self.only is None or name in self.only or (name.startswith("sim-") and "sim" in self.only)
 
     def cached(self, key: str) -> dict[str, Any] | None:
-        d = _json(self.cache / f"{key}.json")
-        return d or None
+        return CellCache(self.cache).get(key)
 
     def store(self, key: str, rec: dict[str, Any]) -> None:
-        self.cache.mkdir(parents=True, exist_ok=True)
-        tmp = self.cache / f"{key}.json.tmp"
-        tmp.write_text(json.dumps(rec, indent=1))
-        tmp.replace(self.cache / f"{key}.json")
+        CellCache(self.cache).put(key, rec)
 
     def link_cell(self, link: str, enc: str) -> dict[str, Any] | None:
         name = f"{link}-{enc}"
@@ -1171,8 +1121,7 @@ def to_markdown(rep: dict[str, Any]) -> str:
             )
     L += ["", "## Checks", "", "| check | value | target | met |", "|---|---|---|---|"]
     for c in rep["checks"]:
-        met = "-" if c["met"] is None else ("yes" if c["met"] else "**no**")
-        L.append(f"| {c['what']} | {c['value']} | {c['target']} | {met} |")
+        L.append(f"| {c['what']} | {c['value']} | {c['target']} | {met(c['met'])} |")
     if rep.get("reading"):
         L += ["", "## Reading", "", rep["reading"]]
     return "\n".join(L) + "\n"
@@ -1250,14 +1199,14 @@ def main() -> int:
     ap.add_argument("--skip", default=",".join(SKIP), help="link cells left out (default: bf16 on links iii-vi)")
     ap.add_argument("--sim-encodings", default="int4",
                     help="encodings the simulator predicts, on every link (int4,fp32: ~3 min more)")  # fmt: skip
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--note", default="", help="a sentence for the report on how its cells were made")
     args = ap.parse_args()
     started = time.time()
     import torch
 
     torch.set_num_threads(1)
-    cache = ROOT / "bench" / "cache" / "wan" / ("quick" if args.quick else "")
+    cache = CACHE / "wan" / ("quick" if args.quick else "")
     only = {x.strip() for x in args.only.split(",") if x.strip()} or None
     bench = Bench(cache, ROOT / "runs" / "bench-wan" / ("quick" if args.quick else "full"),
                   QUICK_TOKENS if args.quick else TOKENS, args.quick, only, args.report)  # fmt: skip
@@ -1301,8 +1250,8 @@ def main() -> int:
     argv = " ".join(x for x in sys.argv[1:] if x != args.note and not x.startswith("--note"))
     rep.update({
         "command": "python bench/wan.py" + (f" {argv}" if argv else ""),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "date": utc_now(),
+        "machine": machine(python=True),
         "wall_s_this_invocation": time.time() - started,
         "trained_this_invocation": bench.trained,
         "tokens": bench.tokens,
@@ -1315,13 +1264,8 @@ def main() -> int:
                       "wall_s": v["seen"].get("wall_s")} for k, v in {**cells, **fault_recs}.items()},
     })  # fmt: skip
     rep["reading"] = reading(rep)
-    name = "wan"
     out = cache if args.quick else Path(args.out)  # a smoke test is no result
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rep, indent=1, default=str))
-    md = to_markdown(rep)
-    (out / f"{name}.md").write_text(md)
-    print(md, flush=True)
+    publish(out, "wan", rep, to_markdown(rep), indent=1, default=str)
     return 0
 
 
