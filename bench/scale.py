@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import math
 import os
@@ -53,12 +52,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
-sys.path.insert(0, str(SRC))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(SRC)}
-CACHE = ROOT / "bench" / "cache" / "scale" / "size"
+from harness.cells import CellCache, source_digest  # noqa: E402  (bench/harness, beside this script)
+from harness.cells import cell_key as _cell_key  # noqa: E402
+from harness.files import read_json as _json  # noqa: E402
+from harness.files import read_jsonl as _jsonl  # noqa: E402
+from harness.paths import CACHE as BENCH_CACHE  # noqa: E402
+from harness.paths import ENV, RESULTS, SRC  # noqa: E402
+from harness.sampling import cpu_seconds, descendants, disk_bytes, role_of, started_at, status_bytes  # noqa: E402
+from harness.sampling import read_proc as _read  # noqa: E402
+
+CACHE = BENCH_CACHE / "scale" / "size"
 CACHE_VERSION = 1
 """Bump when a cell's measurement changes (the runtime's own changes are caught by ``code_digest``)."""
 GiB = 1024**3
@@ -196,93 +201,6 @@ def largest_size(cells: dict[str, dict[str, Any]], budget_gib: float, learners: 
 
 
 # ----------------------------------------------------------------------------- /proc
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
-def status_bytes(pid: int) -> dict[str, int]:
-    """VmHWM and VmRSS of ``pid`` in bytes (empty when it is gone)."""
-    text = _read(f"/proc/{pid}/status") or ""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(("VmHWM:", "VmRSS:")):
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-_CLK = os.sysconf("SC_CLK_TCK")
-
-
-def children_map() -> dict[int, list[int]]:
-    """ppid -> pids, over every process on the machine."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        stat = _read(f"/proc/{entry}/stat")
-        if not stat:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User and system CPU time of ``pid`` so far (/proc/PID/stat)."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK
-
-
-def descendants(root: int) -> list[int]:
-    kids, out, todo = children_map(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(kids.get(pid, []))
-    return out
-
-
-def started_at(pid: int) -> float | None:
-    """The wall time ``pid`` started, to 10 ms: its start in clock ticks since boot (/proc/PID/stat)
-    against the time since boot now (/proc/uptime; /proc/stat's btime is whole seconds)."""
-    stat, up = _read(f"/proc/{pid}/stat"), _read("/proc/uptime")
-    if not stat or not up:
-        return None
-    return time.time() - float(up.split()[0]) + int(stat.rsplit(")", 1)[1].split()[19]) / _CLK
-
-
-def role_of(pid: int) -> str | None:
-    """``syncer``, ``learner-M``, ``evaluator``, ``launcher``, ``links`` from the command line."""
-    argv = (_read(f"/proc/{pid}/cmdline") or "").split("\0")
-    if "ddiloco" not in argv:
-        return None
-    i = argv.index("ddiloco")
-    role = argv[i + 1] if i + 1 < len(argv) else ""
-    if role == "learner" and "--id" in argv:
-        return f"learner-{argv[argv.index('--id') + 1]}"
-    return {"train": "launcher", "syncer": "syncer", "evaluator": "evaluator", "link": "links"}.get(role)
-
-
-def disk_bytes(folder: Path) -> int:
-    """What ``du`` says of ``folder``: allocated blocks of every file under it."""
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 # ----------------------------------------------------------------------------- workers
@@ -503,27 +421,6 @@ def stop(launcher: subprocess.Popen, watch: Watch) -> None:
 # ----------------------------------------------------------------------------- figures
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def memory_figures(watch: Watch, idle: int, model_bytes: int, plain: dict[str, Any]) -> dict[str, Any]:
     """Per role: the peak over its processes, above idle, over the model; learners also per id."""
     by_role: dict[str, list[dict[str, Any]]] = {}
@@ -740,38 +637,30 @@ def measure(
 def code_digest() -> str:
     """A hash of the runtime's source (CODE_DIRS and the top-level modules): equal digests,
     equal code behind a cell's numbers."""
-    base = SRC / "ddiloco"
-    files = sorted([*base.glob("*.py"), *(p for d in CODE_DIRS for p in (base / d).rglob("*.py"))])
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.relative_to(SRC).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return source_digest(CODE_DIRS, src=SRC)
 
 
 def cell_key(size: Size, code: str) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "size": asdict(size), "batch": BATCH, "teacher": TEACHER_HIDDEN,
-                       "code": code}, sort_keys=True)  # fmt: skip
-    return f"{size.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+    return _cell_key(size.name, {"v": CACHE_VERSION, "size": asdict(size), "batch": BATCH, "teacher": TEACHER_HIDDEN,
+                                 "code": code})  # fmt: skip
+
+
+CELLS = CellCache(CACHE)
 
 
 def cached(key: str) -> dict[str, Any] | None:
-    got = _json(CACHE / f"{key}.json")
-    return got if isinstance(got, dict) else None
+    return CELLS.get(key)
 
 
 def save(key: str, cell: dict[str, Any]) -> None:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = CACHE / f"{key}.json.tmp"
-    tmp.write_text(json.dumps(cell, indent=1))
-    tmp.replace(CACHE / f"{key}.json")
+    CELLS.put(key, cell)
 
 
 def latest_cells(code: str | None) -> dict[str, dict[str, Any]]:
     """Every cached cell of this code (None: of any code), the newest per size name."""
     out: dict[str, dict[str, Any]] = {}
-    for path in sorted(CACHE.glob("*.json")):
-        c = _json(path)
-        if not (isinstance(c, dict) and c.get("size") and code in (None, c.get("code_digest"))):
+    for _, c in CELLS.cells():
+        if not (c.get("size") and code in (None, c.get("code_digest"))):
             continue
         if c["size"] not in out or c.get("date", "") > out[c["size"]].get("date", ""):
             out[c["size"]] = c
@@ -968,12 +857,11 @@ def _pending(what: str, module: str) -> Callable[[Any], list[str]]:
 
 FLEET_LEARNERS, FLEET_SHARDS, FLEET_ENCODINGS, FLEET_SECONDS = (32, 64), (1, 2, 4), ("int4", "fp32"), 40.0
 """The fleet cells: 32 and 64 fake learners at 1, 2 and 4 shards, int4 both ways then fp32."""
-MERGE_CACHE = ROOT / "bench" / "cache" / "scale" / "merge"
+MERGE_CACHE = BENCH_CACHE / "scale" / "merge"
 
 
 def run_fleet(force: bool = False) -> list[dict[str, Any]]:
     """Every fleet cell (bench/scale_fleet.py; cached in its own folder)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import scale_fleet
 
     out = []
@@ -995,7 +883,6 @@ def run_merge(code: str) -> dict[str, Any]:
     got = _json(path)
     if isinstance(got, dict):
         return got
-    sys.path.insert(0, str(ROOT / "bench"))
     import scale_merge
 
     rows = []
@@ -1012,7 +899,6 @@ def run_merge(code: str) -> dict[str, Any]:
 
 def fleet_cached() -> list[dict[str, Any]]:
     """The fleet cells already measured (their cache), in the run's order."""
-    sys.path.insert(0, str(ROOT / "bench"))
     import scale_fleet
 
     out = []
@@ -1029,7 +915,6 @@ def fleet_cached() -> list[dict[str, Any]]:
 def fleet_section(cells: Any) -> list[str]:
     if not cells:
         return _pending("fleet", "bench/scale_fleet.py")(cells)
-    sys.path.insert(0, str(ROOT / "bench"))
     import scale_fleet
 
     ok = [c for c in cells if "error" not in c]
@@ -1203,7 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="run a cell even when the arithmetic says it does not fit")
     ap.add_argument("--report", action="store_true", help="write the report from cached cells only")
     ap.add_argument("--any-code", action="store_true", help="with --report: the newest cells whatever their code")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "scale.md"), help="the report (and its .json)")
+    ap.add_argument("--out", default=str(RESULTS / "scale.md"), help="the report (and its .json)")
     ap.add_argument("--keep", action="store_true", help="keep each cell's run folder (they are large)")
     ap.add_argument("--parts", default="sizes,fleet,merge", help="which parts to run (default all three)")
     ap.add_argument("--worker", choices=["idle", "plain"], help=argparse.SUPPRESS)

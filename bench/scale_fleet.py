@@ -52,6 +52,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Only the harness's modules that leave sys.path alone: --src runs other sources.
+from harness.files import read_json  # noqa: E402  (bench/harness, beside this script)
+from harness.sampling import cpu_seconds, status_bytes  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "bench" / "cache" / "scale" / "fleet"
 FORMAT = 1
@@ -69,7 +75,6 @@ WARMUP_S = 8.0
 """Seconds after every learner is live before the window opens (the step clock settles)."""
 JOIN_TIMEOUT_S = 90.0
 ENCODINGS = ("fp32", "bf16", "int8", "int4", "int2")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 log = logging.getLogger("scale_fleet")
 
@@ -216,22 +221,13 @@ def light_decode_patch() -> None:
 
 def proc_cpu_s(pid: int) -> float | None:
     """utime + stime of ``pid`` in seconds (None when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return cpu_seconds(pid)
 
 
 def proc_hwm_mb(pid: int) -> float | None:
     """Peak resident memory (VmHWM) of ``pid`` in MB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    got = status_bytes(pid).get("VmHWM")
+    return None if got is None else got / 2**20
 
 
 def worker_main(spec_path: Path) -> int:
@@ -403,10 +399,7 @@ def _tail(path: Path, n: int = 6) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    doc = read_json(path)
     return doc if isinstance(doc, dict) else None
 
 

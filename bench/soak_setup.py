@@ -10,7 +10,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: E402,F401  (puts src/ on sys.path)
+import harness.paths  # noqa: E402,F401  (puts src/ on sys.path)
 
 HONEST = (0, 1, 2)
 ATTACKER = 3

@@ -1,7 +1,9 @@
 """The benchmarks' shared harness: what every bench in bench/ needs and states once.
 
 - ``paths``: the repository's folders, the one-thread environment of every process a bench starts,
-  ``--set`` pairs; importing the harness puts ``src/`` on ``sys.path`` (a bench runs as a script).
+  ``--set`` pairs; importing it puts this tree's ``src/`` first on ``sys.path`` (a bench runs as a
+  script). ``files`` and ``sampling`` leave ``sys.path`` alone: a bench that runs other sources
+  (bench/scale_fleet.py ``--src``) imports only those.
 - ``files``: a run folder read back: JSON and JSON-lines files, the tape read as it grows, step logs.
 - ``cluster``: a syncer, learners, an evaluator, the link relay and a bench's own helper roles as
   processes of ``python -m ddiloco ...``: start, kill, SIGSTOP/SIGCONT, restart, stop all, status.
@@ -15,5 +17,3 @@
 A bench imports what it uses from these modules (``from harness.cluster import Cluster``); the
 package itself imports nothing heavy (no torch, no ddiloco), so a bench's ``--help`` stays instant.
 """
-
-from harness import paths as _paths  # noqa: F401  (puts src/ on sys.path for the bench scripts)
