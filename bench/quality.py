@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime as dt
 import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,9 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.paths import RESULTS, ROOT  # noqa: E402  (bench/harness, beside this script)
+from harness.tables import machine, utc_now  # noqa: E402
+from harness.tables import publish as _publish  # noqa: E402
+
 SRC = ROOT / "src" / "ddiloco"
-sys.path.insert(0, str(ROOT / "src"))
 
 CACHE_VERSION = 1
 """Bump when a change outside src/ddiloco makes cached runs stale (what run_one records); a
@@ -458,7 +460,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="runs at once (one thread each)")
     ap.add_argument("--quick", action="store_true", help="a smoke version: 150k tokens, no sweep, one seed")
     ap.add_argument("--cache", default=str(ROOT / "bench" / "cache" / "quality"), help="folder of cached runs")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results"), help="folder for quality.md/.json")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for quality.md/.json")
     ap.add_argument(
         "--verify",
         default="",
@@ -537,10 +539,7 @@ def run_by_arm(runner: Runner, jobs: list[Job], arms: Iterable[str]) -> dict[str
 
 def publish(out: Path, name: str, report: dict[str, Any], markdown: str) -> None:
     """Write ``name``.json and ``name``.md into ``out``, and print the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(markdown)
-    print(markdown)
+    _publish(out, name, report, markdown, indent=1)
 
 
 def final_arms(base: list[str], best: dict[str, list[str]]) -> dict[str, tuple[str, list[str]]]:
@@ -579,13 +578,8 @@ def invocation_facts(args: argparse.Namespace, started: float, runner: Runner, c
         "command": "python bench/quality.py"
         + (" --quick" if args.quick else "")
         + (f" --verify '{args.verify}'" if args.verify else ""),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "workers": args.workers,
-        },
+        "date": utc_now(),
+        "machine": machine(python=True, workers=args.workers),
         "wall_s_this_invocation": time.time() - started,
         "runs_trained_this_invocation": runner.trained,
         "runs": len(runner.used),
