@@ -5,7 +5,7 @@
     python bench/soak.py --insider                     # the insider phase (bench/soak_insider.py, ~45 min)
 
 The attack run: the syncer, 3 honest learners (ids 0-2), an attacking learner (id 3, a process of
-this file holding learner-3's valid key, answering with corrupted contributions in rotation:
+bench/soak_roles.py holding learner-3's valid key, answering with corrupted contributions in rotation:
 NaN, 100x the current honest norm of the fragment, inflated counters, replays, wrong shapes;
 from 20% of the run on) and an intruder (no key,
 then a random unknown key: garbage, Registers, and ~100 fresh connections per second during
