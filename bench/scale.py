@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.cells import CellCache, source_digest  # noqa: E402  (bench/harness, beside this script)
 from harness.cells import cell_key as _cell_key  # noqa: E402
+from harness.cluster import Launch  # noqa: E402
 from harness.files import read_json as _json  # noqa: E402
 from harness.files import read_jsonl as _jsonl  # noqa: E402
 from harness.paths import CACHE as BENCH_CACHE  # noqa: E402
@@ -370,15 +371,13 @@ def train(size: Size, work: Path, abort_gib: float) -> dict[str, Any]:
     """One ``ddiloco train`` run of ``size``, watched; returns the raw figures and the run folder."""
     cfg_path, run_dir = work / "scale.toml", work / "run"
     write_toml(config_for(size), cfg_path)
-    log = open(work / "train.log", "wb")  # noqa: SIM115
     t_start = time.time()
-    launcher = subprocess.Popen([sys.executable, "-m", "ddiloco", "train", str(cfg_path), "--run-dir", str(run_dir)],
-                                stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)  # fmt: skip
+    launcher = Launch([str(cfg_path), "--run-dir", str(run_dir)], work / "train.log")
     watch = Watch(launcher.pid, run_dir, size.learners)
     deadline = t_start + size.seconds * 1.5 + 300 + size.model_bytes / 20e6  # start-up and the end grow with the model
     aborted, last_disk = None, 0.0
     try:
-        while launcher.poll() is None:
+        while launcher.running():
             total = watch.poll()
             if total > abort_gib * GiB and aborted is None:
                 aborted = f"the run's processes held {total / GiB:.1f} GiB (over --abort-gib {abort_gib})"
@@ -394,28 +393,24 @@ def train(size: Size, work: Path, abort_gib: float) -> dict[str, Any]:
             watch.maybe_kill_syncer(t_start + size.seconds)
             time.sleep(0.5)
     finally:
-        stop(launcher, watch)
-        log.close()
+        rc = stop(launcher, watch)
     watch.disk()
     return {"watch": watch, "run_dir": run_dir, "wall_s": time.time() - t_start, "aborted": aborted,
-            "launcher_rc": launcher.returncode}  # fmt: skip
+            "launcher_rc": rc}  # fmt: skip
 
 
-def stop(launcher: subprocess.Popen, watch: Watch) -> None:
-    """The launcher stops its children on SIGTERM; whatever of ours is left is SIGKILLed by pid."""
-    if launcher.poll() is None:
-        launcher.send_signal(signal.SIGTERM)
-        try:
-            launcher.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            launcher.kill()
-            launcher.wait()
+def stop(launcher: Launch, watch: Watch) -> int:
+    """The launcher stops its children on SIGTERM; whatever of ours is left is SIGKILLed by pid.
+    Returns the launcher's exit status."""
+    launcher.stop(signal.SIGTERM, 120)
+    rc = launcher.wait()
     for pid, rec in watch.procs.items():
         if pid != launcher.pid and role_of(pid) == rec["role"] and started_at(pid) == rec["started"]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    return rc
 
 
 # ----------------------------------------------------------------------------- figures

@@ -58,6 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.cells import CellCache, cell_key  # noqa: E402  (bench/harness, beside this script)
+from harness.cluster import Launch  # noqa: E402
 from harness.files import read_json_dict as _json  # noqa: E402
 from harness.files import read_jsonl as _jsonl  # noqa: E402
 from harness.files import started_at as _started_at  # noqa: E402
@@ -196,35 +197,27 @@ def train(run_dir: Path, settings: list[str], timeout_s: float, kill_at: float |
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ddiloco", "train", "--chaos", "--run-dir", str(run_dir), *sets(settings)]
-    seen: dict[str, Any] = {"argv": ["ddiloco", *argv[3:]]}
-    t_start = time.time()
-    with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-        killed = False
-        while p.poll() is None:
-            if time.time() - t_start > timeout_s:
-                seen["timed_out"] = True
-                p.send_signal(signal.SIGINT)  # the launcher stops its children and writes the summary
+    run = Launch(["--chaos", "--run-dir", str(run_dir), *sets(settings)], run_dir.parent / f"{run_dir.name}.out")
+    seen: dict[str, Any] = {"argv": ["ddiloco", *run.argv[3:]]}
+    killed = False
+    while run.running():
+        if run.elapsed() > timeout_s:
+            seen["timed_out"] = True
+            run.stop(signal.SIGINT, 60)  # the launcher stops its children and writes the summary
+            break
+        if kill_at is not None and not killed:
+            t0 = _started_at(run_dir)
+            st = _json(run_dir / "status" / "learner-1.json")
+            if t0 is not None and time.time() >= t0 + kill_at and st.get("pid"):
                 try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                break
-            if kill_at is not None and not killed:
-                t0 = _started_at(run_dir)
-                st = _json(run_dir / "status" / "learner-1.json")
-                if t0 is not None and time.time() >= t0 + kill_at and st.get("pid"):
-                    try:
-                        os.kill(int(st["pid"]), signal.SIGKILL)
-                        seen["killed"] = {"pid": st["pid"], "incarnation": st.get("incarnation"), "t": time.time() - t0}
-                    except ProcessLookupError:
-                        seen["killed"] = {"pid": st["pid"], "missing": True}
-                    killed = True
-            time.sleep(0.1)
-        p.wait()
-    seen["rc"] = p.returncode
-    seen["wall_s"] = time.time() - t_start
+                    os.kill(int(st["pid"]), signal.SIGKILL)
+                    seen["killed"] = {"pid": st["pid"], "incarnation": st.get("incarnation"), "t": time.time() - t0}
+                except ProcessLookupError:
+                    seen["killed"] = {"pid": st["pid"], "missing": True}
+                killed = True
+        time.sleep(0.1)
+    seen["rc"] = run.wait()
+    seen["wall_s"] = run.elapsed()
     return seen
 
 

@@ -145,3 +145,29 @@ def test_runtime_pairs_report_says_each_pair_and_the_spread() -> None:
     md = runtime.pairs_markdown(rep)
     assert "| 0 | 3.00, 3.00 | 3.60, 3.60 | 1.200 | 5.0% |" in md and "| 1 | 3.00, 3.00 | 2.70, 2.70 | 0.900 |" in md
     assert "mean 1.033, min 0.900, max 1.200, standard deviation 0.153" in md
+
+
+def test_cluster_starts_pauses_resumes_restarts_and_stops_its_roles(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness.cluster import Cluster, Launch, wait_until
+        from harness.sampling import read_proc
+    finally:
+        sys.path.remove(str(BENCH))
+    c = Cluster(tmp_path)
+    c.start("sleeper", [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"])
+    assert wait_until(lambda: "up" in (tmp_path / "sleeper.log").read_text(), 30)
+    state = lambda: (read_proc(f"/proc/{c.pid('sleeper')}/stat") or "").rsplit(")", 1)[1].split()[0]  # noqa: E731
+    c.pause("sleeper")
+    assert wait_until(lambda: state() == "T", 10)
+    c.resume("sleeper")
+    assert wait_until(lambda: state() != "T", 10)
+    first = c.pid("sleeper")
+    c.restart("sleeper")
+    assert c.alive("sleeper") and c.pid("sleeper") != first and len(c.spawned["sleeper"]) == 2
+    c.pause("sleeper")  # a paused role is resumed to be stopped
+    c.stop()
+    assert not c.alive("sleeper")
+    assert c.status("syncer-0") == {} and c.steps(0) == []
+    run = Launch(["--help"], tmp_path / "train.log")
+    assert run.wait() == 0 and "run-dir" in (tmp_path / "train.log").read_text()

@@ -161,3 +161,42 @@ class Cluster:
     def tape_reader(self) -> TapeReader:
         """An incremental reader of the tape (for a bench that checks it while the run goes on)."""
         return TapeReader(self.run_dir / "state" / "tape.jsonl")
+
+
+class Launch:
+    """One ``python -m ddiloco train ARGS`` run: the launcher supervises the syncer, learners,
+    evaluator and relays itself; the bench watches it and stops it (in its own session, so a
+    signal to the bench's terminal does not reach the run's processes)."""
+
+    def __init__(self, args: Sequence[str], log: Path) -> None:
+        self.argv = [sys.executable, "-m", "ddiloco", "train", *args]
+        self.started = time.time()
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=ENV,
+                                     start_new_session=True)  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 120.0) -> None:
+        """Ask the launcher to stop (it stops its children and writes the summary); SIGKILL it
+        after ``timeout_s``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def wait(self) -> int:
+        """Wait for the end; the launcher's exit status."""
+        rc = self.proc.wait()
+        self._log.close()
+        return rc
