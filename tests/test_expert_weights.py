@@ -261,13 +261,12 @@ def test_counts_cross_the_wire_and_bad_ones_are_named() -> None:
 def test_a_simulated_moe_run_weighs_expert_rows_by_their_routed_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     from test_moe import FACTORY, TINY
 
-    import ddiloco.core.syncer as syncer
     from ddiloco.config import load_config
     from ddiloco.methods import PRESETS
     from ddiloco.sim.run import simulate
 
     fed: list[torch.Tensor] = []
-    add = syncer.RowAccumulator.add
+    add = RowAccumulator.add  # the class the rounds merge with (core/round.py)
 
     def spy(self: RowAccumulator, *args: object, **kw: object) -> None:
         factors = kw.get("factors")
@@ -275,7 +274,7 @@ def test_a_simulated_moe_run_weighs_expert_rows_by_their_routed_tokens(monkeypat
         fed.append(factors.clone())
         add(self, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(syncer.RowAccumulator, "add", spy)
+    monkeypatch.setattr(RowAccumulator, "add", spy)
     settings = [f"workload.factory={FACTORY}", *(f"workload.{k}={v}" for k, v in TINY.items())]
     settings += ["workload.eval_windows=64", "workload.options={experts = 4, top_k = 2}", "run.num_learners=2"]
     settings += ["run.processed_tokens=6000", "run.eval_points=1", "algo.sync_every=4"]

@@ -150,7 +150,7 @@ def test_the_graph_is_read():
         and "ddiloco.service.syncer.service" in graph
         and "ddiloco.sim.simulation" in graph
     )
-    assert "ddiloco.core.merge" in graph["ddiloco.core.syncer"]
+    assert "ddiloco.core.merge" in graph["ddiloco.core.round"]
     # lazy imports inside functions count (cli imports the drivers per command)
     assert any(layer(d) == "service" for d in graph["ddiloco.cli"])
 

@@ -1,16 +1,36 @@
 """The syncer as a state machine: handed events and the time, it returns what the driver must do.
 
-It holds the global fragments, their recent versions and outer-optimizer state, opens rounds on
-a step clock (or when a lock-step learner pushes), decides quorum and grace from ``now``, merges
-with token weights and takes the outer step. Every call returns an ``Output``: messages to
-send, fragments whose new version must be made durable *before* those messages leave, and the
-records of the event tape. It never reads a clock, sleeps, does I/O or keeps the tape; what it
-does keep is bounded by the number of learners and fragments.
+Theory of operation.
+
+State. Per owned fragment, a ``FragmentState`` (``core/versions.py``): its current values, the
+recent versions it still accepts answers on (``keep_versions``), its outer optimizer and the
+screening's history. Per learner id, a ``LearnerInfo``: incarnation, liveness, step time,
+replay guard (seq per fragment), strikes and quarantine, trust. Per fragment with a round open,
+at most one ``Round`` (``core/round.py``). And the step clock (``tick``, ``next_tick_at``).
+
+Events. ``handle(event, now)`` takes one learner message (``Join``, ``Leave``, ``Heartbeat``,
+``Contribution``, ``Ack``) and then polls; ``poll(now)`` advances the step clock, opens the
+rounds due and closes those that may close; ``flush`` and ``final_sync`` end the run. ``now``
+is the only clock: the syncer never reads one. Every call returns an ``Output``: fragments to
+make durable, tape records, then the messages to send, in that order.
+
+A round's life. Opened by the step clock (``t mod H = floor(p*H/P)``), by a lock-step push, or
+for one late answer (``staleness = "delayed"``); it asks the live learners. Each answer passes
+``admission.ADMISSION`` (or is refused, a strike when what it carried was wrong) and enters the
+round's running merge. Quorum: once K_eff = min(K, live asked) have answered, the round learns
+its grace window from its quorum time. Closed when every live learner it asked has answered or
+been refused, when the grace window ends (at the quorum without grace), or by ``flush``: the
+round screens its answers, the syncer takes the outer step into a new version and sends it to
+the learners merged.
+
+Invariants. A fragment's version only grows, by one per merged round, and the durable list
+names it before any message carries it. At most one round per fragment is open. An answer is
+merged at most once per (learner, incarnation, fragment, seq), and only from a base version
+still kept. What the syncer keeps is bounded by the learners and fragments, never by time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
@@ -20,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ddiloco.core import admission, robust
-from ddiloco.core.admission import STRIKES, screened
+from ddiloco.core import admission
+from ddiloco.core.admission import STRIKES, Admitting, Sender, Shape
 from ddiloco.core.codec import Chain
 from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
@@ -35,7 +55,6 @@ from ddiloco.core.fragments import (
     take_fragment,
     tensor_rows,
 )
-from ddiloco.core.merge import Accumulator, RowAccumulator, make_delta, row_factors, token_weight
 from ddiloco.core.messages import (
     Ack,
     Contribution,
@@ -49,17 +68,9 @@ from ddiloco.core.messages import (
     UpdateReason,
 )
 from ddiloco.core.outer import OuterNesterov
-from ddiloco.core.tape import (
-    MAX_REJECTIONS_PER_ROUND,
-    CloseReason,
-    Late,
-    MergedEntry,
-    Rejection,
-    RejectReason,
-    RoundRecord,
-    TapeRecord,
-)
-from ddiloco.core.validation import check_buffers, check_norm
+from ddiloco.core.round import Closed, Round, grace_window, screened, tokens
+from ddiloco.core.tape import CloseReason, Late, Rejection, RejectReason, TapeRecord
+from ddiloco.core.versions import FragmentState, Version, norm_of
 
 STEP_CONSENSUS = 4.0
 """Step-time EMAs more than this factor from the live fleet's lower median do not drive the
@@ -206,154 +217,6 @@ class SyncerView:
     """Every registered learner id (``learners`` may list fewer)."""
 
 
-@dataclass
-class Version:
-    """One version of a fragment the syncer still accepts contributions on."""
-
-    number: int
-    """The version (0 = the initial values)."""
-    values: list[torch.Tensor]
-    """Its values. Past versions keep only their buffer pieces (empty tensors stand for the
-    parameters) unless the run anchors on the current version (``anchor = "current"``, an
-    ablation): learners send deltas against their own base copy, so a parameter's past value
-    is never needed, and keeping S of them would cost S times the model."""
-    made_at: float
-    """When it was made (-inf: the initial or a restored version)."""
-    full: bool = True
-    """Whether ``values`` holds the parameters too."""
-
-
-@dataclass
-class FragmentState:
-    """Global values of one fragment, its recent versions and its outer optimizer."""
-
-    version: int
-    """Current version (0 = the initial values)."""
-    history: deque[Version]
-    """Its recent versions, newest last, at most keep_versions + 1 long (the current one full)."""
-    outer: OuterNesterov
-    """This fragment's outer optimizer."""
-    tokens_merged: int = 0
-    """Tokens merged into this fragment so far."""
-    norm: float = 0.0
-    """|Theta_p| of the current version (bounds the outer gradients against it)."""
-    recent_norms: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    """|delta| per step of its recent merged contributions (the robust screening's history)."""
-    screen_rounds: int = 0
-    """Merged rounds with steps so far (the history becomes a reference after admission.SCREEN_ROUNDS)."""
-    last_merged: int = 0
-    """Learners merged with a positive weight in its last merge (fleet view only)."""
-    last_grace_s: float = 0.0
-    """The grace window of its last merged round (seconds)."""
-    chain: Chain | None = None
-    """The down-link chain (a lossy ``down_encoding`` only): what learners on it hold."""
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return self.history[-1].values
-
-    def at(self, version: int) -> Version | None:
-        """``version`` if it is still accepted as a base (None: too old, or never made)."""
-        for v in self.history:
-            if v.number == version:
-                return v
-        return None
-
-    def made_at(self, version: int) -> float:
-        """When ``version`` was made (-inf when unknown: the initial or a restored version)."""
-        v = self.at(version)
-        return v.made_at if v is not None else -math.inf
-
-    def push(self, version: Version, keep_past_values: bool, buffers: Sequence[int]) -> None:
-        """Make ``version`` the current one; the one before keeps only its buffer pieces unless
-        ``keep_past_values``."""
-        if self.history and not keep_past_values:
-            last = self.history[-1]
-            if last.full:
-                kept = set(buffers)
-                last.values = [v if i in kept else _GONE for i, v in enumerate(last.values)]
-                last.full = False
-        self.history.append(version)
-
-
-_GONE = torch.empty(0)
-"""What a past version holds in place of a parameter piece it no longer keeps."""
-
-
-@dataclass
-class Pending:
-    """An accepted contribution waiting in a round. Its tensors now hold its outer gradient
-    (computed in place on arrival): the only copy of it the syncer keeps."""
-
-    contribution: Contribution
-    deltas: list[torch.Tensor]
-    norms: list[float]
-    weight: float
-    arrived_at: float
-    clipped: bool = False
-    scale: float = 1.0
-    """Staleness discount of its outer gradient (1 unless ``staleness = "scaled"``)."""
-    shrunk: float = 1.0
-    """The robust merge's size clipping, already applied to ``deltas`` and ``norms``."""
-    alignment: float = 1.0
-    """The robust merge's alignment of it (1: not judged against a centre)."""
-    claimed: float = 0.0
-    """Its weight as its counters claim it, after the fleet's weight cap, before the robust
-    merge's judgement: what the weight cap's reference records (the judgement is not pace)."""
-    factors: list[torch.Tensor | None] = field(default_factory=list)
-    """Per piece, each row's share of ``weight`` from its routed-token counts (``row_factors``;
-    None: no counts for the piece); empty when it sent none or they are not used."""
-
-
-def _norm(values: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(torch.linalg.vector_norm(v)) ** 2 for v in values))
-
-
-def _anchors(anchor: list[torch.Tensor] | None, n: int) -> list[torch.Tensor | None]:
-    """Per piece, the tensor a payload is measured against (None: the payload is the delta)."""
-    return [None] * n if anchor is None else list(anchor)
-
-
-@dataclass
-class Round:
-    """One open round of one fragment."""
-
-    round_id: int
-    fragment: int
-    opened_at: float
-    asked: set[int]
-    pending: dict[int, Pending] = field(default_factory=dict)
-    first_answer_at: float | None = None
-    quorum_at: float | None = None
-    grace_until: float | None = None
-    grace_s: float = 0.0
-    in_grace: set[int] = field(default_factory=set)
-    rejected: list[Rejection] = field(default_factory=list)
-    rejected_total: int = 0
-    refused: set[int] = field(default_factory=set)
-    """Learners whose answer in this round was refused (and not replaced by a good one)."""
-    merge: list[Accumulator | RowAccumulator] = field(default_factory=list)
-    """The running merge, one accumulator per piece, fed as contributions arrive."""
-    per_row: list[bool] = field(default_factory=list)
-    """Pieces merged row by row (``algo.expert_weights = "routed"``: every answer in the round
-    carries routed-token counts for them)."""
-    final: bool = False
-    """A round of the run's final sync: it waits for every live learner it asked."""
-    late: bool = False
-    """A round opened by an answer that missed its own (staleness = "delayed"): it merges that
-    answer alone, at once."""
-    scratch: torch.Tensor | None = None
-    """The flat buffer ``merge`` accumulates in, lent from the syncer's pool until the close."""
-
-
-def _tokens(pd: Pending) -> int:
-    """The tokens a contribution brings to the global count: clipped with its weight
-    (w = tokens^2/steps), so a clipped learner cannot inflate the count that drives every
-    learner's LR schedule either."""
-    c = pd.contribution
-    return c.tokens if not pd.clipped else int(math.sqrt(pd.weight * c.steps))
-
-
 class Syncer:
     """Global state and round logic of Decoupled DiLoCo (and its lock-step baselines)."""
 
@@ -370,8 +233,6 @@ class Syncer:
         model for this and lets it go): fp32 fragments are views of them, not copies."""
         self.cfg = cfg
         self.layout = layout
-        # Rows (dim 0) of each tensor: what routed-token counts must match (``expert_weights``).
-        self._rows = tensor_rows(layout)
         # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
         self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
         self.fragments: list[FragmentState] = []
@@ -379,7 +240,7 @@ class Syncer:
             vals = [v.float() for v in (take_fragment if take else read_fragment)(initial, pieces)]
             history = deque([Version(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
-            frag = FragmentState(0, history, outer, norm=_norm(vals))
+            frag = FragmentState(0, history, outer, norm=norm_of(vals))
             if is_lossy(cfg.down_encoding):
                 frag.chain = Chain(0, vals, start=0)
             self.fragments.append(frag)
@@ -390,11 +251,13 @@ class Syncer:
         for pieces in layout.fragments:
             self._emb.append(flat[: len(pieces)])
             flat = flat[len(pieces) :]
-        # Per fragment, the positions of its buffer pieces (merged by their own rule, _close).
+        # Per fragment, the positions of its buffer pieces (merged by their own rule, round.close);
+        # rows (dim 0) of each tensor: what routed-token counts must match (``expert_weights``).
         self._buffers: list[list[int]] = [
             [i for i, pc in enumerate(pieces) if pc.kind != "param"] for pieces in layout.fragments
         ]
         self._numel = layout.sizes()
+        self._shape = Shape(layout.fragments, self._buffers, self._numel, tensor_rows(layout), self.owned)
         self.learners: dict[int, LearnerInfo] = {}
         self.rounds: dict[int, Round] = {}
         self.tick = 0
@@ -498,58 +361,45 @@ class Syncer:
             self._t_sync.update(waiting[2] + (now - waiting[1]))
 
     def _on_contribution(self, c: Contribution, now: float, out: Output) -> None:
-        """Validate, anchor and queue a contribution; a lock-step push may open a round."""
-        problem = self._admission(c, now)
-        if problem is not None:
-            self._reject(c, *problem, now, out)
-            return
-        frag = self.fragments[c.fragment]
-        held = frag.at(c.base_version)
-        if held is not None and not held.full and (c.kind == "values" or self.cfg.anchor != "base"):
-            held = None  # a values payload needs its base's parameters: only the current version has them
-        if held is None:
-            detail = f"stale base version {c.base_version} (current {frag.version}, keeping {self.cfg.keep_versions})"
-            self._reject(c, "stale_base", detail, now, out)
-            # Send the current value so the learner rebases instead of retrying forever; once
-            # per version, so stale answers cannot turn the syncer into an amplifier.
-            info = self.learners[c.learner]
-            if info.stale_served.get(c.fragment) != frag.version:
-                info.stale_served[c.fragment] = frag.version
-                out.messages.append(self._update(c.learner, c.fragment, "stale", now))
-            return
-        base = held.values
-        # The fragment only changes when its round closes, so the anchor chosen now is the one
-        # the merge would use at the close. The payload becomes the delta in place: the syncer
-        # takes ownership of the tensors it is handed.
-        values = list(c.values)
-        buffers, raw = self._buffers[c.fragment], []
-        if buffers:  # statistics are merged as values, checked against the base
-            pieces = self.layout.fragments[c.fragment]
-            raw = [c.values[i] for i in buffers]  # a delta payload carries its statistics as values too
-            problem = check_buffers(raw, [base[i] for i in buffers], [pieces[i] for i in buffers], c.steps, self.cfg)
-            if problem is not None:
-                self._reject(c, *problem, now, out)
-                return
-        anchor: list[torch.Tensor] | None = base if self.cfg.anchor == "base" else frag.values
-        if c.kind == "delta":
-            if self.cfg.anchor == "base":
-                anchor = None  # the payload already is the outer gradient against its base
-            else:  # rebase a delta on the current version (an ablation): rebuild the values
-                values = [b - d for b, d in zip(base, c.values)]
-        anchors = _anchors(anchor, len(values))
-        for i, v in zip(buffers, raw):
-            values[i], anchors[i] = v, None  # kept as values, norm 0: statistics, not progress
-        norms = [make_delta(a, v) if i not in buffers else 0.0 for i, (a, v) in enumerate(zip(anchors, values))]
-        problem = check_norm(norms, self.cfg) or admission.check_relative_norm(
-            norms, frag.norm, self._numel[c.fragment], self.cfg
+        """Admit (``admission.ADMISSION``) and queue a contribution in its fragment's round; a
+        lock-step push may open one."""
+        info = self.learners.get(c.learner)
+        sender = Sender(
+            None if info is None or info.left else info.incarnation,
+            info.last_seq.get(c.fragment, -1) if info is not None else -1,
+            info.quarantine if info is not None else None,
         )
+        a = Admitting(c, sender, self.fragments, self._shape, self.t_step(now), now, self.cfg)
+        problem = admission.admit(a)
         if problem is not None:
             self._reject(c, *problem, now, out)
+            if problem[0] == "stale_base":
+                self._serve_stale(c, now, out)
             return
         info = self.learners[c.learner]
         info.last_heard = info.last_contribution_at = now
         info.held[c.fragment] = max(info.held.get(c.fragment, 0), c.base_version)
         self.max_step_seen = max(self.max_step_seen, c.step)
+        rnd = self._round_for(c, now, out)
+        if rnd is None:
+            return
+        info.last_seq[c.fragment] = c.seq
+        info.strikes = 0
+        info.quarantine = None  # it answered from a fresh version: it has re-synced
+        version = self.fragments[c.fragment].version
+        scale = 1.0 / (1 + version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
+        rnd.accept(c, a.values, a.norms, now, self.weight_cap(now), scale)
+
+    def _serve_stale(self, c: Contribution, now: float, out: Output) -> None:
+        """Send the current value so the learner rebases instead of retrying forever; once per
+        version, so stale answers cannot turn the syncer into an amplifier."""
+        info, version = self.learners[c.learner], self.fragments[c.fragment].version
+        if info.stale_served.get(c.fragment) != version:
+            info.stale_served[c.fragment] = version
+            out.messages.append(self._update(c.learner, c.fragment, "stale", now))
+
+    def _round_for(self, c: Contribution, now: float, out: Output) -> Round | None:
+        """The round an admitted answer enters (None: it missed its round, recorded as late)."""
         rnd = self.rounds.get(c.fragment)
         if rnd is None and self.cfg.staleness == "delayed" and self.cfg.late_fragment != "wait" and not self.finishing:
             # Missed its round: merged at once into a version of its own, as its share of the fleet.
@@ -560,58 +410,14 @@ class Syncer:
                 # Missed its round: the learner keeps its progress and contributes it later (at
                 # the run's end, the final sync asks for it).
                 out.tape.append(Late(c.learner, c.fragment, now))
-                return
+                return None
             rnd = self._open(c.fragment, now)  # lock-step learners push on their own schedule
-        info.last_seq[c.fragment] = c.seq
-        info.strikes = 0
-        info.quarantine = None  # it answered from a fresh version: it has re-synced
-        old = rnd.pending.get(c.learner)
-        if old is not None and not any(rnd.per_row):  # a newer answer replaces the older one: take it back out
-            self._feed(rnd, old, sign=-1.0)
-        weight, cap, clipped = token_weight(c.tokens, c.steps), self.weight_cap(now), False
-        if cap is not None and weight > cap:
-            weight, clipped = cap, True
-        scale = 1.0 / (1 + frag.version - c.base_version) if self.cfg.staleness == "scaled" else 1.0
-        # Its counters only: the tensors live on as ``values`` (its outer gradient, in place) and
-        # the encoded payload, decoded, is no longer needed.
-        meta = dataclasses.replace(c, values=[], encoded=[])
-        pending = rnd.pending[c.learner] = Pending(meta, values, norms, weight, now, clipped, scale, claimed=weight)
-        if self.cfg.expert_weights == "routed" and c.routed and c.tokens > 0:
-            pieces = self.layout.fragments[c.fragment]
-            pending.factors = [
-                row_factors(r, pc.row_start, pc.row_end) if r else None for r, pc in zip(c.routed, pieces)
-            ]
-        rnd.refused.discard(c.learner)
-        if (old is not None and any(rnd.per_row)) or self._per_row(rnd) != rnd.per_row:
-            self._rebuild(rnd)  # rows weighed apart start or stop: every answer goes in again
-        else:
-            self._feed(rnd, pending)
-        if rnd.quorum_at is not None:
-            rnd.in_grace.add(c.learner)  # admitted after the quorum was reached
-        if rnd.first_answer_at is None:
-            rnd.first_answer_at = now
+        return rnd
 
     def weight_cap(self, now: float) -> float | None:
         """The cap on one contribution's weight now (``admission.weight_cap`` over the live
         learners' recent accepted weights)."""
         return admission.weight_cap((list(self.learners[m].recent_weights) for m in self.live(now)), self.cfg)
-
-    def _admission(self, c: Contribution, now: float) -> tuple[RejectReason, str] | None:
-        """Why ``c`` may not enter a round before its payload is touched (``core/admission.py``)."""
-        info = self.learners.get(c.learner)
-        registered = None if info is None or info.left else info.incarnation
-        p = c.fragment
-        frag = self.fragments[p] if 0 <= p < len(self.fragments) else None
-        last_seq = info.last_seq.get(p, -1) if info is not None else -1
-        version = frag.version if frag is not None else None
-        problem = admission.check_identity(c, registered, last_seq, self.owned, len(self.fragments), version)
-        if problem is not None or info is None or frag is None:
-            return problem
-        return (
-            admission.check_claims(c, self.layout.fragments[p], self.cfg, self._rows)
-            or admission.check_quarantine(c, info.quarantine)
-            or admission.check_pace(c, frag.made_at(c.base_version), now, self.t_step(now), self.cfg)
-        )
 
     def _reject(self, c: Contribution, reason: RejectReason, detail: str, now: float, out: Output) -> None:
         r = Rejection(c.learner, c.fragment, reason, detail, now)
@@ -619,11 +425,7 @@ class Syncer:
         if rnd is None:
             out.tape.append(r)
         else:
-            rnd.rejected_total += 1
-            if c.learner not in rnd.pending:
-                rnd.refused.add(c.learner)
-            if len(rnd.rejected) < MAX_REJECTIONS_PER_ROUND:
-                rnd.rejected.append(r)
+            rnd.refuse(r)
         info = self.learners.get(c.learner)
         if reason not in STRIKES or info is None or info.incarnation != c.incarnation:
             return
@@ -670,20 +472,15 @@ class Syncer:
 
     # -- rounds ------------------------------------------------------------------------------
 
+    # -- rounds ------------------------------------------------------------------------------
+
     def _open(self, p: int, now: float) -> Round:
         self._round_ids += 1
-        frag = self.fragments[p]
         flat = self._scratch_pool.pop() if self._scratch_pool else torch.empty(self._scratch_numel)
-        scratch, at = [], 0
-        for v in frag.values:
-            scratch.append(flat[at : at + v.numel()].view(v.shape))
-            at += v.numel()
-        rda = [
-            self.cfg.merge == "rda" and not emb and pc.kind == "param"
-            for pc, emb in zip(self.layout.fragments[p], self._emb[p])
-        ]
-        merge: list[Accumulator | RowAccumulator] = [Accumulator(t, rda=r) for t, r in zip(scratch, rda)]
-        rnd = Round(self._round_ids, p, now, set(self.live(now)), merge=merge, scratch=flat, per_row=[False] * len(rda))
+        rnd = Round.open(
+            self._round_ids, p, now, set(self.live(now)), self.fragments[p].values, self._emb[p],
+            self.layout.fragments[p], self._buffers[p], flat, self.cfg,
+        )  # fmt: skip
         self.rounds[p] = rnd
         return rnd
 
@@ -692,9 +489,14 @@ class Syncer:
         out = Output()
         if self.cfg.late_fragment == "continue" and not self.finishing:
             self._advance_clock(now, out)
+        # (liveness and step times change only with a learner's message, never within a poll)
+        live, t_step = set(self.live(now)), self.t_step(now)
         for p in sorted(self.rounds):
             rnd = self.rounds[p]
-            reason = self._close_reason(rnd, now)
+            reached = rnd.quorum_at is not None
+            reason = rnd.close_reason(now, live, t_step, self._t_sync.get())
+            if not reached and rnd.quorum_at is not None:
+                self._t_quorum.update(rnd.quorum_at - rnd.opened_at)
             if reason is not None:
                 self._close(rnd, now, reason, out)
         if self._final_todo:
@@ -738,272 +540,70 @@ class Syncer:
 
     def effective_quorum(self, rnd: Round, now: float) -> int:
         """K_eff = min(K, live learners that were asked); K = "all" (or a final round) means all."""
-        live_asked = len(rnd.asked & set(self.live(now)))
-        k = self.cfg.quorum_size
-        return live_asked if k is None or rnd.final else min(k, live_asked)
+        return rnd.effective_quorum(set(self.live(now)))
 
     def grace_window(self, t_quorum: float, now: float) -> float:
         """grace = clamp(gamma*(tau*t_step - t_quorum - t_sync), 0, max_grace_steps*t_step)."""
-        t_step = self.t_step(now) or 0.0
-        raw = self.cfg.grace_gamma * (self.cfg.overlap * t_step - t_quorum - self._t_sync.get())
-        return min(max(raw, 0.0), self.cfg.max_grace_steps * t_step)
-
-    def _close_reason(self, rnd: Round, now: float) -> CloseReason | None:
-        answered = set(rnd.pending)
-        live_asked = rnd.asked & set(self.live(now))
-        done = answered | rnd.refused  # a refused learner has answered too: no round waits for it
-        k_eff = self.effective_quorum(rnd, now)
-        if not answered:
-            if live_asked and live_asked <= done:
-                return "all_answered"  # every answer was refused: close, merging nothing
-            return "no_live_learners" if not live_asked and now > rnd.opened_at else None
-        if len(answered) < max(k_eff, 1):
-            return None
-        if rnd.quorum_at is None and not (rnd.final or rnd.late):  # no quorum to learn the grace from
-            rnd.quorum_at = sorted(pd.arrived_at for pd in rnd.pending.values())[max(k_eff, 1) - 1]
-            t_quorum = rnd.quorum_at - rnd.opened_at
-            self._t_quorum.update(t_quorum)
-            rnd.grace_s = self.grace_window(t_quorum, now) if self.cfg.grace else 0.0
-            rnd.grace_until = rnd.quorum_at + rnd.grace_s
-        if live_asked <= done:
-            return "final" if rnd.final else "all_answered"
-        if rnd.final:
-            return None  # the final sync waits for every live learner (or its liveness timeout)
-        if self.cfg.robust and not rnd.late and len(answered) < min(robust.MIN_ANSWERS, len(live_asked)):
-            # The robust merge judges directions against a majority: a round waits for one (up
-            # to one period of H steps, by when every live learner has had its chance to answer).
-            t_step = self.t_step(now)
-            if t_step is not None and now < rnd.opened_at + self.cfg.sync_every * t_step:
-                return None
-        if not self.cfg.grace:
-            return "quorum"
-        if rnd.grace_until is not None and now >= rnd.grace_until:
-            return "grace_over"
-        return None
-
-    def _screen_round(self, rnd: Round, now: float, out: Output) -> None:
-        """Take the answers ``admission.out_of_line`` finds out of the round, each refused with
-        a strike, and rebuild the merge without them (``_judge_round`` when robust)."""
-        frag = self.fragments[rnd.fragment]
-        if self.cfg.robust:
-            self._judge_round(rnd, now, out)
-            return
-        stats = {
-            m: screened(pd.norms, pd.contribution.steps) for m, pd in rnd.pending.items() if pd.contribution.steps > 0
-        }
-        found = admission.out_of_line(stats, list(frag.recent_norms), frag.screen_rounds, self.cfg)
-        if not found:
-            return
-        for m, x, ref in found:  # recorded with the round, each with a strike
-            c = rnd.pending.pop(m).contribution
-            self._reject(c, "outlier", admission.outlier_detail(x, ref, self.cfg), now, out)
-        self._rebuild(rnd)
-
-    def _judge_round(self, rnd: Round, now: float, out: Output) -> None:
-        """The robust merge (``core/robust.py``): refuse misaligned answers, clip oversized
-        ones, weigh each learner by its trust; rebuild the merge if anything changed."""
-        frag = self.fragments[rnd.fragment]
-        judged = {m: pd for m, pd in rnd.pending.items() if pd.contribution.steps > 0}
-        if not judged:
-            return
-        history = admission.history_reference(list(frag.recent_norms), frag.screen_rounds, self.cfg)
-        buffers = self._buffers[rnd.fragment]
-        changed = self._clip_buffers(rnd, judged, buffers)
-        params = [i for i in range(len(self.layout.fragments[rnd.fragment])) if i not in buffers]
-        if not params:
-            if changed:
-                self._rebuild(rnd)
-            return
-        verdicts = robust.judge(
-            {m: [pd.deltas[i] for i in params] for m, pd in judged.items()},
-            {m: math.sqrt(sum(n * n for n in pd.norms)) for m, pd in judged.items()},
-            {m: pd.contribution.steps for m, pd in judged.items()},
-            history,
-            self.cfg.robust_clip,
-        )
-        full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
-        # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
-        weights = [pd.weight for pd in judged.values() if pd.weight > 0]
-        weight_cap = None
-        if self.cfg.robust_weight_cap > 0 and len(weights) >= robust.MIN_ANSWERS:
-            weight_cap = self.cfg.robust_weight_cap * statistics.median(weights)
-        for m, v in verdicts.items():
-            pd, info, cfg = judged[m], self.learners[m], self.cfg
-            # Only full-length answers judge the learner: a few steps are mostly noise.
-            full = pd.contribution.steps >= full_length and not math.isnan(v.cosine)
-            if full:
-                info.trust = robust.trust_after(info.trust, v.alignment, cfg.robust_trust_decay)
-            if full and v.alignment < cfg.robust_min_alignment:
-                del rnd.pending[m]
-                self._reject(
-                    pd.contribution, "misaligned", admission.misaligned_detail(v.cosine, v.alignment, cfg), now, out
-                )
-                changed = True
-                continue
-            trusted = robust.trust_factor(info.trust, cfg.robust_trust_full)
-            if not math.isnan(v.cosine):
-                pd.alignment = v.alignment
-            aligned = min(1.0, max(v.alignment, 0.0) / cfg.robust_full_alignment)
-            # Without a majority to weigh it against (a round of one or two), an answer alone
-            # would be the whole merge whatever its weight: its size follows its trust. With
-            # one, a half-aligned answer may be half as large: its size bound follows alignment.
-            if math.isnan(v.cosine):
-                shrink = v.clip * trusted
-            else:  # (an answer of alignment 0 keeps its size: its weight is 0)
-                shrink = min(1.0, v.room * aligned) if aligned > 0 else 1.0
-            if shrink < 1.0:
-                for i in params:
-                    pd.deltas[i].mul_(shrink)
-                pd.norms, pd.shrunk, changed = [n * shrink for n in pd.norms], shrink, True
-            if weight_cap is not None and pd.weight > weight_cap:
-                pd.weight, pd.clipped, changed = weight_cap, True, True
-            factor = trusted * aligned
-            if factor < 1.0:
-                pd.weight *= factor
-                pd.clipped = changed = True
-        if changed:
-            self._rebuild(rnd)
-
-    def _clip_buffers(self, rnd: Round, judged: dict[int, Pending], buffers: Sequence[int]) -> bool:
-        """Bounded influence on the buffers: with a majority to measure against, each answer's
-        statistic is clipped, coordinate by coordinate, to within ``robust_clip`` x the round's
-        median distance from the round's median there. True if one was cut."""
-        if not buffers or len(judged) < robust.MIN_ANSWERS or self.cfg.robust_clip <= 0:
-            return False
-        cut = False
-        for i in buffers:
-            answers = [pd.deltas[i] for pd in judged.values()]  # a buffer's "delta" is its value
-            stacked = torch.stack(answers)
-            centre = stacked.median(dim=0).values
-            room = (stacked - centre).abs().median(dim=0).values.mul_(self.cfg.robust_clip)
-            low, high = centre - room, centre + room
-            for v in answers:
-                if bool(((v < low) | (v > high)).any()):
-                    torch.clamp(v, low, high, out=v)
-                    cut = True
-        return cut
-
-    def _per_row(self, rnd: Round) -> list[bool]:
-        """The pieces every answer in the round has routed-token counts for (none unless
-        ``expert_weights = "routed"``): those are merged row by row."""
-        n = len(rnd.merge)
-        answers = [pd for pd in rnd.pending.values() if pd.weight > 0]  # the others add nothing
-        if self.cfg.expert_weights != "routed" or not answers:
-            return [False] * n
-        return [all(len(pd.factors) == n and pd.factors[i] is not None for pd in answers) for i in range(n)]
-
-    def _rebuild(self, rnd: Round) -> None:
-        """Rebuild the running sums from what remains (exact; a subtraction would leave residue),
-        each piece merged as a whole or row by row as the answers now in the round allow."""
-        rnd.per_row = self._per_row(rnd)
-        rnd.merge = [
-            RowAccumulator(acc.acc, acc.rda) if rows else Accumulator(acc.acc, acc.rda)
-            for acc, rows in zip(rnd.merge, rnd.per_row)
-        ]
-        for pd in rnd.pending.values():
-            self._feed(rnd, pd)
-
-    def _feed(self, rnd: Round, pd: Pending, sign: float = 1.0) -> None:
-        """Add one answer to the round's running merge (sign -1: take it back out). Statistics
-        are a plain weighted mean of values: no staleness discount (it would shrink them)."""
-        buffers = self._buffers[rnd.fragment]
-        for i, (acc, d, n) in enumerate(zip(rnd.merge, pd.deltas, pd.norms)):
-            scale = 1.0 if i in buffers else pd.scale
-            if isinstance(acc, RowAccumulator):
-                acc.add(d, n, pd.weight, sign=sign, scale=scale, factors=pd.factors[i] if pd.factors else None)
-            else:
-                acc.add(d, n, pd.weight, sign=sign, scale=scale)
+        return grace_window(self.cfg, self.t_step(now) or 0.0, self._t_sync.get(), t_quorum)
 
     def _close(self, rnd: Round, now: float, reason: CloseReason, out: Output) -> None:
-        self._screen_round(rnd, now, out)
-        del self.rounds[rnd.fragment]
-        frag = self.fragments[rnd.fragment]
-        pending = [rnd.pending[m] for m in sorted(rnd.pending)]
-        contribs = [pd.contribution for pd in pending]
-        weights = [pd.weight for pd in pending]
-        record = RoundRecord(
-            rnd.fragment,
-            rnd.round_id,
-            rnd.opened_at,
-            now,
-            frag.version,
-            quorum=self.effective_quorum(rnd, now),
-            grace_s=rnd.grace_s,
-            close_reason=reason,
-            rejected=rnd.rejected,
-            rejected_total=rnd.rejected_total,
-        )
-        if contribs and sum(weights) > 0:
-            merged = [acc.result() for acc in rnd.merge]
-            # Buffers (running statistics, counts) become the token-weighted mean of the
-            # answers' values: no outer step, no momentum (it is fed zeros). Statistics are
-            # levels, not progress: changes from stale bases would add up. A count never falls.
-            pieces = self.layout.fragments[rnd.fragment]
-            stats = {}
-            for i in self._buffers[rnd.fragment]:
-                stats[i] = merged[i].clone()
-                if pieces[i].kind == "count":
-                    torch.maximum(stats[i].round_(), frag.values[i], out=stats[i])
-                merged[i] = torch.zeros_like(stats[i])
-            frag.outer.lr = self.outer_lr()
-            frag.version += 1
-            # The part of the live fleet this merge stands for (only a delayed outer step uses it).
-            share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now))) if frag.outer.delayed else 1.0
-            new_values = frag.outer.step(frag.values, merged, share)
-            for i, value in stats.items():
-                new_values[i] = value
-            frag.push(Version(frag.version, new_values, now), self._keep_past_values, self._buffers[rnd.fragment])
-            if frag.chain is not None:
-                frag.chain.advance(
-                    frag.version, new_values, self.layout.fragments[rnd.fragment], self.cfg.down_encoding
-                )
-            frag.norm = _norm(new_values)
-            frag.tokens_merged += sum(_tokens(pd) for pd in pending)
-            frag.last_merged, frag.last_grace_s = sum(1 for w in weights if w > 0), rnd.grace_s
-            record.version = frag.version
-            out.durable.append(rnd.fragment)
-            pull_s = (rnd.first_answer_at or now) - rnd.opened_at
-            self._awaiting_ack[rnd.fragment] = (frag.version, now, pull_s)
-        frag.screen_rounds += any(c.steps > 0 for c in contribs)
-        for pd, c, w in zip(pending, contribs, weights):
-            info = self.learners[c.learner]
+        """Screen the round, take the outer step if it merged anything, and send the new version
+        to the learners merged in it."""
+        p = rnd.fragment
+        frag = self.fragments[p]
+        screen = rnd.screen(frag.recent_norms, frag.screen_rounds, {m: self.learners[m].trust for m in rnd.pending})
+        for m, trust in screen.trust.items():
+            self.learners[m].trust = trust
+        for c, why, detail in screen.refused:  # recorded with the round, each with a strike
+            self._reject(c, why, detail, now, out)
+        del self.rounds[p]
+        closed = rnd.close(now, reason, frag.version, self.effective_quorum(rnd, now), frag.values)
+        if closed.merged is not None:
+            self._step(rnd, closed, closed.merged, now, out)
+        frag.screen_rounds += any(pd.contribution.steps > 0 for pd in closed.pending)
+        for pd in closed.pending:
+            c, info = pd.contribution, self.learners[pd.contribution.learner]
             if c.steps > 0:  # the screening's and the weight cap's references: merged answers only
                 frag.recent_norms.append(screened(pd.norms, c.steps))
-            if w > 0 and not rnd.final:
+            if pd.weight > 0 and not rnd.final:
                 # The final sync's answers carry whatever is left, often a few steps: as the weight
                 # cap's reference they would clip the later final rounds' honest answers.
                 info.recent_weights.append(pd.claimed)
             info.data_position = max(info.data_position, c.data_position)
-            staleness = record.version - 1 - c.base_version if record.version > c.base_version else 0
-            record.merged.append(
-                MergedEntry(
-                    c.learner,
-                    c.incarnation,
-                    c.seq,
-                    c.base_version,
-                    staleness,
-                    w,
-                    _tokens(pd),
-                    c.steps,
-                    c.learner in rnd.in_grace,
-                    pd.clipped,
-                    math.sqrt(sum(n * n for n in pd.norms)),
-                    pd.shrunk,
-                    pd.alignment,
-                )
-            )
-        out.tape.append(record)
+        closed.record.merged += closed.entries(closed.record.version)
+        out.tape.append(closed.record)
         # The new version goes to the learners merged in this round; others ask when they need it.
-        out.messages += [self._update(c.learner, rnd.fragment, "merged", now) for c in contribs]
+        out.messages += [self._update(pd.contribution.learner, p, "merged", now) for pd in closed.pending]
         if frag.chain is not None:
             frag.chain.delta = None  # its messages are made: the messages hold it until they are sent
         self._release(rnd)
 
+    def _step(self, rnd: Round, closed: Closed, merged: list[torch.Tensor], now: float, out: Output) -> None:
+        """The outer step of a merged round: fragment p's next version, to be made durable."""
+        p, frag, weights = rnd.fragment, self.fragments[rnd.fragment], [pd.weight for pd in closed.pending]
+        frag.outer.lr = self.outer_lr()
+        frag.version += 1
+        # The part of the live fleet this merge stands for (only a delayed outer step uses it).
+        share = sum(1 for w in weights if w > 0) / max(1, len(self.live(now))) if frag.outer.delayed else 1.0
+        new_values = frag.outer.step(frag.values, merged, share)
+        for i, value in closed.stats.items():
+            new_values[i] = value
+        frag.push(Version(frag.version, new_values, now), self._keep_past_values, self._buffers[p])
+        if frag.chain is not None:
+            frag.chain.advance(frag.version, new_values, self.layout.fragments[p], self.cfg.down_encoding)
+        frag.norm = norm_of(new_values)
+        frag.tokens_merged += sum(tokens(pd) for pd in closed.pending)
+        frag.last_merged, frag.last_grace_s = sum(1 for w in weights if w > 0), rnd.grace_s
+        closed.record.version = frag.version
+        out.durable.append(p)
+        pull_s = (rnd.first_answer_at or now) - rnd.opened_at
+        self._awaiting_ack[p] = (frag.version, now, pull_s)
+
     def _release(self, rnd: Round) -> None:
         """Take a closed round's merge buffer back (the outer step is done with it)."""
-        if rnd.scratch is not None:
-            self._scratch_pool.append(rnd.scratch)
-            rnd.scratch, rnd.merge = None, []
+        flat = rnd.release()
+        if flat is not None:
+            self._scratch_pool.append(flat)
 
     def flush(self, now: float, final: bool = False) -> Output:
         """Close every open round with what it has. ``final``: the run is ending, so no
@@ -1187,7 +787,7 @@ class Syncer:
         frag.history.append(
             Version(rec.version, [v.float() if take else v.float().clone() for v in rec.values], -math.inf)
         )
-        frag.norm = _norm(frag.values)
+        frag.norm = norm_of(frag.values)
         frag.outer.load_state_dict({"buffers": rec.momentum}, take=take)
         if frag.chain is not None:
             # What learners hold of versions served before is not known: deltas chain again only
