@@ -30,6 +30,34 @@ fragments to read to host memory); the driver acts on it and hands the values it
 ``complete``, which returns the messages to send. ``receive`` and ``tick`` return messages too.
 Nothing here reads a clock, sleeps, logs, or touches a socket or a file: the simulator pumps a
 session in virtual time, ``ddiloco.Learner`` with a comm thread and a lock.
+
+Theory of operation
+-------------------
+Each shard link is in one of three states: *registering* (``joined`` false: a ``Register`` goes
+out at ``next_join``, the delay doubling from ``backoff_initial_s`` to ``backoff_max_s``),
+*joined* (its ``JoinReply`` accepted: heartbeats go to it every ``heartbeat_interval_s``) and
+*lost* (silent past ``syncer_liveness_s``, ``SyncerHeartbeat(bound=False)``, or a new epoch:
+back to registering, ``lost_at`` set so the next acceptance is a rejoin). The process as a
+whole is *joining* until ``ready(now)`` (accepted once, and every fragment received or
+``join_timeout_s`` without progress), then *training*, then *stopped* (``refused``,
+``gave_up`` or ``run_end``: no more steps, boundaries go on) and *done* (refused, given up or
+``run_end == "done"``: ``tick`` returns nothing, ``next_deadline`` None).
+
+Events, each handed ``now`` (a driver's seconds: virtual or monotonic), except ``complete``:
+
+- ``tick(now)``: deadlines due (heartbeats, liveness, give-up, registration) -> ``LearnerOutput``;
+- ``receive(shard, msg, now)`` (``heard`` first: any message is liveness) -> ``LearnerOutput``;
+- ``step(tokens, duration_s, now, ..., waited_s)`` or ``boundary(now)`` -> ``BoundaryPlan``;
+- ``complete(plan, values, peer_states)`` -> ``LearnerOutput`` (acks, answers, pushes, pieces);
+- ``leave()`` -> ``LearnerOutput`` (a ``Leave`` to every joined shard);
+- ``next_deadline(now)``: when to call ``tick`` next (never before ``now``).
+
+Invariants: updates reach the model only through a plan, in arrival order, each acked once
+written; a request is answered at once from the snapshot, else at the next boundary (a
+snapshot is dropped when its fragment gets a new version); a peer's optimizer state is taken
+only from shard 0, as the answer to this process's own pending request, once; ``busy_s`` sums
+the steps' busy time, waits for a fragment excepted (``step``); every figure a heartbeat
+carries is within its wire bounds.
 """
 
 from __future__ import annotations
@@ -271,6 +299,9 @@ class LearnerSession:
         self.position = 0
         self.tokens = 0
         self.busy_s = 0.0
+        """Seconds in inner steps this incarnation: the busy time of every step (``step``), a
+        wait for a fragment excepted (it is not busy: goodput counts it a loss). The one
+        definition: heartbeats report it, and with them the summary's compute share."""
         self.loss: float | None = None
         self.bytes_sent = 0
         self.step_time_s = 0.0
@@ -439,20 +470,7 @@ class LearnerSession:
         link = self.links[shard]
         self.heard(shard, now)
         if isinstance(msg, SyncerHeartbeat):
-            if link.joined and not msg.bound:
-                # The shard does not know this connection as ours (it lost it, or a newer
-                # registration took our id): a fresh connection, and register again.
-                link.joined, link.next_join, link.lost_at = False, now, now
-                out.reconnect.append(shard)
-                out.notes.append(
-                    f"learner {self.learner}: syncer shard {shard} does not know this connection; reconnecting and "
-                    "registering again"
-                )
-            elif link.joined and link.epoch is not None and msg.epoch != link.epoch:
-                # the shard restarted: register again, keeping our progress
-                link.joined, link.next_join, link.lost_at = False, now, now
-            elif not link.joined:
-                link.next_join = min(link.next_join, now)
+            self._on_syncer_heartbeat(shard, link, msg, now, out)
         elif isinstance(msg, JoinReply):
             self._on_join_reply(shard, link, msg, now, out)
         elif isinstance(msg, RunEnd):
@@ -480,6 +498,24 @@ class LearnerSession:
         else:
             out.notes.append(f"learner {self.learner}: unexpected {type(msg).__name__} from shard {shard}")
         return out
+
+    def _on_syncer_heartbeat(
+        self, shard: int, link: ShardLink, msg: SyncerHeartbeat, now: float, out: LearnerOutput
+    ) -> None:
+        if link.joined and not msg.bound:
+            # The shard does not know this connection as ours (it lost it, or a newer
+            # registration took our id): a fresh connection, and register again.
+            link.joined, link.next_join, link.lost_at = False, now, now
+            out.reconnect.append(shard)
+            out.notes.append(
+                f"learner {self.learner}: syncer shard {shard} does not know this connection; reconnecting and "
+                "registering again"
+            )
+        elif link.joined and link.epoch is not None and msg.epoch != link.epoch:
+            # the shard restarted: register again, keeping our progress
+            link.joined, link.next_join, link.lost_at = False, now, now
+        elif not link.joined:
+            link.next_join = min(link.next_join, now)
 
     def _on_peer_state(self, msg: PeerState, shard: int, now: float, out: LearnerOutput) -> None:
         """Only the answer to this process's own pending request, once, relayed by shard 0 (which
@@ -590,11 +626,13 @@ class LearnerSession:
         data_position: int | None = None,
         loss: float | None = None,
         routed: Mapping[str, torch.Tensor] | None = None,
+        waited_s: float = 0.0,
     ) -> BoundaryPlan:
         """Count one finished inner step (``duration_s``: its time since the previous boundary,
-        this boundary included; ``routed``: its routed-token counts, see ``LearnerCore.on_step``)
-        and plan the boundary after it."""
-        self.busy_s += max(duration_s, 0.0)
+        this boundary included; ``waited_s``: how much of it a lock-step learner waited for a
+        fragment; ``routed``: its routed-token counts, see ``LearnerCore.on_step``) and plan the
+        boundary after it. The step's busy time is ``duration_s - waited_s`` (``busy_s``)."""
+        self.busy_s += max(duration_s - waited_s, 0.0)
         self.tokens += tokens
         self.position = self.position + 1 if data_position is None else data_position
         if loss is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ddiloco.protocol.learner_session import is_piece
+
 
 @dataclass(frozen=True)
 class KillLearner:
@@ -121,7 +123,7 @@ def poisoned_state(ps: Any, kind: str) -> Any:
     groups = [dict(g) for g in ps.param_groups]
     if kind == "nan":
         tensors = {k: t.clone().fill_(math.nan) if not k.endswith(".step") else t for k, t in tensors.items()}
-    elif kind == "weight_decay":
+    elif kind == "weight_decay" and not is_piece(ps):  # (a piece's groups only mark it: more follow)
         groups = [{**g, "weight_decay": 1e6, "lr": 1e3} for g in groups]
     elif kind == "huge":
         tensors = {
@@ -132,6 +134,22 @@ def poisoned_state(ps: Any, kind: str) -> Any:
         first = next(k for k in tensors if not k.endswith(".step"))
         tensors[first] = tensors[first].reshape(-1)[:1].clone()
     return dataclasses.replace(ps, param_groups=groups, tensors=tensors)
+
+
+class PoisonedServer:
+    """A ``training.peer_state.StateServer`` whose every piece ``poisoned_state`` poisons (the
+    hostile learner serves the same way an honest one does, ``protocol/boundary.py``)."""
+
+    def __init__(self, server: Any, kind: str) -> None:
+        self.server, self.kind = server, kind
+
+    @property
+    def done(self) -> bool:
+        return bool(self.server.done)
+
+    def piece(self) -> Any:
+        ps = self.server.piece()
+        return None if ps is None else poisoned_state(ps, self.kind)
 
 
 Fault = KillLearner | RestartSyncer | Partition | Slow | SlowLink | Inject | HostilePeerState

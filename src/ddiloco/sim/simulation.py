@@ -34,7 +34,9 @@ from ddiloco.core.messages import FragmentUpdate
 from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import RoundRecord, TapeRecord
 from ddiloco.errors import DataError
+from ddiloco.protocol.boundary import BoundaryExecutor, StateSource
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession, Registration
+from ddiloco.protocol.messages import PeerState
 from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
 from ddiloco.protocol.traffic import TrafficMeter, payload_nbytes
 from ddiloco.report.accounting import State, TimeAccount, fleet_goodput, uptime
@@ -46,17 +48,17 @@ from ddiloco.sim.faults import (
     Inject,
     KillLearner,
     Partition,
+    PoisonedServer,
     RestartSyncer,
     Slow,
     SlowLink,
-    poisoned_state,
 )
 from ddiloco.sim.links import SimLinks
 from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for, load_global, param_spec, synced_tensors
-from ddiloco.training.peer_state import load_state, state_message
+from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
 from ddiloco.workloads.base import DataStream, Workload, loss_unit, routed_tokens
 
 SYNCER = 1 << 30  # actor ids of the syncer shards in the event order (after every learner)
@@ -97,20 +99,51 @@ class SimLearner:
     """Tokens of every inner step it took, all incarnations."""
     steps_taken: int = 0
     """Inner steps it took, all incarnations."""
-    incarnation_start: tuple[float, int, int] = (0.0, 0, 0)
-    """(busy_s, tokens, steps) when its current incarnation started."""
+    incarnation_start: tuple[int, int] = (0, 0)
+    """(tokens, steps) when its current incarnation started."""
     down_since: float | None = None
     record: int = 0
     """Index of its current process in ``Simulation.incarnations``."""
-
-    def busy_s(self, now: float) -> float:
-        """Seconds in inner steps so far, all incarnations."""
-        busy = self.account.totals["compute"]
-        return busy + (now - self.account.since if self.account.state == "compute" else 0.0)
+    executor: BoundaryExecutor | None = None
+    """Its process's boundary executor (its optimizer hand-offs under way die with it)."""
 
     @property
     def up(self) -> bool:
         return self.session is not None
+
+
+class SimHost:
+    """A simulated learner's model and optimizer as the boundary executor sees them: CPU
+    tensors, written and read at once (a boundary takes no virtual time)."""
+
+    def __init__(self, sim: Simulation, ln: SimLearner) -> None:
+        self.sim, self.ln = sim, ln
+        self.pieces = sim.layout.fragments
+        self.hostile = next(
+            (f.kind for f in sim.faults if isinstance(f, HostilePeerState) and f.learner == ln.id), None
+        )
+
+    def write(self, p: int, values: Sequence[torch.Tensor], alpha: float, add: bool) -> None:
+        write_fragment(self.ln.params, self.pieces[p], values, alpha, add)
+
+    def read(self, p: int) -> list[torch.Tensor]:
+        return read_fragment(self.ln.params, self.pieces[p])
+
+    def load_peer_state(self, state: PeerState) -> None:
+        problem = load_state(self.ln.opt, state, torch.device("cpu"))
+        self.sim.log.append(
+            {
+                "event": "peer_state",
+                "learner": self.ln.id,
+                "time": self.sim.now,
+                "peer": state.source,
+                "problem": problem,
+            }
+        )
+
+    def serve(self, learner: int) -> StateSource:
+        server = StateServer(self.ln.opt, learner, self.ln.id, SERVE_BYTES_PER_BOUNDARY)
+        return server if self.hostile is None else PoisonedServer(server, self.hostile)
 
 
 @dataclass
@@ -272,8 +305,9 @@ class Simulation:
             num_shards=len(self.shards),
             wants_peer_state=True,
         )
+        ln.executor = BoundaryExecutor(SimHost(self, ln))
         ln.training = ln.stepping = False
-        ln.incarnation_start = (ln.busy_s(self.now), ln.tokens_processed, ln.steps_taken)
+        ln.incarnation_start = (ln.tokens_processed, ln.steps_taken)
         ln.record = len(self.incarnations)
         self.incarnations.append(Incarnation(ln.id, ln.gen, self.now))
         self._learner_tick(ln)
@@ -321,26 +355,12 @@ class Simulation:
             self._continue_or_block(ln)
 
     def _boundary(self, ln: SimLearner, plan: BoundaryPlan) -> None:
-        """What the learner's training thread does at a boundary: write, load, read, send."""
-        session = ln.session
-        assert session is not None
-        for p, move in plan.move:
-            write_fragment(ln.params, self.layout.fragments[p], move, add=True)
-        for u, receipt in plan.apply:
-            shift = receipt.mode == "shift"
-            write_fragment(ln.params, self.layout.fragments[u.fragment], u.values, receipt.alpha, shift)
-        ps = plan.peer_state
-        if ps is not None and ps.source >= 0 and ps.tensors:
-            problem = load_state(ln.opt, ps, torch.device("cpu"))
-            self.log.append(
-                {"event": "peer_state", "learner": ln.id, "time": self.now, "peer": ps.source, "problem": problem}
-            )
-        states = [state_message(ln.opt, who, ln.id) for who in plan.serve]
-        hostile = next((f for f in self.faults if isinstance(f, HostilePeerState) and f.learner == ln.id), None)
-        if hostile is not None:
-            states = [poisoned_state(ps, hostile.kind) for ps in states]
-        values = {p: read_fragment(ln.params, self.layout.fragments[p]) for p in plan.read}
-        self._learner_out(ln, session.complete(plan, values, states))
+        """What the learner's training thread does at a boundary (``protocol/boundary.py``):
+        write, load, read, serve, send."""
+        assert ln.session is not None and ln.executor is not None
+        out = ln.executor.run(plan, ln.session)
+        assert out is not None
+        self._learner_out(ln, out)
 
     # -- learners: the training loop ----------------------------------------------------------
 
@@ -691,7 +711,7 @@ class Simulation:
         """One metrics/learners.jsonl record per learner (counters of its current incarnation)."""
         self._next_sample = self.now + self.horizon / self.SAMPLES
         for ln in self.learners:
-            busy0, tokens0, steps0 = ln.incarnation_start
+            tokens0, steps0 = ln.incarnation_start
             up = ln.session is not None
             self.samples.append(
                 {
@@ -702,7 +722,8 @@ class Simulation:
                     "state": "up" if up else "down",
                     "steps": ln.steps_taken - steps0 if up else 0,
                     "tokens": ln.tokens_processed - tokens0 if up else 0,
-                    "busy_s": ln.busy_s(self.now) - busy0 if up else 0.0,
+                    # The session's busy time, as its heartbeats report it (a wait is not busy).
+                    "busy_s": ln.session.busy_s if ln.session is not None else 0.0,
                     "loss": ln.loss,
                     "bytes_sent": ln.session.bytes_sent if ln.session is not None else 0,
                 }

@@ -61,7 +61,7 @@ class StateServer:
         if self.done:
             return None
         sd = self.opt.state_dict()  # (references to the live tensors: copied below, a few at a time)
-        ids = sorted(sd["state"])
+        ids = list(sd["state"])  # the optimizer's own order (stable: a state made later goes last)
         tensors: dict[str, torch.Tensor] = {}
         size = 0
         while self._next < len(ids) and (not tensors or size < self.budget):

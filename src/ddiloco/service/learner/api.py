@@ -26,14 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddiloco.config import ConfigLike, as_config
+from ddiloco.config import Config, ConfigLike, as_config
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import tensor_rows, write_fragment
+from ddiloco.core.fragments import tensor_rows
 from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, RefusedError, UsageError
+from ddiloco.protocol.boundary import BoundaryExecutor
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
+from ddiloco.protocol.messages import PeerState
 from ddiloco.protocol.settings import SettingsQuery
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.base.keys import ClientKeys, client_keys
@@ -41,10 +43,10 @@ from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.base.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.base.wire import WireError, decode, encode
 from ddiloco.service.learner.comm import LearnerComm
+from ddiloco.service.learner.model_host import ModelHost
 from ddiloco.service.learner.model_watch import ModelWatch
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
-from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
 from ddiloco.workloads.base import embedding_parameters
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,8 @@ class LearnerStats:
     @property
     def busy_s(self) -> float:
         """Wall time in training steps: the loop's time between ``step()`` calls plus the time
-        inside them, lock-step waits excepted (what heartbeats report as ``busy_s``)."""
+        inside them, lock-step waits excepted: the definition of ``LearnerSession.busy_s``,
+        which heartbeats report (a wait for a fragment is not busy)."""
         return self.step_s + self.sync_s
 
 
@@ -96,6 +99,34 @@ def check_addresses(syncer: str | Sequence[str] | None) -> list[str]:
         if not isinstance(a, str) or not a.startswith(ADDRESS_SCHEMES):
             raise UsageError(f"syncer address {a!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
     return addrs
+
+
+def _check_arguments(model: Any, learner_id: Any, optimizer: Any, join_timeout_s: Any) -> None:
+    """The constructor's arguments that no config check covers, each with what is allowed."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
+    if type(learner_id) is not int or not 0 <= learner_id <= ID["max"]:
+        raise UsageError(f"learner_id = {learner_id!r} is out of range; allowed: an integer in 0..{ID['max']}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
+    if join_timeout_s is not None and not (isinstance(join_timeout_s, (int, float)) and join_timeout_s > 0):
+        raise UsageError(f"join_timeout_s = {join_timeout_s!r} is out of range; allowed: > 0 seconds")
+
+
+@dataclass(frozen=True)
+class _Link:
+    """How a learner reaches its syncer: what ``Learner(...)`` was given for it."""
+
+    addresses: list[str]
+    """The shards' addresses, in shard order (empty: standalone)."""
+    key: str | Path | ClientKeys | None
+    """Its keys (``client_keys``)."""
+    insecure: bool
+    """An unencrypted connection off this machine is allowed."""
+    transport: SocketFactory | None
+    """A test's transport (None: ZeroMQ)."""
+    join_timeout_s: float | None
+    """The caller's join timeout (None: ``runtime.join_timeout_s``)."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -158,20 +189,41 @@ class Learner:
             claims: the run settings an explicit config claims (``ddiloco learner`` adds its own
                 training loop's, ``ddiloco.settings.INNER_LOOP``).
         """
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
-        if type(learner_id) is not int or not 0 <= learner_id <= ID["max"]:
-            raise UsageError(f"learner_id = {learner_id!r} is out of range; allowed: an integer in 0..{ID['max']}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise UsageError(f"optimizer must be a torch.optim.Optimizer, not a {type(optimizer).__name__}")
-        if join_timeout_s is not None and not (isinstance(join_timeout_s, (int, float)) and join_timeout_s > 0):
-            raise UsageError(f"join_timeout_s = {join_timeout_s!r} is out of range; allowed: > 0 seconds")
+        _check_arguments(model, learner_id, optimizer, join_timeout_s)
         addrs = check_addresses(syncer)
         given = as_config(config)
         self.id, self.clock, self.optimizer = learner_id, clock, optimizer
+        self._bind_model(model)
+        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
+        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
+        self.max_merged_tokens, self.max_data_position = max_merged_tokens, max_data_position
+        self.stats = LearnerStats()
+        self.startup = startup or StartupTimes("learner", LEARNER_LAST, id=learner_id, incarnation=self.incarnation)
+        """When this learner joined, downloaded, took a peer's optimizer state, stepped and was
+        first merged (seconds from its process's start; ``ddiloco learner`` writes it to the run)."""
+        self._joined: list[FragmentUpdate] = []
+        self._position = 0
+        self._closed = False
+        self._last_end: float | None = None
+        self._last_start: float | None = None
+        self._waited = 0.0  # the last step()'s lock-step wait: not busy time (``LearnerSession.step``)
+        self._shared = False  # a torchrun group has shared rank 0's join
+        self._told_end = False  # run_ended was true when a step() (or the join) returned
+        self._keyed = False
+        self.session: LearnerSession | None = None
+        self.comm: LearnerComm | None = None
+        # What this learner claims (checked by the syncer at registration) and what it adopts
+        # from the run: a whole config claims its settings; a DiLoCoConfig its algo ones; none, none.
+        adopting = config is None or isinstance(config, DiLoCoConfig)
+        claimed = [k for k in claims if config is not None and (not adopting or k.startswith("algo."))]
+        link = _Link(addrs, key, insecure, transport, join_timeout_s)
+        self._start(given, link, adopting, claimed)
+
+    def _bind_model(self, model: nn.Module) -> None:
+        """The model's synced tensors (the parameters and the persistent buffers, BatchNorm's
+        statistics: the whole model), its FSDP2 rows, its device and its torchrun group."""
         self.trained = model
         self.model = unwrap(model)
-        # The parameters and the persistent buffers (BatchNorm's statistics): the whole model.
         params = synced_tensors(self.model)
         if not params:
             raise UsageError("the model has no parameters to synchronise")
@@ -184,93 +236,96 @@ class Learner:
 
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # One incarnation per process start: the syncer drops whatever its predecessor still sends.
-        self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
-        timeout_s = join_timeout_s if join_timeout_s is not None else given.runtime.join_timeout_s
-        # What this learner claims (checked by the syncer at registration) and what it adopts
-        # from the run: a whole config claims its settings; a DiLoCoConfig its algo ones; none, none.
-        adopting = config is None or isinstance(config, DiLoCoConfig)
-        claimed = [k for k in claims if config is not None and (not adopting or k.startswith("algo."))]
-        sock: LearnerSocket | None = None
-        run: dict[str, Any] = {}
-        self._keyed = False
-        if addrs and self.rank == 0:
-            keys = client_keys(addrs, key, f"learner-{learner_id}", insecure)
-            rt = given.runtime
-            factory = transport or (
-                lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
-            )
-            sock = factory(addrs, learner_identity(learner_id))
-            self._keyed = keys is not None
-            if adopting:  # ask before the layout is built: it depends on the run's settings
-                try:
-                    run = self._ask_settings(sock, addrs, rt, timeout_s)
-                except BaseException:
-                    sock.close()
-                    raise
-        if self.world > 1 and addrs and adopting:
-            box: list[Any] = [run]
-            dist.broadcast_object_list(box, src=0)  # every rank builds the same layout
-            run = box[0]
-        self.cfg = cfg = adopt(given, {k: v for k, v in run.items() if k not in claimed}) if run else given
-        self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
-        self.pieces = self.layout.fragments.fragments
-        # Rows (dim 0) of each parameter: what routed-token counts must match (``step(routed=...)``).
-        self._expert_rows = tensor_rows(self.layout.fragments)
-        if self.world > 1 and cfg.algo.late_fragment == "wait":
-            if sock is not None:
+
+    def _start(self, given: Config, link: _Link, adopting: bool, claimed: list[str]) -> None:
+        """The construction's I/O, in order: open the transport (rank 0), ask the run's settings
+        when adopting them (the layout depends on them, so it is built only then), build the
+        layout and the session, start the comm thread and join. A failure closes what it opened."""
+        timeout_s = link.join_timeout_s if link.join_timeout_s is not None else given.runtime.join_timeout_s
+        sock = self._open(link, given.runtime) if link.addresses and self.rank == 0 else None
+        try:
+            run = self._run_settings(sock, link.addresses, given.runtime, timeout_s) if adopting else {}
+            self._configure(adopt(given, {k: v for k, v in run.items() if k not in claimed}) if run else given)
+            if self.rank == 0:
+                self.session = self._make_session(len(link.addresses), claimed, link.join_timeout_s)
+            if sock is not None and self.session is not None:
+                self.comm = LearnerComm(self.session, link.addresses, sock, self.clock)
+        except BaseException:
+            if sock is not None and self.comm is None:
                 sock.close()
-            raise UsageError(
-                "a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step "
-                "baselines with one process per learner"
-            )
-        self.max_merged_tokens = max_merged_tokens
-        self.max_data_position = max_data_position
-        self.stats = LearnerStats()
-        self.startup = startup or StartupTimes("learner", LEARNER_LAST, id=learner_id, incarnation=self.incarnation)
-        """When this learner joined, downloaded, took a peer's optimizer state, stepped and was
-        first merged (seconds from its process's start; ``ddiloco learner`` writes it to the run)."""
-        self._joined: list[FragmentUpdate] = []
-        self._serving: list[StateServer] = []  # optimizer hand-offs under way, a piece per boundary
-        self._position = 0
-        self._closed = False
-        self._last_end: float | None = None
-        self._last_start: float | None = None
-        self._shared = False  # a torchrun group has shared rank 0's join
-        self._told_end = False  # run_ended was true when a step() (or the join) returned
-        # Rank 0 runs the protocol; the other ranks of a torchrun group follow its boundaries
-        # and keep what it tells them of the fleet (LR position, versions, the run's end).
-        self._facts: tuple[float, tuple[int, ...], str | None] = (0.0, (0,) * self.layout.num_fragments, None)
-        self.session: LearnerSession | None = None
-        self.comm: LearnerComm | None = None
-        if self.rank == 0:
-            registration = Registration(
-                param_spec(self.model), self.layout.digest, os.getpid(), str(self.device),
-                settings=run_settings(cfg, claimed),
-            )  # fmt: skip
-            # The session's join deadline (when training starts from what it has) is the caller's
-            # timeout too, not only the wait in _join.
-            runtime = cfg.runtime if join_timeout_s is None else replace(cfg.runtime, join_timeout_s=join_timeout_s)
-            self.session = LearnerSession(
-                cfg.algo,
-                runtime,
-                learner_id,
-                self.incarnation,
-                self.layout.fragments,
-                registration,
-                clock.monotonic(),
-                num_shards=max(1, len(addrs)),
-                max_merged_tokens=max_merged_tokens,
-                wants_peer_state=optimizer is not None and not self.sharded,
-            )
-        if sock is not None and self.session is not None:
-            self.comm = LearnerComm(self.session, addrs, sock, clock)
+            raise
         try:
             self._join(timeout_s)
         except BaseException:
             self.close()
             raise
         self._told_end = self.run_ended
+
+    def _open(self, link: _Link, rt: RuntimeConfig) -> LearnerSocket:
+        """Rank 0's transport to the syncer shards (ZeroMQ, with this learner's keys, unless a
+        test injects its own)."""
+        keys = client_keys(link.addresses, link.key, f"learner-{self.id}", link.insecure)
+        self._keyed = keys is not None
+        factory = link.transport or (
+            lambda a, ident: ZmqLearnerSocket(a, ident, rt.backoff_initial_s, rt.backoff_max_s, keys)
+        )
+        return factory(link.addresses, learner_identity(self.id))
+
+    def _run_settings(
+        self, sock: LearnerSocket | None, addresses: list[str], rt: RuntimeConfig, timeout_s: float
+    ) -> dict[str, Any]:
+        """The run's settings for a learner that adopts them: rank 0 asks, every rank of a
+        torchrun group gets the same (each builds the same layout from them)."""
+        run = self._ask_settings(sock, addresses, rt, timeout_s) if sock is not None else {}
+        if self.world > 1 and addresses:
+            import torch.distributed as dist
+
+            box: list[Any] = [run]
+            dist.broadcast_object_list(box, src=0)
+            run = box[0]
+        return run
+
+    def _configure(self, cfg: Config) -> None:
+        """The run's config taken: the fragment layout, and the boundary's executor."""
+        self.cfg = cfg
+        self.layout = layout_of(self.model, cfg.algo, embedding_parameters(self.model))
+        self.pieces = self.layout.fragments.fragments
+        # Rows (dim 0) of each parameter: what routed-token counts must match (``step(routed=...)``).
+        self._expert_rows = tensor_rows(self.layout.fragments)
+        if self.world > 1 and cfg.algo.late_fragment == "wait":
+            raise UsageError(
+                "a multi-rank learner supports algo.late_fragment = 'continue' only; run lock-step "
+                "baselines with one process per learner"
+            )
+        # Rank 0 runs the protocol; the other ranks of a torchrun group follow its boundaries
+        # and keep what it tells them of the fleet (LR position, versions, the run's end).
+        self._facts: tuple[float, tuple[int, ...], str | None] = (0.0, (0,) * self.layout.num_fragments, None)
+        self._host = ModelHost(self.id, self.params, self.pieces, self.sharded, self.device, self.optimizer,
+                               self._took_state)  # fmt: skip
+        self._executor = BoundaryExecutor(self._host)
+
+    def _make_session(self, num_shards: int, claimed: list[str], join_timeout_s: float | None) -> LearnerSession:
+        """Rank 0's protocol session (its registration says what it claims of the run's settings)."""
+        cfg = self.cfg
+        registration = Registration(
+            param_spec(self.model), self.layout.digest, os.getpid(), str(self.device),
+            settings=run_settings(cfg, claimed),
+        )  # fmt: skip
+        # The session's join deadline (when training starts from what it has) is the caller's
+        # timeout too, not only the wait in _join.
+        runtime = cfg.runtime if join_timeout_s is None else replace(cfg.runtime, join_timeout_s=join_timeout_s)
+        return LearnerSession(
+            cfg.algo,
+            runtime,
+            self.id,
+            self.incarnation,
+            self.layout.fragments,
+            registration,
+            self.clock.monotonic(),
+            num_shards=max(1, num_shards),
+            max_merged_tokens=self.max_merged_tokens,
+            wants_peer_state=self.optimizer is not None and not self.sharded,
+        )
 
     # -- the public surface ------------------------------------------------------------------
 
@@ -382,16 +437,19 @@ class Learner:
             self.stats.step_s += t0 - self._last_end
         # The step's time for the syncer's step clock: from the last call's start to this one's,
         # its own boundary included (the learner's real pace); the session reports the mean.
+        # Of it, the last call's lock-step wait is not busy (``LearnerSession.busy_s``).
         duration = t0 - self._last_start if self._last_start is not None else 0.0
+        waited, self._waited = self._waited, 0.0
         self._last_start = t0
         n = tokens * self.world
         self._position = self._position + 1 if data_position is None else data_position
         plan = None
         if self.session is not None:
             with self._lock():
-                plan = self.session.step(n, duration, self.clock.monotonic(), self._position, self.stats.loss, counts)
+                now = self.clock.monotonic()
+                plan = self.session.step(n, duration, now, self._position, self.stats.loss, counts, waited)
         self._boundary(plan)
-        blocked = self._block_if_lock_step()
+        blocked = self._waited = self._block_if_lock_step()
         self.stats.steps += 1
         self.stats.tokens += n
         if self.stats.steps == 1:
@@ -637,63 +695,6 @@ class Learner:
 
     # -- the step boundary ---------------------------------------------------------------------
 
-    def _host_values(self, p: int, wait: bool = True) -> list[torch.Tensor]:
-        """Fragment p's current values, copied to host memory (on CUDA: on a side stream, into
-        pinned memory, ``service/learner/device_copies.py``; ``wait=False`` returns before the copy is
-        complete: ``self._copies.wait([p])`` before reading it). An FSDP2 parameter is gathered
-        first: a collective, so every rank of the group calls this for the same fragments."""
-        from ddiloco.service.learner.device_copies import DeviceCopies
-
-        if getattr(self, "_copies", None) is None:
-            self._copies = DeviceCopies(self.device)
-        pieces = []
-        for pc in self.pieces[p]:
-            t = self.params[pc.name].detach()
-            if pc.name in self.sharded:
-                t = t.full_tensor()  # type: ignore[attr-defined]
-            pieces.append(t[pc.row_start : pc.row_end] if t.dim() else t)
-        return self._copies.read(p, pieces, wait=wait)
-
-    def _write(self, p: int, values: list[torch.Tensor], alpha: float, add: bool = False) -> None:
-        """Write fragment p's merged values into the model (``add``: parameters add theirs, as
-        ``write_fragment``). On CUDA they are uploaded on a side stream and the training stream
-        waits for them on the GPU: no host sync."""
-        from ddiloco.service.learner.device_copies import DeviceCopies
-
-        if getattr(self, "_copies", None) is None:
-            self._copies = DeviceCopies(self.device)
-        pieces = self.pieces[p]
-        if not self.sharded:
-            write_fragment(self.params, pieces, self._copies.upload(p, values), alpha, add)
-            return
-        with torch.no_grad():
-            # Only this rank's rows of a sharded parameter go up.
-            rows, mine = [], []
-            for pc, v in zip(pieces, values):
-                if pc.name not in self.sharded or (add and v.numel() == 0):
-                    rows.append((pc, None))
-                    mine.append(v)
-                    continue
-                lo, hi = self.sharded[pc.name]  # this rank's rows of the parameter
-                a, b = max(pc.row_start, lo), min(pc.row_end, hi)
-                if a < b:
-                    rows.append((pc, (a, b)))
-                    mine.append(v[a - pc.row_start : b - pc.row_start])
-            for (pc, ab), src in zip(rows, self._copies.upload(p, mine)):
-                if ab is None:
-                    if pc.name not in self.sharded:
-                        write_fragment(self.params, [pc], [src], alpha, add)
-                    continue  # (an empty value of a sharded piece under ``add``: left alone)
-                lo = self.sharded[pc.name][0]
-                dst = self.params[pc.name].to_local()[ab[0] - lo : ab[1] - lo]  # type: ignore[attr-defined]
-                src = src.to(dst.device)
-                if add and pc.kind == "param":
-                    dst.add_(src.to(dst.dtype))
-                elif alpha == 0.0:
-                    dst.copy_(src)
-                else:
-                    dst.mul_(alpha).add_(src.to(dst.dtype), alpha=1.0 - alpha)
-
     def _idle_boundary(self, keep: bool = False) -> None:
         """A boundary without a step: while joining, waiting (lock-step) or finishing, what
         arrived is applied and answered at once. ``keep``: remember the applied fragments (an
@@ -734,41 +735,24 @@ class Learner:
                 self._facts = facts  # rank 0 too: every rank sees the run's end at the same step
         if plan is None:
             return
-        for p, move in plan.move:
-            self._write(p, move, 0.0, add=True)
-        for u, receipt in plan.apply:
-            self._write(u.fragment, u.values, receipt.alpha, receipt.mode == "shift")
+        for u, _ in plan.apply:  # (before complete: it may count this process's sends anew)
             self.stats.applied += 1
             if u.reason == "merged" and self.session is not None and u.fragment in self.session.core.sent_tokens:
                 self.startup.mark("first_merged")  # merged this process's own answer (not a predecessor's)
-        ps = plan.peer_state
-        if ps is not None and ps.source >= 0 and ps.tensors and self.optimizer is not None:
-            problem = load_state(self.optimizer, ps, self.device)
-            if problem is not None:
-                log.warning("learner %d: ignored optimizer state from learner %d: %s", self.id, ps.source, problem)
-            else:
-                self.startup.mark("handoff")
-                steps = [int(v.max()) for k, v in ps.tensors.items() if k.endswith(".step") and v.numel()]
-                log.info(
-                    "learner %d: took learner %d's optimizer state (its optimizer at step %s) at its own step %d",
-                    self.id, ps.source, max(steps) if steps else "?", self.stats.steps,
-                )  # fmt: skip
         # Only rank 0 sends; the other ranks join the gathers of an FSDP2 model.
-        gather = collective and self.sharded
-        values = {p: self._host_values(p) for p in plan.read} if self.rank == 0 or gather else {}
-        if self.session is None:
-            return
-        # Without an optimizer (or with sharded state, FSDP2) there is nothing to give; the peer
-        # does not wait for an answer.
-        opt = self.optimizer if not self.sharded else None
-        if opt is not None:  # served a few parameters per boundary (StateServer), not copied whole
-            self._serving += [StateServer(opt, who, self.id, SERVE_BYTES_PER_BOUNDARY) for who in plan.serve]
-        states = [piece for srv in self._serving if (piece := srv.piece()) is not None]
-        self._serving = [srv for srv in self._serving if not srv.done]
-        with self._lock():
-            out = self.session.complete(plan, values, states)
-        if self.comm is not None:
+        gather = collective and bool(self.sharded)
+        out = self._executor.run(plan, self.session, read=self.rank == 0 or gather, lock=self._lock())
+        if out is not None and self.comm is not None:
             self.comm.post(out)
+
+    def _took_state(self, ps: PeerState) -> None:
+        """A live peer's optimizer state was loaded at a boundary."""
+        self.startup.mark("handoff")
+        steps = [int(v.max()) for k, v in ps.tensors.items() if k.endswith(".step") and v.numel()]
+        log.info(
+            "learner %d: took learner %d's optimizer state (its optimizer at step %s) at its own step %d",
+            self.id, ps.source, max(steps) if steps else "?", self.stats.steps,
+        )  # fmt: skip
 
     def _share_initial(self) -> None:
         """After the join, every rank starts from rank 0's model and data position."""
@@ -779,7 +763,7 @@ class Learner:
         position, joined = box[0]
         if self.rank != 0:
             for u in joined:  # FSDP2: each rank writes its own rows of the global state
-                self._write(u.fragment, u.values, 0.0)
+                self._host.write(u.fragment, u.values, 0.0, False)
         # rank 0 applied the global state it fetched on join: every rank starts from it
         with torch.no_grad():
             for name, prm in synced_tensors(self.model).items():

@@ -1,0 +1,118 @@
+"""``ddiloco.Learner``'s model and optimizer as the boundary executor sees them (``ModelHost``).
+
+``protocol/boundary.py`` carries out every step boundary's plan, in both drivers; what is this
+driver's own is here: on CUDA, fragments go up and down on a side stream through pinned memory
+(``device_copies.py``); under FSDP2 a rank writes only its own rows of a sharded parameter and
+gathers the full tensor to read it; a peer's optimizer state is checked and loaded (or refused,
+with a line in the log); its own is served a few parameters per boundary (``StateServer``).
+Every write goes through ``core.fragments.write_fragment``: one rule for every driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddiloco.core.fragments import Piece, write_fragment
+from ddiloco.protocol.messages import PeerState
+from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
+
+if TYPE_CHECKING:
+    from ddiloco.service.learner.device_copies import DeviceCopies
+
+log = logging.getLogger(__name__)
+
+
+class ModelHost:
+    """One learner process's model (its synced tensors) and optimizer, for ``BoundaryExecutor``."""
+
+    def __init__(
+        self,
+        learner: int,
+        params: dict[str, torch.Tensor],
+        pieces: Sequence[Sequence[Piece]],
+        sharded: dict[str, tuple[int, int]],
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+        on_handoff: Callable[[PeerState], None],
+    ) -> None:
+        """``sharded``: this rank's rows of each FSDP2 parameter; ``on_handoff``: called with a
+        peer's optimizer state once it is loaded."""
+        self.learner, self.params, self.pieces, self.sharded = learner, params, pieces, sharded
+        self.device, self.optimizer, self.on_handoff = device, optimizer, on_handoff
+        self._copies: DeviceCopies | None = None
+
+    @property
+    def copies(self) -> DeviceCopies:
+        """The side-stream copies (made at the first boundary: a learner that never syncs needs none)."""
+        if self._copies is None:
+            from ddiloco.service.learner.device_copies import DeviceCopies
+
+            self._copies = DeviceCopies(self.device)
+        return self._copies
+
+    def read(self, p: int, wait: bool = True) -> list[torch.Tensor]:
+        """Fragment p's current values, copied to host memory (on CUDA: on a side stream, into
+        pinned memory; ``wait=False`` returns before the copy is complete: ``copies.wait([p])``
+        before reading it). An FSDP2 parameter is gathered first: a collective, so every rank
+        of the group calls this for the same fragments."""
+        pieces = []
+        for pc in self.pieces[p]:
+            t = self.params[pc.name].detach()
+            if pc.name in self.sharded:
+                t = t.full_tensor()  # type: ignore[attr-defined]
+            pieces.append(t[pc.row_start : pc.row_end] if t.dim() else t)
+        return self.copies.read(p, pieces, wait=wait)
+
+    def write(self, p: int, values: Sequence[torch.Tensor], alpha: float, add: bool) -> None:
+        """Write fragment p's values into the model by ``write_fragment``'s rule. On CUDA they
+        are uploaded on a side stream and the training stream waits for them on the GPU: no
+        host sync. Of a sharded parameter only this rank's rows go up, into its local rows."""
+        pieces = self.pieces[p]
+        if not self.sharded:
+            write_fragment(self.params, pieces, self.copies.upload(p, list(values)), alpha, add)
+            return
+        targets: list[tuple[Piece, tuple[int, int] | None]] = []
+        mine: list[torch.Tensor] = []
+        for pc, v in zip(pieces, values):
+            if pc.name not in self.sharded or (add and v.numel() == 0):
+                targets.append((pc, None))
+                mine.append(v)
+                continue
+            lo, hi = self.sharded[pc.name]  # this rank's rows of the parameter
+            a, b = max(pc.row_start, lo), min(pc.row_end, hi)
+            if a < b:
+                targets.append((pc, (a, b)))
+                mine.append(v[a - pc.row_start : b - pc.row_start])
+        with torch.no_grad():
+            for (pc, rows), src in zip(targets, self.copies.upload(p, mine)):
+                if rows is None:
+                    if pc.name not in self.sharded:
+                        write_fragment(self.params, [pc], [src], alpha, add)
+                    continue  # (an empty value of a sharded piece under ``add``: left alone)
+                lo = self.sharded[pc.name][0]
+                local = self.params[pc.name].to_local()  # type: ignore[attr-defined]
+                rows_here = dataclasses.replace(pc, row_start=rows[0] - lo, row_end=rows[1] - lo)
+                write_fragment({pc.name: local}, [rows_here], [src.to(local.device)], alpha, add)
+
+    def load_peer_state(self, state: PeerState) -> None:
+        """Load a live peer's optimizer state (checked first: ``training.peer_state.load_state``)."""
+        if self.optimizer is None:
+            return
+        problem = load_state(self.optimizer, state, self.device)
+        if problem is not None:
+            log.warning("learner %d: ignored optimizer state from learner %d: %s", self.learner, state.source, problem)
+        else:
+            self.on_handoff(state)
+
+    def serve(self, learner: int) -> StateServer | None:
+        """Its optimizer state for ``learner``, a few parameters per boundary. Without an
+        optimizer (or with sharded state, FSDP2) there is nothing to give; the peer does not
+        wait for an answer."""
+        if self.optimizer is None or self.sharded:
+            return None
+        return StateServer(self.optimizer, learner, self.learner, SERVE_BYTES_PER_BOUNDARY)
