@@ -28,6 +28,30 @@ Every call is handed the time and returns a ``SyncerOutput``: what to make durab
 what to keep on the tape, what to send to whom, what to count and log. Peers are opaque
 hashable handles chosen by the driver (a transport identity, or a learner id in the simulator).
 Nothing here reads a clock, sleeps, logs, or touches a socket or a file.
+
+Theory of operation
+-------------------
+Each learner id is *unknown* until an accepted ``Register`` binds it to the peer that sent it
+(``identities``); it stays bound to that peer until a newer incarnation registers (the old peer
+is told it was superseded). Messages claiming a learner from any other peer are refused and
+answered ``SyncerHeartbeat(bound=False)``. The run is *running* (``end_stage`` None) until the
+``Budget`` is spent, then *stop* (``RunEnd("stop")`` to every bound peer, open rounds flushed),
+*final* (after about two heartbeats: the final sync asks every live learner), *done* (the final
+rounds closed or timed out: ``RunEnd("done")``, ``final_model``) and, ``end_linger_s`` later,
+``stop`` for the driver.
+
+Events, each handed ``now`` (the driver's seconds, virtual or monotonic):
+
+- ``receive(peer, msg, now, principal)``: one decoded message -> ``SyncerOutput``;
+- ``tick(now)``: rounds open and close, heartbeats, the end moves on -> ``SyncerOutput``;
+- ``shutdown(now)``: the driver stops; open rounds close with what they have -> ``SyncerOutput``;
+- ``next_deadline(now)``: when to call ``tick`` next (never before ``now``);
+- ``restore(records, meta)`` once before any message; ``records``/``meta`` what to make durable.
+
+Invariants: ``persist`` is made durable before ``send`` goes out (no learner sees a version a
+restart could lose); only the core changes fragment values; a relayed optimizer state goes
+only to the requester that asked, from the peer chosen for it, once; each call returns what to
+do and never does it; after ``done`` a registering, asking or heartbeating learner is told so.
 """
 
 from __future__ import annotations
