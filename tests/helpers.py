@@ -75,3 +75,139 @@ def keyed_syncer(run_dir: Path, keys: Path, settings: list[str], host: str, lear
     finally:
         service.stop()
         t.join(timeout=30)
+
+
+class _TensorHost:
+    """A learner's model as plain CPU tensors, for the boundary executor (``protocol/boundary.py``)."""
+
+    def __init__(self, tensors: dict[str, Any], layout: Any) -> None:
+        self.tensors, self.layout = tensors, layout
+
+    def write(self, p: int, values: Any, alpha: float, add: bool) -> None:
+        from ddiloco.core.fragments import write_fragment
+
+        write_fragment(self.tensors, self.layout.fragments[p], values, alpha, add)
+
+    def read(self, p: int) -> list[Any]:
+        from ddiloco.core.fragments import read_fragment
+
+        return read_fragment(self.tensors, self.layout.fragments[p])
+
+    def load_peer_state(self, state: Any) -> None:
+        pass  # no optimizer: a session made with wants_peer_state=False never gets one
+
+    def serve(self, learner: int) -> None:
+        return None  # nothing to give: the asker trains on cold
+
+
+class SessionPair:
+    """Learner sessions wired to one syncer session in memory, the way h11's ``ConnectionPair``
+    wires two connections: messages are handed over directly, in order, and time is a virtual
+    ``now`` that only the test moves (``advance``), so a protocol test reads as a conversation.
+
+    ``transcript`` records every message delivered as (direction, learner, type name):
+    ``"->"`` learner to syncer, ``"<-"`` syncer to learner. A learner that is ``cut`` loses
+    every message to and from it until ``heal``. Each learner's model is a pair of zero
+    tensors (``SESSION_SPECS``) that ``step`` moves by ``drift`` per step; its boundaries go
+    through the real ``BoundaryExecutor``."""
+
+    def __init__(
+        self,
+        learners: tuple[int, ...] = (0,),
+        cfg: DiLoCoConfig = SESSION_CFG,
+        rt: RuntimeConfig = SESSION_RT,
+        budget: Any = None,
+    ) -> None:
+        import torch
+
+        from ddiloco.core.syncer import Syncer
+        from ddiloco.protocol.boundary import BoundaryExecutor
+        from ddiloco.protocol.learner_session import LearnerSession
+        from ddiloco.protocol.syncer_session import Budget, SyncerSession
+
+        self.now = 0.0
+        self.layout = SESSION_LAYOUT
+        initial = {s.name: torch.zeros(s.shape) for s in SESSION_SPECS}
+        core = Syncer(cfg, self.layout, initial, [False] * sum(len(f) for f in self.layout.fragments))
+        self.syncer = SyncerSession(core, rt, budget or Budget(), SESSION_REGISTRATION, self.now)
+        self.sessions = {
+            m: LearnerSession(cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now) for m in learners
+        }
+        self.models = {m: {s.name: torch.zeros(s.shape) for s in SESSION_SPECS} for m in learners}
+        self.executors = {m: BoundaryExecutor(_TensorHost(self.models[m], self.layout)) for m in learners}
+        self.transcript: list[tuple[str, int, str]] = []
+        self.tape: list[Any] = []
+        self.notes: list[str] = []
+        self.cut_off: set[int] = set()
+        self._to_syncer: list[tuple[int, Any]] = []
+        self._to_learners: list[tuple[int, Any]] = []
+
+    # -- the wire ------------------------------------------------------------------------------
+
+    def _from_learner(self, m: int, out: Any) -> None:
+        self.notes += out.notes
+        if m not in self.cut_off:
+            self._to_syncer += [(m, s.msg) for s in out.send]
+
+    def _from_syncer(self, out: Any) -> None:
+        self.tape += out.tape
+        self.notes += [n.text for n in out.notes]
+        self._to_learners += [(peer, msg) for peer, msg in out.send if peer not in self.cut_off]
+
+    def deliver(self) -> None:
+        """Hand every message in flight over, in order, until the wire is quiet; a learner that
+        is not stepping runs a boundary after each message it receives (as both drivers do)."""
+        for _ in range(100):  # bounded: answers beget answers
+            if not (self._to_syncer or self._to_learners):
+                return
+            while self._to_syncer:
+                m, msg = self._to_syncer.pop(0)
+                self.transcript.append(("->", m, type(msg).__name__))
+                self._from_syncer(self.syncer.receive(m, msg, self.now))
+            while self._to_learners:
+                m, msg = self._to_learners.pop(0)
+                self.transcript.append(("<-", m, type(msg).__name__))
+                self._from_learner(m, self.sessions[m].receive(0, msg, self.now))
+                self._run(m, self.sessions[m].boundary(self.now))
+        raise AssertionError("the sessions never went quiet")
+
+    def _run(self, m: int, plan: Any) -> None:
+        out = self.executors[m].run(plan, self.sessions[m])
+        assert out is not None
+        self._from_learner(m, out)
+
+    # -- the test's moves ----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Every session's deadlines due now, then the wire until quiet."""
+        self._from_syncer(self.syncer.tick(self.now))
+        for m, session in self.sessions.items():
+            self._from_learner(m, session.tick(self.now))
+        self.deliver()
+
+    def advance(self, seconds: float, every: float = 0.1) -> None:
+        """Time passes, ticking every ``every`` seconds (the sessions' own deadlines are finer)."""
+        end = self.now + seconds
+        while self.now < end:
+            self.now = min(end, self.now + every)
+            self.tick()
+
+    def step(self, m: int, tokens: int = 16, duration: float = 0.5, drift: float = 0.01) -> None:
+        """Learner m trains one inner step of ``duration`` (its model moves by ``drift``) while
+        the others wait: time moves on, the step's boundary runs, then the wire and the ticks."""
+        for t in self.models[m].values():
+            t.add_(drift)
+        self.now += duration
+        self._run(m, self.sessions[m].step(tokens, duration, self.now))
+        self.tick()
+
+    def cut(self, m: int) -> None:
+        """Learner m's link goes dark both ways (its process lives on)."""
+        self.cut_off.add(m)
+
+    def heal(self, m: int) -> None:
+        self.cut_off.discard(m)
+
+    def said(self, direction: str, m: int) -> list[str]:
+        """The types of the messages delivered in ``direction`` for learner m, in order."""
+        return [kind for d, who, kind in self.transcript if d == direction and who == m]
