@@ -54,3 +54,60 @@ def test_fragments_without_the_accepting_reply_are_not_a_join():
     plan = s.boundary(0.2)
     assert len(plan.apply) == 2 and s.received == {0, 1}
     assert not s.ready(100.0)  # it registers again (and learns where its data resumes) instead of training
+
+
+def test_a_wait_for_a_fragment_is_not_busy_time():
+    s = session()
+    s.step(16, 0.5, 0.5)
+    s.step(16, 2.0, 2.5, waited_s=1.25)  # a lock-step learner waited 1.25 s of its 2 s for a fragment
+    assert s.busy_s == 0.5 + 0.75
+    hb = s._heartbeat()
+    assert hb.busy_s == 1.25 and hb.step_time_s == 0.625  # the mean busy step, what the step clock takes
+
+
+def test_the_boundary_executor_writes_in_order_and_serves_a_state_a_piece_per_boundary():
+    from ddiloco.core.learner import Receipt
+    from ddiloco.protocol.boundary import BoundaryExecutor
+    from ddiloco.protocol.messages import PeerState
+
+    calls: list[tuple] = []
+
+    class Source:
+        def __init__(self, to: int) -> None:
+            self.left = 2
+
+        @property
+        def done(self) -> bool:
+            return self.left == 0
+
+        def piece(self) -> PeerState | None:
+            self.left -= 1
+            return PeerState(1, 0, [{"ddiloco_piece": 0}] if self.left else [], {"0.step": torch.ones(1)})
+
+    class Host:
+        def write(self, p, values, alpha, add):
+            calls.append(("write", p, alpha, add))
+
+        def read(self, p):
+            calls.append(("read", p))
+            return values(p)
+
+        def load_peer_state(self, state):
+            calls.append(("load", state.source))
+
+        def serve(self, learner):
+            return Source(learner)
+
+    ex = BoundaryExecutor(Host())
+    update = FragmentUpdate(0, 1, 1, values(1), 0.0, 1, 0, "merged")
+    plan = BoundaryPlan(
+        move=[(0, values(0))], apply=[(update, Receipt("blend", 0.25))], serve=[1], prepare=[0],
+        peer_state=PeerState(0, 2, [], {"0.step": torch.ones(1)}),
+    )  # fmt: skip
+    out = ex.run(plan, session())
+    assert calls == [("write", 0, 0.0, True), ("write", 1, 0.25, False), ("load", 2), ("read", 0)]
+    assert [type(x.msg).__name__ for x in out.send] == ["Ack", "PeerState"]  # the first of two pieces
+    assert len(ex.serving) == 1
+    out = ex.run(BoundaryPlan(), session())
+    assert [x.msg.param_groups for x in out.send] == [[]] and ex.serving == []  # the last piece: done
+    assert ex.run(BoundaryPlan(), None) is None  # a rank without a session sends nothing
