@@ -32,7 +32,6 @@ still kept. What the syncer keeps is bounded by the learners and fragments, neve
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,12 +39,13 @@ from typing import Any
 
 import torch
 
-from ddiloco.core import admission
+from ddiloco.core import admission, fleet
 from ddiloco.core.admission import STRIKES, Admitting, Sender, Shape
 from ddiloco.core.codec import Chain
 from ddiloco.core.compress import is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
+from ddiloco.core.fleet import JoinRefusal, LearnerInfo
 from ddiloco.core.fragments import (
     FragmentLayout,
     assemble,
@@ -70,11 +70,11 @@ from ddiloco.core.messages import (
 from ddiloco.core.outer import OuterNesterov
 from ddiloco.core.round import Closed, Round, grace_window, screened, tokens
 from ddiloco.core.tape import CloseReason, Late, Rejection, RejectReason, TapeRecord
-from ddiloco.core.versions import FragmentState, Version, norm_of
+from ddiloco.core.versions import FragmentRecord, FragmentState, Version, norm_of
+from ddiloco.core.views import FragmentView, LearnerView, SyncerView
 
-STEP_CONSENSUS = 4.0
-"""Step-time EMAs more than this factor from the live fleet's lower median do not drive the
-step clock (honest fleets differ by less; ``max_speedup`` bounds claims at 8x)."""
+# (the records, refusals and views drivers read are defined beside what they describe)
+__all__ = ["FragmentRecord", "JoinRefusal", "LearnerInfo", "Output", "Syncer", "SyncerView"]
 
 
 @dataclass
@@ -97,124 +97,6 @@ class Output:
         self.durable += [p for p in other.durable if p not in self.durable]
         self.tape += other.tape
         return self
-
-
-@dataclass(frozen=True)
-class FragmentRecord:
-    """One fragment's durable state: what a restart needs to continue exactly where it was."""
-
-    fragment: int
-    """Fragment index."""
-    version: int
-    """Its version."""
-    tokens_merged: int
-    """Tokens merged into it so far."""
-    values: list[torch.Tensor]
-    """Its global values, one tensor per piece."""
-    momentum: list[torch.Tensor] | None
-    """The outer optimizer's momentum buffers (None before the first outer step)."""
-
-
-@dataclass(frozen=True)
-class JoinRefusal:
-    """A join the syncer will not take."""
-
-    learner: int
-    """Who asked."""
-    reason: str
-    """Why, for a human."""
-    retry_after_s: float
-    """> 0: a passing condition (the id's holder may be gone soon): try again after this long;
-    0: final (the learner must not retry)."""
-
-
-@dataclass
-class LearnerInfo:
-    """What the syncer knows of one learner id."""
-
-    incarnation: int
-    """The registered process incarnation; messages of any other are not accepted."""
-    last_heard: float
-    """When the learner was last heard from (the core's time)."""
-    step_time: Ema
-    """EMA of its reported inner-step duration."""
-    left: bool = False
-    """Whether it left cleanly (not live until it joins again)."""
-    data_position: int = 0
-    """Batches of its shard consumed, as of its last merged contribution."""
-    last_seq: dict[int, int] = field(default_factory=dict)
-    """Per fragment, the highest sequence number accepted from this incarnation."""
-    recent_weights: deque[float] = field(default_factory=lambda: deque(maxlen=8))
-    """Token weights of its last accepted contributions (after clipping)."""
-    strikes: int = 0
-    """Contributions refused in a row for what they carried (not for arriving late or twice)."""
-    quarantine: dict[int, int] | None = None
-    """While quarantined: per fragment, the version its answers must start from again."""
-    last_contribution_at: float = -math.inf
-    """When its last contribution was accepted into a round (-inf: none yet)."""
-    held: dict[int, int] = field(default_factory=dict)
-    """Per owned fragment, the newest version it is known to hold (its join, acks, answers)."""
-    trust: float = 1.0
-    """The robust merge's trust in this id: an average of its answers' alignments over rounds.
-    Kept across incarnations and restarts: re-registering does not reset it."""
-    stale_served: dict[int, int] = field(default_factory=dict)
-    """Per fragment, the version last sent in answer to a stale contribution (at most once each)."""
-
-
-@dataclass(frozen=True)
-class LearnerView:
-    """One learner id as the syncer's core sees it (read-only)."""
-
-    learner: int
-    """Learner id."""
-    incarnation: int
-    """Its registered incarnation."""
-    state: str
-    """"up" (heard within the liveness timeout), "left" (said goodbye) or "down"."""
-    last_heard: float
-    """When it was last heard (core time)."""
-    step_time_s: float | None
-    """Its step-time EMA (None: none reported yet)."""
-    last_contribution_at: float
-    """When its last contribution was accepted into a round (-inf: none yet)."""
-    held: tuple[tuple[int, int], ...]
-    """(fragment, version) of each owned fragment it is known to hold."""
-
-
-@dataclass(frozen=True)
-class FragmentView:
-    """One owned fragment as the syncer's core sees it (read-only)."""
-
-    fragment: int
-    """Fragment index."""
-    version: int
-    """Its current version."""
-    made_at: float
-    """When that version was made (-inf: the initial or a restored one)."""
-    merged: int
-    """Learners merged with a positive weight in its last merge."""
-    grace_s: float
-    """The grace window of its last merged round."""
-    tokens_merged: int
-    """Tokens merged into it so far."""
-    open: bool
-    """Whether a round of it is open."""
-
-
-@dataclass(frozen=True)
-class SyncerView:
-    """What a driver may read of the syncer's core: the fleet and the owned fragments."""
-
-    live: tuple[int, ...]
-    """Live learners, sorted."""
-    learners: tuple[LearnerView, ...]
-    """Every registered learner id, sorted."""
-    fragments: tuple[FragmentView, ...]
-    """Every owned fragment, in order."""
-    merged_tokens: float
-    """Tokens merged into the global model (the mean over the owned fragments)."""
-    learners_total: int = 0
-    """Every registered learner id (``learners`` may list fewer)."""
 
 
 class Syncer:
@@ -446,19 +328,12 @@ class Syncer:
 
     def live(self, now: float) -> list[int]:
         """Learners heard from within the liveness timeout (and not left), sorted."""
-        timeout = self.cfg.liveness_timeout_s
-        return sorted(m for m, i in self.learners.items() if not i.left and now - i.last_heard <= timeout)
+        return fleet.live(self.learners, now, self.cfg.liveness_timeout_s)
 
     def t_step(self, now: float) -> float | None:
-        """Median over live learners of their step-time EMAs (None before any is known), over
-        those within ``STEP_CONSENSUS`` x of the fleet's lower median: half of the live
-        learners reporting the largest allowed step time cannot stop the clock."""
-        times = [self.learners[m].step_time.value for m in self.live(now)]
-        known = [t for t in times if t]
-        if not known:
-            return None
-        low = statistics.median_low(known)
-        return statistics.median(t for t in known if low / STEP_CONSENSUS <= t <= low * STEP_CONSENSUS)
+        """The fleet's step time (``fleet.step_time`` over the live learners' EMAs; None before
+        any is known)."""
+        return fleet.step_time([self.learners[m].step_time.value for m in self.live(now)])
 
     def data_position(self, learner: int) -> int:
         """Where the learner's data shard resumes (its last merged contribution's position)."""
@@ -469,8 +344,6 @@ class Syncer:
     def merged_tokens(self) -> float:
         """Tokens merged into the global model (mean over this syncer's fragments)."""
         return sum(self.fragments[p].tokens_merged for p in self.owned) / max(1, len(self.owned))
-
-    # -- rounds ------------------------------------------------------------------------------
 
     # -- rounds ------------------------------------------------------------------------------
 
@@ -773,26 +646,13 @@ class Syncer:
 
     def fragment_record(self, p: int) -> FragmentRecord:
         """Fragment p's current durable state."""
-        frag = self.fragments[p]
-        return FragmentRecord(p, frag.version, frag.tokens_merged, frag.values, frag.outer.state_dict()["buffers"])
+        return self.fragments[p].record(p)
 
     def load_fragment_record(self, rec: FragmentRecord, take: bool = False) -> None:
         """Restore a fragment from ``fragment_record`` output (older versions are not kept:
         contributions based on them are answered with the current value). ``take``: the
         record's tensors are the syncer's to keep (a store read them for it), not copied."""
-        frag = self.fragments[rec.fragment]
-        frag.version = rec.version
-        frag.tokens_merged = rec.tokens_merged
-        frag.history.clear()
-        frag.history.append(
-            Version(rec.version, [v.float() if take else v.float().clone() for v in rec.values], -math.inf)
-        )
-        frag.norm = norm_of(frag.values)
-        frag.outer.load_state_dict({"buffers": rec.momentum}, take=take)
-        if frag.chain is not None:
-            # What learners hold of versions served before is not known: deltas chain again only
-            # from versions this process serves.
-            frag.chain = Chain(rec.version, frag.values, start=rec.version + 1)
+        self.fragments[rec.fragment].load(rec, take)
 
     def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None, take: bool = False) -> None:
         """Take back what a store made durable (``fragment_record`` and ``meta_state`` output).
@@ -810,16 +670,7 @@ class Syncer:
             "tick": self.tick,
             "max_step_seen": self.max_step_seen,
             "round_ids": self._round_ids,
-            "learners": {
-                str(m): {
-                    "data_position": i.data_position,
-                    "incarnation": i.incarnation,
-                    "last_seq": {str(p): s for p, s in i.last_seq.items()},
-                    "recent_weights": list(i.recent_weights),
-                    "trust": i.trust,
-                }
-                for m, i in self.learners.items()
-            },
+            "learners": {str(m): i.meta() for m, i in self.learners.items()},
             # The merge bounds' references survive a restart: else they would be off until rebuilt.
             "recent_norms": {str(p): list(self.fragments[p].recent_norms) for p in self.owned},
             "screen_rounds": {str(p): self.fragments[p].screen_rounds for p in self.owned},
@@ -834,13 +685,7 @@ class Syncer:
             info = self.learners.setdefault(
                 int(m), LearnerInfo(int(rec["incarnation"]), -math.inf, Ema(self.cfg.ema_decay))
             )
-            info.data_position = int(rec["data_position"])
-            info.incarnation = int(rec["incarnation"])
-            # Replays of contributions merged before the restart stay refused after it.
-            info.last_seq = {int(p): int(s) for p, s in rec["last_seq"].items()}
-            info.recent_weights.extend(float(w) for w in rec.get("recent_weights", []))
-            trust = float(rec.get("trust", 1.0))
-            info.trust = min(max(trust, 0.0), 1.0) if math.isfinite(trust) else 0.0
+            info.load_meta(rec)
         for p, norms in meta.get("recent_norms", {}).items():
             if int(p) in self.owned:
                 self.fragments[int(p)].recent_norms.extend(float(x) for x in norms)

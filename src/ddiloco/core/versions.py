@@ -23,6 +23,22 @@ def norm_of(values: Sequence[torch.Tensor]) -> float:
     return math.sqrt(sum(float(torch.linalg.vector_norm(v)) ** 2 for v in values))
 
 
+@dataclass(frozen=True)
+class FragmentRecord:
+    """One fragment's durable state: what a restart needs to continue exactly where it was."""
+
+    fragment: int
+    """Fragment index."""
+    version: int
+    """Its version."""
+    tokens_merged: int
+    """Tokens merged into it so far."""
+    values: list[torch.Tensor]
+    """Its global values, one tensor per piece."""
+    momentum: list[torch.Tensor] | None
+    """The outer optimizer's momentum buffers (None before the first outer step)."""
+
+
 @dataclass
 class Version:
     """One version of a fragment the syncer still accepts contributions on."""
@@ -91,6 +107,26 @@ class FragmentState:
                 last.values = [v if i in kept else _GONE for i, v in enumerate(last.values)]
                 last.full = False
         self.history.append(version)
+
+    def record(self, p: int) -> FragmentRecord:
+        """Its current durable state (it is fragment ``p``)."""
+        return FragmentRecord(p, self.version, self.tokens_merged, self.values, self.outer.state_dict()["buffers"])
+
+    def load(self, rec: FragmentRecord, take: bool = False) -> None:
+        """Take back ``record`` output (older versions are not kept: contributions based on them
+        are answered with the current value). ``take``: the record's tensors are its to keep."""
+        self.version = rec.version
+        self.tokens_merged = rec.tokens_merged
+        self.history.clear()
+        self.history.append(
+            Version(rec.version, [v.float() if take else v.float().clone() for v in rec.values], -math.inf)
+        )
+        self.norm = norm_of(self.values)
+        self.outer.load_state_dict({"buffers": rec.momentum}, take=take)
+        if self.chain is not None:
+            # What learners hold of versions served before is not known: deltas chain again only
+            # from versions this process serves.
+            self.chain = Chain(rec.version, self.values, start=rec.version + 1)
 
 
 _GONE = torch.empty(0)
