@@ -45,6 +45,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy
+	$(BIN)/python tools/budget.py
 
 # A bare `pytest -q` leaves out the tests marked slow (pyproject addopts); they run second.
 test: lint data

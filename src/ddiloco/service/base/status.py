@@ -8,13 +8,14 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 _warned: set[Path] = set()  # paths whose write failed once: said once, then silent
 
 
-def write_status(path: Path, data: dict) -> None:
+def write_status(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` with ``data`` as JSON via write-then-rename. A status file is a courtesy
     to readers, so a failed write (a full disk, a read-only folder) logs one warning per path
     and returns: it must never stop the process that writes it."""
@@ -31,9 +32,10 @@ def write_status(path: Path, data: dict) -> None:
             log.warning("cannot write the status file %s (%s); going on without it", path, e)
 
 
-def read_status(path: Path) -> dict | None:
+def read_status(path: Path) -> dict[str, Any] | None:
     """The figures in ``path``, or None if it is missing or being replaced."""
     try:
-        return json.loads(path.read_text())
+        figures: dict[str, Any] = json.loads(path.read_text())  # written by write_status: an object
+        return figures
     except (OSError, json.JSONDecodeError):
         return None
