@@ -224,101 +224,129 @@ def _checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checke
     """
     origin = typing.get_origin(tp)
     if tp is int:
-        lo, hi = _range(meta, where, tp)
-
-        def check_int(v: Any) -> Any:
-            if type(v) is not int or not lo <= v <= hi:  # type(): a bool is never an int
-                raise WireError(f"{where}: {_show(v)} is not an integer in [{lo}, {hi}]")
-            return v
-
-        return check_int
+        return _int_checker(meta, where)
     if tp is float:
-        lo, hi = _range(meta, where, tp)
-
-        def check_float(v: Any) -> Any:
-            # An int is compared exactly (no float conversion that could overflow); nan fails both.
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                raise WireError(f"{where}: {_show(v)} is not a finite number in [{lo}, {hi}]")
-            return float(v)
-
-        return check_float
+        return _float_checker(meta, where)
     if tp is bool:
-
-        def check_bool(v: Any) -> Any:
-            if type(v) is not bool:
-                raise WireError(f"{where}: expected true or false, got {_show(v)}")
-            return v
-
-        return check_bool
+        return _bool_checker(where)
     if tp is str:
         return functools.partial(_check_str, where=where, max_len=meta.get("max_len", MAX_STR))
     if origin is typing.Literal:
-        options = typing.get_args(tp)
-
-        def check_literal(v: Any) -> Any:
-            if not any(type(v) is type(o) and v == o for o in options):
-                raise WireError(f"{where}: {_show(v)} is not one of {options}")
-            return v
-
-        return check_literal
+        return _literal_checker(typing.get_args(tp), where)
     if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        item = _checker(inner, _element_meta(meta), where, depth + 1)
-        each = meta.get("each")
-        max_len = meta.get("max_len", MAX_ITEMS)
-
-        def check_list(v: Any) -> Any:
-            if not isinstance(v, (list, tuple)):
-                raise WireError(f"{where}: expected a list, got {_show(v)}")
-            if len(v) > max_len:
-                raise WireError(f"{where}: {len(v)} items, at most {max_len}")
-            if each is None:
-                return [item(x) for x in v]
-            for i, x in enumerate(v):  # ``each`` validates a whole element (any JSON value), faster
-                reason = each(x)
-                if reason is not None:
-                    raise WireError(f"{where}[{i}]: {reason}")
-            return list(v)
-
-        return check_list
+        return _list_checker(tp, meta, where, depth)
     if origin is dict:
-        k_tp, v_tp = typing.get_args(tp) or (str, Any)
-        if k_tp is not str:
-            raise TypeError(f"{where}: JSON objects have string keys, not {k_tp}")
-        value = _checker(v_tp, _element_meta(meta), where, depth + 1)
-        max_len = meta.get("max_len", MAX_ITEMS)
-
-        def check_dict(v: Any) -> Any:
-            if not isinstance(v, dict):
-                raise WireError(f"{where}: expected an object, got {_show(v)}")
-            if len(v) > max_len:
-                raise WireError(f"{where}: {len(v)} entries, at most {max_len}")
-            return {_check_str(k, where=f"{where} key"): value(x) for k, x in v.items()}
-
-        return check_dict
+        return _dict_checker(tp, meta, where, depth)
     if origin in (typing.Union, types.UnionType):
-        checkers = [_checker(o, meta, where, depth) for o in typing.get_args(tp)]
-
-        def check_union(v: Any) -> Any:
-            for option in checkers:
-                try:
-                    return option(v)
-                except WireError:
-                    continue
-            raise WireError(f"{where}: {_show(v)} matches none of {tp}")
-
-        return check_union
+        return _union_checker(tp, meta, where, depth)
     if tp is type(None):
-
-        def check_none(v: Any) -> Any:
-            if v is not None:
-                raise WireError(f"{where}: expected null, got {_show(v)}")
-            return None
-
-        return check_none
+        return _none_checker(where)
     if tp is Any:
         return functools.partial(_check_any, where=where, depth=depth)
     raise TypeError(f"{where}: unsupported field type {tp}")
+
+
+def _int_checker(meta: Mapping[str, Any], where: str) -> Checker:
+    lo, hi = _range(meta, where, int)
+
+    def check_int(v: Any) -> Any:
+        if type(v) is not int or not lo <= v <= hi:  # type(): a bool is never an int
+            raise WireError(f"{where}: {_show(v)} is not an integer in [{lo}, {hi}]")
+        return v
+
+    return check_int
+
+
+def _float_checker(meta: Mapping[str, Any], where: str) -> Checker:
+    lo, hi = _range(meta, where, float)
+
+    def check_float(v: Any) -> Any:
+        # An int is compared exactly (no float conversion that could overflow); nan fails both.
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise WireError(f"{where}: {_show(v)} is not a finite number in [{lo}, {hi}]")
+        return float(v)
+
+    return check_float
+
+
+def _bool_checker(where: str) -> Checker:
+    def check_bool(v: Any) -> Any:
+        if type(v) is not bool:
+            raise WireError(f"{where}: expected true or false, got {_show(v)}")
+        return v
+
+    return check_bool
+
+
+def _literal_checker(options: tuple[Any, ...], where: str) -> Checker:
+    def check_literal(v: Any) -> Any:
+        if not any(type(v) is type(o) and v == o for o in options):
+            raise WireError(f"{where}: {_show(v)} is not one of {options}")
+        return v
+
+    return check_literal
+
+
+def _list_checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checker:
+    (inner,) = typing.get_args(tp) or (Any,)
+    item = _checker(inner, _element_meta(meta), where, depth + 1)
+    each = meta.get("each")
+    max_len = meta.get("max_len", MAX_ITEMS)
+
+    def check_list(v: Any) -> Any:
+        if not isinstance(v, (list, tuple)):
+            raise WireError(f"{where}: expected a list, got {_show(v)}")
+        if len(v) > max_len:
+            raise WireError(f"{where}: {len(v)} items, at most {max_len}")
+        if each is None:
+            return [item(x) for x in v]
+        for i, x in enumerate(v):  # ``each`` validates a whole element (any JSON value), faster
+            reason = each(x)
+            if reason is not None:
+                raise WireError(f"{where}[{i}]: {reason}")
+        return list(v)
+
+    return check_list
+
+
+def _dict_checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checker:
+    k_tp, v_tp = typing.get_args(tp) or (str, Any)
+    if k_tp is not str:
+        raise TypeError(f"{where}: JSON objects have string keys, not {k_tp}")
+    value = _checker(v_tp, _element_meta(meta), where, depth + 1)
+    max_len = meta.get("max_len", MAX_ITEMS)
+
+    def check_dict(v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise WireError(f"{where}: expected an object, got {_show(v)}")
+        if len(v) > max_len:
+            raise WireError(f"{where}: {len(v)} entries, at most {max_len}")
+        return {_check_str(k, where=f"{where} key"): value(x) for k, x in v.items()}
+
+    return check_dict
+
+
+def _union_checker(tp: Any, meta: Mapping[str, Any], where: str, depth: int) -> Checker:
+    checkers = [_checker(o, meta, where, depth) for o in typing.get_args(tp)]
+
+    def check_union(v: Any) -> Any:
+        for option in checkers:
+            try:
+                return option(v)
+            except WireError:
+                continue
+        raise WireError(f"{where}: {_show(v)} matches none of {tp}")
+
+    return check_union
+
+
+def _none_checker(where: str) -> Checker:
+    def check_none(v: Any) -> Any:
+        if v is not None:
+            raise WireError(f"{where}: expected null, got {_show(v)}")
+        return None
+
+    return check_none
 
 
 def _element_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,8 +478,8 @@ def encode(msg: Any) -> list[Any]:
 
 def _encoded_frame(e: Encoded) -> Any:
     """One frame for an encoded piece: its scales (float32), if any, then its data."""
-    data = e.data.detach().cpu().contiguous()
-    data = data.view(_NP_VIEW.get(data.dtype, data.dtype)).numpy()
+    t = e.data.detach().cpu().contiguous()
+    data = t.view(_NP_VIEW.get(t.dtype, t.dtype)).numpy()
     if e.scales is None:
         return data
     return np.concatenate([e.scales.detach().cpu().contiguous().numpy().view(np.uint8), data.view(np.uint8)])
@@ -549,6 +577,17 @@ def decode(frames: Any) -> Any:
 
 
 def _decode(frames: Any) -> Any:
+    cls, fields, specs = _header(frames)
+    plan = _plan(cls)
+    kwargs = _values(cls.__name__, plan, fields)  # the header first: no tensor is copied for a message refused anyway
+    layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
+    kwargs.update(_tensor_fields(cls.__name__, plan, layout))
+    return cls(**kwargs)
+
+
+def _header(frames: Any) -> tuple[type, dict[str, Any], list[Any]]:
+    """The message class, fields and tensor specs that the header frame announces, checked
+    against the frames (before any tensor byte is looked at)."""
     if not isinstance(frames, (list, tuple)):
         raise WireError(f"frames must be a list, got {type(frames).__name__}")
     if not frames:
@@ -574,44 +613,51 @@ def _decode(frames: Any) -> Any:
         raise WireError("header lacks fields/tensors")
     if len(specs) != len(frames) - 1:
         raise WireError(f"{len(specs)} tensors announced, {len(frames) - 1} frames sent")
-    plan = _plan(cls)
+    return cls, fields, specs
+
+
+def _values(name: str, plan: _Plan, fields: dict[str, Any]) -> dict[str, Any]:
+    """The non-tensor fields, each checked; WireError for an unknown or a missing one."""
     unknown = set(fields) - plan.names
     if unknown:
-        raise WireError(f"{cls.__name__}: unknown fields {_show(', '.join(sorted(unknown)))}")
+        raise WireError(f"{name}: unknown fields {_show(', '.join(sorted(unknown)))}")
     kwargs: dict[str, Any] = {}
-    for f, check in plan.values:  # the header first: no tensor is copied for a message refused anyway
+    for f, check in plan.values:
         if f in fields:
             kwargs[f] = check(fields[f])
         elif f in plan.required:
-            raise WireError(f"{cls.__name__}: missing field {f!r}")
-    layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
-    for f in (*plan.tensor_lists, *plan.encoded):
-        kwargs[f] = []
-    for f in plan.tensor_dicts:
-        kwargs[f] = {}
+            raise WireError(f"{name}: missing field {f!r}")
+    return kwargs
+
+
+def _tensor_fields(name: str, plan: _Plan, layout: list[tuple[str, Any, str, list[int], memoryview]]) -> dict[str, Any]:
+    """The tensor fields from their checked frames: lists in index order, dicts without a key
+    twice, and an encoded list decoded into the tensor list it stands for."""
+    out: dict[str, Any] = {f: [] for f in (*plan.tensor_lists, *plan.encoded)}
+    out.update({f: {} for f in plan.tensor_dicts})
     for f, key, dtype, shape, buf in layout:
         if f in plan.encoded:
-            if key != len(kwargs[f]):
-                raise WireError(f"{cls.__name__}.{f}: piece index {_show(key)} out of order")
-            kwargs[f].append(_decode_encoded(f"{cls.__name__}.{f}[{key}]", dtype, shape, buf))
+            if key != len(out[f]):
+                raise WireError(f"{name}.{f}: piece index {_show(key)} out of order")
+            out[f].append(_decode_encoded(f"{name}.{f}[{key}]", dtype, shape, buf))
             continue
         arr = np.frombuffer(buf, dtype=_NP_DTYPE[dtype]).copy()  # own the bytes
         t = torch.from_numpy(arr).view(DTYPES[dtype]).reshape(shape)
         if f in plan.tensor_lists:
-            if key != len(kwargs[f]):
-                raise WireError(f"{cls.__name__}.{f}: tensor index {_show(key)} out of order")
-            kwargs[f].append(t)
+            if key != len(out[f]):
+                raise WireError(f"{name}.{f}: tensor index {_show(key)} out of order")
+            out[f].append(t)
         else:
-            if key in kwargs[f]:
-                raise WireError(f"{cls.__name__}.{f}: tensor {key!r} sent twice")
-            kwargs[f][key] = t
+            if key in out[f]:
+                raise WireError(f"{name}.{f}: tensor {key!r} sent twice")
+            out[f][key] = t
     for f in plan.encoded:
-        if kwargs[f]:
+        if out[f]:
             target = ENCODED_FOR[f]
-            if kwargs[target]:
-                raise WireError(f"{cls.__name__}: both {target} and {f} sent")
-            kwargs[target] = [compress.decode(e) for e in kwargs[f]]
-    return cls(**kwargs)
+            if out[target]:
+                raise WireError(f"{name}: both {target} and {f} sent")
+            out[target] = [compress.decode(e) for e in out[f]]
+    return out
 
 
 def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str, list[int], memoryview]:
