@@ -214,42 +214,56 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         require_one_of(where, value, typing.get_args(tp))
         return value
     if origin in (typing.Union, types.UnionType) and _int_or_keyword(tp):
-        # "int or a keyword" fields (num_fragments = "auto", quorum = "all"); a word that is not
-        # the keyword is left to the section's validate(), which says what the number may be.
-        if isinstance(value, bool):
-            raise ConfigError(f"{where} = {value!r} is not a valid integer or keyword")
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-        return value
+        return _coerce_int_or_keyword(value, where)
     try:
-        if tp is bool:
-            if isinstance(value, str):
-                if value.lower() in ("true", "1", "yes", "on"):
-                    return True
-                if value.lower() in ("false", "0", "no", "off"):
-                    return False
-                raise ValueError
-            return bool(value)
-        if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) else int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
-        if origin is tuple:
-            (inner, _ell) = typing.get_args(tp)
-            if isinstance(value, str):
-                value = [v for v in value.split(",") if v.strip()]
-            return tuple(_coerce(v, inner, where) for v in value)
-        if origin is dict:
-            if not isinstance(value, dict):
-                raise ValueError
-            return dict(value)
+        return _convert(value, tp, origin, where)
     except (TypeError, ValueError):
         raise ConfigError(f"{where} = {value!r} is not a valid {getattr(tp, '__name__', tp)}") from None
+
+
+def _coerce_int_or_keyword(value: Any, where: str) -> Any:
+    """An "int or a keyword" field (num_fragments = "auto", quorum = "all"); a word that is not
+    the keyword is left to the section's validate(), which says what the number may be."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} = {value!r} is not a valid integer or keyword")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
     return value
+
+
+def _convert(value: Any, tp: Any, origin: Any, where: str) -> Any:
+    """``value`` as the plain type ``tp`` (bool, int, float, str, a tuple or a dict; anything
+    else as it is); TypeError or ValueError when it is not one."""
+    if tp is bool:
+        return _to_bool(value)
+    if tp is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return int(float(value)) if isinstance(value, str) else int(value)
+    if tp is float:
+        return float(value)
+    if tp is str:
+        return str(value)
+    if origin is tuple:
+        (inner, _ell) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        return tuple(_coerce(v, inner, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError
+        return dict(value)
+    return value
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError
+    return bool(value)
 
 
 RENAMED = {
