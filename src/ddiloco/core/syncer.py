@@ -2,31 +2,32 @@
 
 Theory of operation.
 
-State. Per owned fragment, a ``FragmentState`` (``core/versions.py``): its current values, the
-recent versions it still accepts answers on (``keep_versions``), its outer optimizer and the
-screening's history. Per learner id, a ``LearnerInfo``: incarnation, liveness, step time,
-replay guard (seq per fragment), strikes and quarantine, trust. Per fragment with a round open,
-at most one ``Round`` (``core/round.py``). And the step clock (``tick``, ``next_tick_at``).
+State. Per fragment, a ``FragmentState`` (``core/versions.py``): its current values, the recent
+versions it still accepts answers on (``keep_versions``), its outer optimizer and its screening
+history. Per learner id, a ``LearnerInfo`` (``core/fleet.py``): incarnation, when last heard,
+step time, the replay guard (seq per fragment), strikes, quarantine and trust. Per owned
+fragment, at most one open ``Round`` (``core/round.py``). And the step clock (``tick``).
 
 Events. ``handle(event, now)`` takes one learner message (``Join``, ``Leave``, ``Heartbeat``,
-``Contribution``, ``Ack``) and then polls; ``poll(now)`` advances the step clock, opens the
-rounds due and closes those that may close; ``flush`` and ``final_sync`` end the run. ``now``
-is the only clock: the syncer never reads one. Every call returns an ``Output``: fragments to
-make durable, tape records, then the messages to send, in that order.
+``Contribution``, ``Ack``), then polls; ``poll(now)`` advances the step clock, opens the rounds
+due and closes those that may close; ``flush`` and ``final_sync`` end a run; ``view(now)`` is
+read-only. ``now`` is the only clock. Every call returns an ``Output``: fragments to make
+durable, tape records, then messages to send, in that order.
 
-A round's life. Opened by the step clock (``t mod H = floor(p*H/P)``), by a lock-step push, or
-for one late answer (``staleness = "delayed"``); it asks the live learners. Each answer passes
-``admission.ADMISSION`` (or is refused, a strike when what it carried was wrong) and enters the
-round's running merge. Quorum: once K_eff = min(K, live asked) have answered, the round learns
-its grace window from its quorum time. Closed when every live learner it asked has answered or
-been refused, when the grace window ends (at the quorum without grace), or by ``flush``: the
-round screens its answers, the syncer takes the outer step into a new version and sends it to
-the learners merged.
+A round's life. Opened by the step clock (``t mod H = floor(p*H/P)``), asking every live
+learner; by a lock-step push; or for one late answer (``staleness = "delayed"``). Each answer
+runs through ``admission.ADMISSION``: refused (a strike if what it carried was wrong), or
+accepted into the round's running merge. Quorum: once K_eff = min(K, live asked) answered, the
+round sets its grace window from its quorum time. Closed when every live learner it asked has
+answered or been refused, when the grace window ends (at the quorum itself without grace), when
+no learner it asked is live, or by ``flush``; the robust merge first waits up to H steps for a
+majority, a final round for every live learner. At the close the round screens its answers, the
+syncer takes the outer step into a new version and sends it to the learners merged.
 
-Invariants. A fragment's version only grows, by one per merged round, and the durable list
-names it before any message carries it. At most one round per fragment is open. An answer is
-merged at most once per (learner, incarnation, fragment, seq), and only from a base version
-still kept. What the syncer keeps is bounded by the learners and fragments, never by time.
+Invariants. A fragment's version only grows, by one per merged round, and is named durable in
+the same ``Output`` that first carries it. At most one round per fragment is open. An answer
+enters a merge at most once per (learner, incarnation, fragment, seq), only from a base version
+still kept. What the syncer keeps is bounded by its learners and fragments, never by time.
 """
 
 from __future__ import annotations
