@@ -1,4 +1,4 @@
-"""The robust merge by hand (core/robust.py, Syncer._judge_round): a reversed delta, a drifting
+"""The robust merge by hand (core/robust.py, Round.judge in core/round.py): a reversed delta, a drifting
 one, an inflated weight, an honest outlier that must still be merged, a cold restart, the step
 clock against absurd step times, and stale answers that cannot amplify."""
 
