@@ -21,6 +21,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,9 @@ from ddiloco.service.base.wire import WireError, decode, encode, max_frame_bytes
 from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.syncer.load import RoundLoad
 from ddiloco.service.syncer.recorder import FlightRecorder
-from ddiloco.service.syncer.store import StoreFull, SyncerStore
+from ddiloco.service.syncer.store import Restored, StoreFull, SyncerStore
 from ddiloco.settings import run_settings
-from ddiloco.training.layout import layout_of, param_spec, synced_tensors
+from ddiloco.training.layout import ModelLayout, layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
 
@@ -94,6 +95,112 @@ def budget_of(cfg: Config) -> Budget:
     return Budget(float(cfg.run.processed_tokens), float(cfg.run.merged_tokens), cfg.runtime.duration_s)
 
 
+@dataclass
+class GlobalModel:
+    """A shard's global model, restored from its store (or built fresh): the parts a session needs."""
+
+    layout: ModelLayout
+    """The model's fragments (all of them: this shard owns some)."""
+    store: SyncerStore
+    """The shard's durable state, restored and locked."""
+    found: Restored | None
+    """What the store held (None: a fresh folder)."""
+    core: Syncer
+    """The algorithm core holding this shard's values: the global model itself."""
+    state_keys: dict[str, tuple[str, torch.dtype]]
+    """The final model file's keys (see ``state_keys``): the syncer keeps no module."""
+    spec: list[list[Any]]
+    """[name, shape] of every synced tensor, as learners register it."""
+    numel: int
+    """Synced values in the whole model (N, for the data-parallel traffic baseline)."""
+
+
+def check_shard(shard: int, num_shards: int) -> None:
+    if not 0 <= shard < num_shards:
+        raise DDiLoCoError(f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}")
+
+
+def owned_fragments(layout: ModelLayout, shard: int, num_shards: int) -> list[int]:
+    """The fragments shard ``shard`` of ``num_shards`` merges (round-robin); an error when none."""
+    owned = [p for p in range(layout.num_fragments) if p % num_shards == shard]
+    if not owned:
+        raise DDiLoCoError(
+            f"shard {shard} of {num_shards} owns no fragment (the model has {layout.num_fragments}); use fewer shards"
+        )
+    return owned
+
+
+def restore_global(
+    cfg: Config,
+    run_dir: Path,
+    shard: int,
+    num_shards: int,
+    fsync: bool,
+    model: nn.Module | None,
+    embedding_like: Callable[[str], bool] | None,
+) -> GlobalModel:
+    """Open and restore the shard's store, then build its core from what it held (``model``:
+    the initial global model; default the config's workload builds it, as its structure alone
+    when every value comes from the store)."""
+    wl = None
+    if model is None:
+        # The workload's model, first as its structure alone: a restart takes every value
+        # from the store, and a fresh run builds the values once, below.
+        wl = load_workload(cfg.workload)
+        model = meta_model(wl, cfg.run.seed)
+        embedding_like = embedding_like or wl.is_embedding_like
+    layout = layout_of(model, cfg.algo, embedding_like or embedding_parameters(model))
+    owned = owned_fragments(layout, shard, num_shards)
+    # The syncer keeps no model: the core's values are the global model. What the final
+    # model file needs of the module is the names of its state dict (tied weights are listed
+    # twice) and their dtypes.
+    keys = state_keys(model)
+    spec, numel = param_spec(model), sum(t.numel() for t in synced_tensors(model).values())
+    store = SyncerStore(run_dir, shard, num_shards, fsync=fsync, log_bound=cfg.runtime.store_log_bound)
+    found = store.restore(layout.fragments, owned)
+    if wl is not None and next(iter(synced_tensors(model).values())).is_meta:
+        if found is not None and set(found.fragments) >= set(owned):
+            # every fragment comes from the store: placeholders (untouched memory) stand in
+            model = model.to_empty(device="cpu")
+        else:
+            model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
+    params = synced_tensors(model)  # the parameters and the persistent buffers
+    # values this process built (not a model given in code) are the core's to keep
+    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=wl is not None)
+    return GlobalModel(layout, store, found, core, keys, spec, numel)
+
+
+def open_session(
+    cfg: Config, g: GlobalModel, run_dir: Path, clock: Clock, start: float, shard: int, keyed: bool
+) -> tuple[SyncerSession, str | None]:
+    """The shard's session over ``g``'s core, with what the store and the run log hold: the
+    session, and why the run already ended (None: it goes on)."""
+    started_at = run_started_at(run_dir) or clock.wall()
+    runlog = [r for r in read_jsonl(run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
+    ended = str(runlog[-1].get("reason", "the run ended")) if runlog and runlog[-1].get("what") == "end" else None
+    session = SyncerSession(
+        g.core,
+        cfg.runtime,
+        budget_of(cfg),
+        # What learners must match: the model, its layout, and the run's settings (sent to a
+        # learner given no config, checked against one given a config).
+        Registration(g.spec, g.layout.digest, settings=run_settings(cfg)),
+        start,
+        shard=shard,
+        # A new value per start: learners see the syncer restarted and register again.
+        epoch=secrets.randbits(62),
+        # The run's age: the wall clock is read once here (a restart resumes the count), then
+        # only the monotonic clock advances it, so a wall-clock jump moves no decision.
+        age_s=max(0.0, clock.wall() - started_at),
+        ended=ended,
+        keyed=keyed,
+        num_learners=cfg.run.num_learners,  # the cap on learner ids, with or without keys
+    )
+    if g.found is not None:
+        session.restore(g.found.fragments, g.found.syncer_meta, take=True)  # (the store's own tensors)
+    return session, ended
+
+
 class SyncerService:
     """Owns the transport, the session (and its core), the durable store and the periodic chores."""
 
@@ -113,75 +220,24 @@ class SyncerService:
         """``model``: the initial global model (default: the config's workload builds it);
         ``embedding_like(name)``: which of its tensors are merged by weighted mean (default: the
         workload's choice, or for a given model its ``nn.Embedding`` parameters)."""
-        if not 0 <= shard < num_shards:
-            raise DDiLoCoError(
-                f"--shard {shard} is out of range for --num-shards {num_shards}; use 0 .. {num_shards - 1}"
-            )
+        check_shard(shard, num_shards)
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
-        self.clock = clock
+        self.clock, self.sock, self.keys = clock, sock, keys
         self.startup = StartupTimes("syncer", ("first_merge",), shard=shard)
         self.startup.run_dir = self.run_dir
         self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
-        wl = None
-        if model is None:
-            # The workload's model, first as its structure alone: a restart takes every value
-            # from the store, and a fresh run builds the values once, below.
-            wl = load_workload(cfg.workload)
-            model = meta_model(wl, cfg.run.seed)
-            embedding_like = embedding_like or wl.is_embedding_like
-        self.layout = layout_of(model, cfg.algo, embedding_like or embedding_parameters(model))
-        owned = [p for p in range(self.layout.num_fragments) if p % num_shards == shard]
-        if not owned:
-            raise DDiLoCoError(
-                f"shard {shard} of {num_shards} owns no fragment (the model has {self.layout.num_fragments}); "
-                "use fewer shards"
-            )
-        # The syncer keeps no model: the core's values are the global model. What the final
-        # model file needs of the module is the names of its state dict (tied weights are listed
-        # twice) and their dtypes.
-        self._state_keys = state_keys(model)
-        spec, numel = param_spec(model), sum(t.numel() for t in synced_tensors(model).values())
-        self.store = SyncerStore(self.run_dir, shard, num_shards, fsync=fsync, log_bound=cfg.runtime.store_log_bound)
-        found = self.store.restore(self.layout.fragments, owned)
-        self.restored = found is not None
-        if wl is not None and next(iter(synced_tensors(model).values())).is_meta:
-            if found is not None and set(found.fragments) >= set(owned):
-                # every fragment comes from the store: placeholders (untouched memory) stand in
-                model = model.to_empty(device="cpu")
-            else:
-                model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
-        params = synced_tensors(model)  # the parameters and the persistent buffers
-        # values this process built (not a model given in code) are the core's to keep
-        core = Syncer(cfg.algo, self.layout.fragments, params, self.layout.embedding_like, owned, take=wl is not None)
-        del params, model
+        g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like)
+        self.layout, self.store, self.restored, self._state_keys = g.layout, g.store, g.found is not None, g.state_keys
         self.startup.mark("restore")
         start = clock.monotonic()
-        started_at = run_started_at(self.run_dir) or clock.wall()
-        runlog = [r for r in read_jsonl(self.run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
-        ended = str(runlog[-1].get("reason", "the run ended")) if runlog and runlog[-1].get("what") == "end" else None
-        rt = cfg.runtime
-        self.session = SyncerSession(
-            core,
-            rt,
-            budget_of(cfg),
-            # What learners must match: the model, its layout, and the run's settings (sent to a
-            # learner given no config, checked against one given a config).
-            Registration(spec, self.layout.digest, settings=run_settings(cfg)),
-            start,
-            shard=shard,
-            # A new value per start: learners see the syncer restarted and register again.
-            epoch=secrets.randbits(62),
-            # The run's age: the wall clock is read once here (a restart resumes the count), then
-            # only the monotonic clock advances it, so a wall-clock jump moves no decision.
-            age_s=max(0.0, clock.wall() - started_at),
-            ended=ended,
-            keyed=keys is not None,
-            num_learners=cfg.run.num_learners,  # the cap on learner ids, with or without keys
-        )
-        if found is not None:
-            self.session.restore(found.fragments, found.syncer_meta, take=True)  # (the store's own tensors)
+        self.session, ended = open_session(cfg, g, self.run_dir, clock, start, shard, keys is not None)
+        self._init_state(cfg.runtime, start, g.numel)
+        self._start(ended)
+
+    def _init_state(self, rt: RuntimeConfig, start: float, numel: int) -> None:
+        """The counters, receipt-time limits and chore clocks, before any message."""
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "refused_relay": 0,
             "superseded": 0, "rejections_unlogged": 0, "merges": 0, "messages": 0, "bytes_in": 0,
@@ -193,34 +249,34 @@ class SyncerService:
         self.work_clock: Callable[[], float] = time.perf_counter
         """What the syncer's work per key is measured with (tests replace it)."""
         self._rejection_rate: RateLimits[tuple[int, str]] = RateLimits(rt.max_rejections_logged_per_s, 20.0)
-        self.sock = sock
-        self.keys = keys
         self.stopping = False
         self._last_snapshot = start
         self._model_written: tuple[int, ...] | None = None  # the versions in final/ (written once per change)
         self._last_status = -float("inf")
         self._started = start
+        self._last_metrics = start
         self._warned: set[str] = set()
         self._progress = ProgressLines(rt.progress_interval_s, enabled=not sys.stderr.isatty())
-        self.recorder = FlightRecorder.open(self.run_dir, shard, rt.record_mb, self.session, start)
+        # Every frame byte of every learner's link, by kind (metrics/traffic*.json, ddiloco status).
+        self.traffic = TrafficMeter()
+        self._traffic_params = numel  # N, for the data-parallel baseline
+        self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
+        self.load = RoundLoad(shard=self.shard)
+
+    def _start(self, ended: str | None) -> None:
+        """The run folder's files: the flight recorder, the run log's start (or that the run
+        already ended), the learners' metrics, and the traffic counted before a restart."""
+        metrics, shard, rt = self.run_dir / "metrics", self.shard, self.cfg.runtime
+        self.recorder = FlightRecorder.open(self.run_dir, shard, rt.record_mb, self.session, self._started)
         if ended is not None:  # restarted on a finished run: say so, then leave
             log.warning("this run already ended (%s): nothing to do; start a new run folder to train more", ended)
         else:
             self._run_event("resume" if self.restored else "start", "")
-        self._learner_metrics = LearnerMetrics(self.run_dir / "metrics" / "learners.jsonl")
-        self._last_metrics = start
-        # Every frame byte of every learner's link, by kind (metrics/traffic*.json, ddiloco status).
-        self.traffic = TrafficMeter()
-        self._traffic_path = (
-            self.run_dir / "metrics" / ("traffic.json" if num_shards == 1 else f"traffic-shard-{shard}.json")
-        )
+        self._learner_metrics = LearnerMetrics(metrics / "learners.jsonl")
+        one = self.num_shards == 1
+        self._traffic_path = metrics / ("traffic.json" if one else f"traffic-shard-{shard}.json")
         self._traffic_before = read_json(self._traffic_path)  # a restart goes on counting from there
-        self._traffic_params = numel  # N, for the data-parallel baseline
-        self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
-        self.load = RoundLoad(shard)
-        self._load_path = (
-            self.run_dir / "metrics" / ("syncer-load.json" if num_shards == 1 else f"syncer-load-shard-{shard}.json")
-        )
+        self._load_path = metrics / ("syncer-load.json" if one else f"syncer-load-shard-{shard}.json")
 
     @property
     def core(self) -> Syncer:
