@@ -80,14 +80,19 @@ class Admitting:
     the steps it passed found out."""
 
     c: Contribution
+    """The contribution (its tensors become its outer gradient in ``anchor``)."""
     sender: Sender
+    """What the syncer knows of who sent it."""
     fragments: Sequence[FragmentState]
     """The syncer's fragments (read only)."""
     shape: Shape
+    """What the layout says of them."""
     t_step: float | None
     """The fleet's step time now (None: none known yet)."""
     now: float
+    """The time the syncer was handed with it."""
     cfg: DiLoCoConfig
+    """The algorithm's settings."""
     base: list[torch.Tensor] = field(default_factory=list)
     """The values of its base version (``check_base``)."""
     values: list[torch.Tensor] = field(default_factory=list)

@@ -190,6 +190,7 @@ class Round:
     opened_at: float
     asked: set[int]
     cfg: DiLoCoConfig
+    """The algorithm's settings."""
     pieces: Sequence[Piece]
     """The fragment's pieces."""
     buffers: Sequence[int]
