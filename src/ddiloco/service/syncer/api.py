@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ddiloco.config import ConfigLike, as_config
+from ddiloco.config import Config, ConfigLike, as_config
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
 from ddiloco.report.rundir import prepare_run_dir, write_model_info
@@ -94,33 +94,11 @@ class SyncerServer:
                 of the model, plus a transient copy of its parameters per evaluation.
             eval_interval_s: seconds between evaluations (default ``runtime.eval_interval_s``).
         """
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
-        if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
-        cfg = as_config(config)
-        interval_s = check_hook(evaluate, eval_interval_s, cfg.runtime.eval_interval_s)
-        network = getattr(transport, "net", None)
-        if evaluate is not None and num_shards != 1:
-            raise UsageError(
-                "evaluate= needs the whole model, which a sharded syncer does not hold: evaluate in your own loop "
-                "with ddiloco.fetch_state(model, [every shard's address])"
-            )
-        if evaluate is not None and transport is not None and not isinstance(network, InProcessNetwork):
-            raise UsageError("evaluate= reads the global model as an observer: use ZeroMQ (no transport=)")
-        # The resolved config, where the run actually is, as `ddiloco train` saves it.
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir)))
+        cfg, interval_s = checked_config(model, bind, run_dir, config, evaluate, eval_interval_s, num_shards, transport)
         by = f"ddiloco.SyncerServer (shard {shard})"
-        # A foreign folder, or one whose saved config.toml differs, is refused before any write.
-        prepare_run_dir(run_dir, by, cfg)
-        if start_over:
-            start_store_over(run_dir, shard, num_shards, by="start_over=True")
-        self.keys: Path | None = Path(keys) if keys is not None else None
+        prepare_folder(run_dir, cfg, shard, num_shards, start_over, by)
+        self.keys: Path | None = keys_folder(keys, insecure, transport, bind, run_dir, cfg.run.num_learners)
         """The keys folder this syncer uses (None: insecure, or an in-process transport)."""
-        if keys is None and not insecure and transport is None and not bind.startswith("inproc://"):
-            self.keys = run_keys(run_dir, cfg.run.num_learners)
-        elif keys is None and insecure and is_local(bind):
-            log.warning("INSECURE: %s takes any local process as a learner or an observer (insecure=True)", bind)
         self.service, self.address = open_syncer(
             cfg, bind, run_dir, model=model, embedding_like=embedding_like, shard=shard, num_shards=num_shards,
             keys_dir=self.keys, insecure=insecure, transport=transport, fsync=fsync,
@@ -135,12 +113,17 @@ class SyncerServer:
         self.evaluation: EvalHook | None = None
         """The evaluation hook (``evaluate=``); ``evaluation.evaluations`` counts its records."""
         if evaluate is not None:
-            obs = None if network is not None else observer_keys([self.address], self.keys, insecure)
-            fetch = Fetcher(self.address, obs, network)
-            self.evaluation = EvalHook(
-                evaluate, model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s,
-                self.service.run_age,
-            )  # fmt: skip
+            self.evaluation = self._eval_hook(evaluate, interval_s, getattr(transport, "net", None), insecure)
+
+    def _eval_hook(self, evaluate: EvalFn, interval_s: float, network: Any, insecure: bool) -> EvalHook:
+        """The hook that evaluates the global model, read as an observer of this syncer (its
+        thread starts with ``serve``)."""
+        obs = None if network is not None else observer_keys([self.address], self.keys, insecure)
+        fetch = Fetcher(self.address, obs, network)
+        return EvalHook(
+            evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s,
+            self.service.run_age,
+        )  # fmt: skip
 
     @property
     def final_model_path(self) -> Path:
@@ -213,3 +196,62 @@ class SyncerServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def checked_config(
+    model: Any,
+    bind: Any,
+    run_dir: str | Path,
+    config: ConfigLike,
+    evaluate: EvalFn | None,
+    eval_interval_s: float | None,
+    num_shards: int,
+    transport: SyncerSocket | None,
+) -> tuple[Config, float]:
+    """The run's resolved config (``run.run_dir`` where the run actually is, as `ddiloco train`
+    saves it) and the evaluation interval, once the arguments are checked (UsageError)."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
+    if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
+        raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
+    cfg = as_config(config)
+    interval_s = check_hook(evaluate, eval_interval_s, cfg.runtime.eval_interval_s)
+    if evaluate is not None and num_shards != 1:
+        raise UsageError(
+            "evaluate= needs the whole model, which a sharded syncer does not hold: evaluate in your own loop "
+            "with ddiloco.fetch_state(model, [every shard's address])"
+        )
+    if (
+        evaluate is not None
+        and transport is not None
+        and not isinstance(getattr(transport, "net", None), InProcessNetwork)
+    ):
+        raise UsageError("evaluate= reads the global model as an observer: use ZeroMQ (no transport=)")
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir))), interval_s
+
+
+def prepare_folder(run_dir: str | Path, cfg: Config, shard: int, num_shards: int, start_over: bool, by: str) -> None:
+    """Refuse a foreign folder, or one whose saved config.toml differs, before any write; with
+    ``start_over``, make a run whose syncer state is missing start over."""
+    prepare_run_dir(run_dir, by, cfg)
+    if start_over:
+        start_store_over(run_dir, shard, num_shards, by="start_over=True")
+
+
+def keys_folder(
+    keys: str | Path | None,
+    insecure: bool,
+    transport: SyncerSocket | None,
+    bind: str,
+    run_dir: str | Path,
+    num_learners: int,
+) -> Path | None:
+    """The keys folder to serve with: the one given, else the run's own (made if missing), or
+    None when insecure (said once on loopback) or in process."""
+    if keys is not None:
+        return Path(keys)
+    if not insecure and transport is None and not bind.startswith("inproc://"):
+        return run_keys(run_dir, num_learners)
+    if insecure and is_local(bind):
+        log.warning("INSECURE: %s takes any local process as a learner or an observer (insecure=True)", bind)
+    return None
