@@ -421,7 +421,7 @@ def round_condition(
     its quorum-th answer's send plus the round's grace window (and, with robust merging, the
     ``min_answers``-th answer: a robust round waits for that many when as many were asked), or
     the last asked learner's answer if every asked learner answered first (a refused answer
-    counts as answered, as in ``core.syncer._close_reason``). None: the round merged nothing,
+    counts as answered, as in ``core.round.Round.close_reason``). None: the round merged nothing,
     or an answer's send time is unknown."""
     merged = rnd.get("merged") or []
     if not merged:
