@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ddiloco.config import Config, RuntimeConfig
+from ddiloco.config import Config
 from ddiloco.core import robust
 from ddiloco.core.fragments import tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
@@ -36,6 +36,7 @@ from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
+from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.messages import Register, SettingsRequest, SyncerHeartbeat
 from ddiloco.protocol.syncer_session import Budget, Principal, SyncerOutput, SyncerSession
@@ -331,12 +332,13 @@ class SyncerService:
             if what == "end":
                 log.info("the run is over: %s", reason)
             self._run_event(what, reason)
+        # The session hands back the peers this driver gave it: the ROUTER's connection identities.
         for peer, msg in out.send:
-            self._send(peer, msg)
+            self._send(cast(bytes, peer), msg)
         for note in out.notes:
             self._count_bad(note.kind, note.text)
         for peer in out.status_requests:
-            self._send(peer, status_reply(self.status()))
+            self._send(cast(bytes, peer), status_reply(self.status()))
         if out.stop:
             self.stopping = True
 
@@ -635,12 +637,13 @@ def meta_model(wl: Any, seed: int) -> nn.Module:
     the model itself where the workload cannot build it there."""
     try:
         with torch.device("meta"):
-            model = wl.build_model(seed)
+            model: nn.Module = wl.build_model(seed)
         if all(t.is_meta for t in synced_tensors(model).values()):
             return model
     except Exception as e:  # a workload's own code: any failure means "build it for real"
         log.debug("the workload's model does not build on the meta device (%s): building it", e)
-    return wl.build_model(seed)
+    built: nn.Module = wl.build_model(seed)
+    return built
 
 
 def state_keys(model: nn.Module) -> dict[str, tuple[str, torch.dtype]]:
