@@ -47,10 +47,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python tools/budget.py
 
-# A bare `pytest -q` leaves out the tests marked slow (pyproject addopts); they run second.
+# A bare `pytest -q` leaves out the tests marked slow (pyproject addopts) and runs on two worker
+# processes; the slow ones run second, one at a time (they start processes of their own).
 test: lint data
 	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow -n 0
 
 bench-quality: $(STAMP)
 	$(BIN)/python bench/quality.py

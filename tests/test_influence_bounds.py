@@ -31,6 +31,9 @@ CHAOS = [
 HETERO = ["sim.speeds=[1.0, 1.0, 0.8, 0.8]", "sim.speed_noise=0.1"]
 
 
+# Slow: three whole 600k-token runs of the quality regime, about 24 s each on one core (a quarter
+# of the fast set's CPU time); the slow set runs them, so the fast set keeps its 3-minute budget.
+@pytest.mark.slow
 @pytest.mark.parametrize("arm", ["healthy", "chaos", "heterogeneous"])
 def test_the_quality_arms_reject_and_clip_no_honest_contribution(arm):
     over = {"healthy": [], "chaos": CHAOS, "heterogeneous": HETERO}[arm]

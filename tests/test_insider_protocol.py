@@ -483,8 +483,8 @@ def keyed_service(tmp_path, monkeypatch):
     from ddiloco.config import load_config
     from ddiloco.service.base.keys import ClientKeys, ServerKeys, make_keys
     from ddiloco.service.base.transport import InProcessNetwork
-    from ddiloco.service.syncer.service import SyncerService
     from ddiloco.service.syncer import service as syncer_module
+    from ddiloco.service.syncer.service import SyncerService
 
     keys = tmp_path / "keys"
     make_keys(keys, learners=2)

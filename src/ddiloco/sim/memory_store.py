@@ -1,6 +1,6 @@
 """An in-memory syncer store with the real store's semantics, for restarts in virtual time.
 
-``service/syncer/store.py`` keeps, per fragment, the newest record made durable and the meta state of
+``service/syncer/store/`` keeps, per fragment, the newest record made durable and the meta state of
 the newest record or snapshot; a restart gets exactly that back. This keeps the same, in memory:
 what was made durable is what comes back (copies, so the restarted core shares nothing with the
 one that was "killed"), and nothing that was not.
