@@ -208,7 +208,7 @@ class Learner:
         self._last_start: float | None = None
         self._waited = 0.0  # the last step()'s lock-step wait: not busy time (``LearnerSession.step``)
         self._shared = False  # a torchrun group has shared rank 0's join
-        self._told_end = False  # run_ended was true when a step() (or the join) returned
+        self._told_end = False  # run_ended was true when a step() (or the join) returned, or was read true
         self._keyed = False
         self.session: LearnerSession | None = None
         self.comm: LearnerComm | None = None
@@ -357,11 +357,15 @@ class Learner:
     def run_ended(self) -> bool:
         """The syncer ended the run (its budget is spent; also told to a learner that joins or
         reconnects after the end): leave the loop and call ``finish()``. A ``step()`` after the
-        one that returned with it true raises ``UsageError``. In a torchrun group every rank
-        sees it at the same step."""
+        one that returned with it true raises ``UsageError``, and so does one after it was read
+        true (the comm thread may hear the end between a step's return and the loop's check of
+        this). In a torchrun group every rank sees it at the same step."""
         if self.world > 1:
-            return self._facts[2] is not None
-        return self.comm is not None and self.session is not None and self.session.run_end is not None
+            ended = self._facts[2] is not None
+        else:
+            ended = self.comm is not None and self.session is not None and self.session.run_end is not None
+        self._told_end = self._told_end or ended
+        return ended
 
     @property
     def end_reason(self) -> str:
