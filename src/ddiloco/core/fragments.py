@@ -23,7 +23,7 @@ from ddiloco.errors import ConfigError
 TensorKind = Literal["param", "buffer", "count"]
 """What a synced tensor is: a parameter (merged by the outer optimizer), a floating buffer
 (BatchNorm's running statistics) or an integer buffer (``num_batches_tracked``). Buffers are
-merged by the token-weighted mean of the answers' values, with no outer step (``core/syncer.py``)."""
+merged by the token-weighted mean of the answers' values, with no outer step (``Round.close`` in ``core/round.py``)."""
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ HEADER_BYTES: dict[str, int] = {
     "contribution": 230, "version": 200, "request": 100, "ack": 115, "heartbeat": 205, "syncer_heartbeat": 110,
 }  # fmt: skip
 """Header bytes of a steady-state message on the wire (schema 4's JSON header with realistic
-field values, measured with ``service/wire.encode``; tests/test_traffic.py keeps them within
+field values, measured with ``service/base/wire.py: encode``; tests/test_traffic.py keeps them within
 reach of it), not counting the tensor list."""
 TENSOR_SPEC_BYTES = 32
 """Header bytes per tensor a message carries (its name, dtype and shape in the header)."""

@@ -4,7 +4,7 @@ The user keeps their model, optimizer, LR scheduler, data loader and batch struc
 each optimizer step they call ``learner.step(tokens=n)``. That call never waits on the network
 (``late_fragment = continue``): it applies the global fragments that arrived since the last
 call, answers requests the comm thread could not answer itself, and copies to host memory only
-the fragments the schedule says will be asked for next. The comm thread (``learner_comm``) does
+the fragments the schedule says will be asked for next. The comm thread (``service/learner/comm.py``) does
 all the talking. ``ddiloco learner`` (``service/learner/process.py``) is one user of this class.
 
 Inside a torchrun group (DDP or FSDP2) rank 0 alone talks to the syncer and broadcasts what it
@@ -440,8 +440,8 @@ class Learner:
         if self._last_end is not None:
             self.stats.step_s += t0 - self._last_end
         # The step's time for the syncer's step clock: from the last call's start to this one's,
-        # its own boundary included (the learner's real pace); the session reports the mean.
-        # Of it, the last call's lock-step wait is not busy (``LearnerSession.busy_s``).
+        # its own boundary included. Of it, the last call's lock-step wait is not busy: the session
+        # counts the rest (``LearnerSession.busy_s``) and reports its mean as the step time.
         duration = t0 - self._last_start if self._last_start is not None else 0.0
         waited, self._waited = self._waited, 0.0
         self._last_start = t0

@@ -1,7 +1,7 @@
 """``ddiloco learner``: one learner process (or one torchrun group with DDP inside).
 
 It trains the config's workload with AdamW and its LR schedule over the fleet's tokens, and does
-everything else through ``ddiloco.Learner`` (``api_learner.py``), as a user's own loop would:
+everything else through ``ddiloco.Learner`` (``service/learner/api.py``), as a user's own loop would:
 the step boundary, the comm thread, joining, DDP broadcasts, the optimizer-state hand-off.
 """
 
