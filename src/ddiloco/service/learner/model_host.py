@@ -55,18 +55,17 @@ class ModelHost:
             self._copies = DeviceCopies(self.device)
         return self._copies
 
-    def read(self, p: int, wait: bool = True) -> list[torch.Tensor]:
+    def read(self, p: int) -> list[torch.Tensor]:
         """Fragment p's current values, copied to host memory (on CUDA: on a side stream, into
-        pinned memory; ``wait=False`` returns before the copy is complete: ``copies.wait([p])``
-        before reading it). An FSDP2 parameter is gathered first: a collective, so every rank
-        of the group calls this for the same fragments."""
+        pinned memory, waited for). An FSDP2 parameter is gathered first: a collective, so every
+        rank of the group calls this for the same fragments."""
         pieces = []
         for pc in self.pieces[p]:
             t = self.params[pc.name].detach()
             if pc.name in self.sharded:
                 t = t.full_tensor()  # type: ignore[attr-defined]
             pieces.append(t[pc.row_start : pc.row_end] if t.dim() else t)
-        return self.copies.read(p, pieces, wait=wait)
+        return self.copies.read(p, pieces)
 
     def write(self, p: int, values: Sequence[torch.Tensor], alpha: float, add: bool) -> None:
         """Write fragment p's values into the model by ``write_fragment``'s rule. On CUDA they
