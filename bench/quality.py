@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import math
 import os
@@ -46,7 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness.paths import RESULTS, ROOT  # noqa: E402  (bench/harness, beside this script)
+from harness.cells import digest, files_digest  # noqa: E402  (bench/harness, beside this script)
+from harness.paths import RESULTS, ROOT  # noqa: E402
 from harness.tables import machine, utc_now  # noqa: E402
 from harness.tables import publish as _publish  # noqa: E402
 
@@ -138,19 +138,14 @@ def code_layers(src: Path = SRC) -> list[str]:
 def code_digest(src: Path = SRC) -> str:
     """A hash of the source of every layer in ``code_layers`` (paths and contents, in sorted
     order): equal digests, equal code behind a simulated run's numbers."""
-    h = hashlib.sha256()
-    files = sorted({p for name in code_layers(src) for p in _layer_files(src, name)})
-    for p in files:
-        h.update(p.relative_to(src).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return files_digest({p for name in code_layers(src) for p in _layer_files(src, name)}, src, 16)
 
 
 # ----------------------------------------------------------------------------- running
 
 
 def job_key(method: str, overrides: tuple[str, ...], code: str) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "method": method, "over": sorted(overrides), "code": code}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return digest({"v": CACHE_VERSION, "method": method, "over": sorted(overrides), "code": code}, 16)
 
 
 def run_one(job: Job) -> dict[str, Any]:

@@ -30,15 +30,19 @@ def cell_key(label: str, blob: dict[str, Any], n: int = 12) -> str:
     return f"{label}-{digest(blob, n)}"
 
 
-def source_digest(packages: Iterable[str], n: int = 16, src: Path = SRC) -> str:
-    """A hash of ddiloco's top-level modules and every module of ``packages`` (paths and bytes):
+def files_digest(files: Iterable[Path], src: Path = SRC, n: int = 16) -> str:
+    """A hash of ``files`` (each path relative to ``src``, then its bytes), in sorted order:
     equal digests, equal code behind a cell's numbers."""
-    base = src / "ddiloco"
-    files = sorted([*base.glob("*.py"), *(p for d in packages for p in (base / d).rglob("*.py"))])
     h = hashlib.sha256()
-    for p in files:
+    for p in sorted(files):
         h.update(p.relative_to(src).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:n]
+
+
+def source_digest(packages: Iterable[str], n: int = 16, src: Path = SRC) -> str:
+    """``files_digest`` of ddiloco's top-level modules and every module of ``packages``."""
+    base = src / "ddiloco"
+    return files_digest([*base.glob("*.py"), *(p for d in packages for p in (base / d).rglob("*.py"))], src, n)
 
 
 class CellCache:
