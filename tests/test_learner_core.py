@@ -103,6 +103,21 @@ def test_a_snapshot_built_but_never_sent_is_not_counted_as_sent():
     assert core.in_flight == {0: 1} and core.sent_tokens == {0: 10}
 
 
+def test_a_merge_of_this_process_own_answer_is_marked_own_and_a_predecessors_is_not():
+    """``Receipt.own`` (the ``first_merged`` start-up mark): the merge answers a contribution
+    this process sent. The core forgets what it sent as it applies the merge, so the driver
+    must learn it from the receipt, not from the core's state afterwards."""
+    for rule in ("overwrite", "shift"):
+        core = LearnerCore(dataclasses.replace(CFG, on_merged=rule), 0, 2)
+        assert not core.on_update(update(0, 1)).own  # a merge of a predecessor's answer
+        assert not core.on_update(update(1, 1, reason="join")).own
+        core.on_step(10)
+        core.sent(core.contribution(0, [torch.zeros(1)], 0))
+        assert core.on_update(update(0, 2)).own
+        assert not core.sent_tokens  # applied: the core no longer knows it sent it
+        assert not core.on_update(update(0, 3)).own  # the next merge did not answer a new send
+
+
 def test_contributions_carry_the_identity_and_increasing_sequence_numbers():
     core = LearnerCore(CFG, 3, 2, incarnation=77)
     core.on_step(10)

@@ -119,6 +119,8 @@ def test_two_learners_with_sgd_momentum_and_dict_batches_merge_in_one_process(fl
         assert ln.data_position == 120
         assert ln.fleet_tokens >= ln.stats.tokens  # the fleet's position, not only its own
         assert 0 < ln.stats.sync_s < ln.stats.step_s
+        # its own answers were merged: the start-up phases say when the first one came back
+        assert ln.startup.phases["first_step"] <= ln.startup.phases["first_merged"]
 
 
 @pytest.mark.slow  # a real service run in threads, for several seconds

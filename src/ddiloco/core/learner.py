@@ -76,6 +76,9 @@ class Receipt:
     alpha: float = 0.0
     problem: str = ""
     """Why it is ignored when it is not plausible (empty for an ordinary older version)."""
+    own: bool = False
+    """A merged version that answers a contribution this process sent (not a predecessor's):
+    the driver's ``first_merged`` start-up mark."""
 
 
 class LearnerCore:
@@ -283,11 +286,12 @@ class LearnerCore:
         self._fleet = u.live_learners
         if u.reason == "join" and self.cfg.late_fragment == "wait" and self.step == 0:
             self.step = u.global_step  # a (re)started lock-step learner steps in phase with the fleet
+        own = u.reason == "merged" and sent is not None
         if shift:
-            return Receipt("shift")
+            return Receipt("shift", own=own)
         if u.reason != "merged" or self.cfg.alpha == 0.0:
-            return Receipt("overwrite")
-        return Receipt("blend", self.cfg.alpha)
+            return Receipt("overwrite", own=own)
+        return Receipt("blend", self.cfg.alpha, own=own)
 
     # -- blocking (lock-step baselines only) -------------------------------------------------
 

@@ -663,7 +663,7 @@ class LearnerSession:
             if receipt.mode == "shift" and held is not None:
                 written = dataclasses.replace(u, values=self.overlap.change(u.fragment, u.values, held[1]))
             else:
-                receipt = Receipt("overwrite") if receipt.mode == "shift" else receipt
+                receipt = Receipt("overwrite", own=receipt.own) if receipt.mode == "shift" else receipt
                 self.overlap.drop(u.fragment)
             self.codec.received(u)
             self._prepared.pop(u.fragment, None)  # built on the old version: it would count that progress twice

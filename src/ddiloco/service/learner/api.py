@@ -739,9 +739,9 @@ class Learner:
                 self._facts = facts  # rank 0 too: every rank sees the run's end at the same step
         if plan is None:
             return
-        for u, _ in plan.apply:  # (before complete: it may count this process's sends anew)
+        for _, receipt in plan.apply:
             self.stats.applied += 1
-            if u.reason == "merged" and self.session is not None and u.fragment in self.session.core.sent_tokens:
+            if receipt.own:
                 self.startup.mark("first_merged")  # merged this process's own answer (not a predecessor's)
         # Only rank 0 sends; the other ranks join the gathers of an FSDP2 model.
         gather = collective and bool(self.sharded)
