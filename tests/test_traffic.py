@@ -245,6 +245,41 @@ def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_
     assert summary["traffic"]["up_bytes_per_step"] == pytest.approx(f["up_bytes_per_step"])
 
 
+def test_the_final_sync_moves_each_learners_last_progress_encoded_not_the_model_in_fp32() -> None:
+    """The final sync is contributions and merged versions like any round: each learner's
+    remaining progress goes up as a delta in the run's up encoding (with its error feedback) and
+    the merged versions come down on the chain (the acks beside them). At int4 that is about N/8
+    each way per learner (N: the model's fp32 bytes), headers and scales included; not N in fp32."""
+    from ddiloco.config import load_config
+    from ddiloco.methods import PRESETS
+    from ddiloco.sim.run import simulate
+
+    torch.set_num_threads(1)
+    settings = [
+        "workload.factory=ddiloco.workloads.synthetic:make_workload",
+        "workload.batch_size=16",
+        "run.eval_points=1",
+        "run.method=decoupled",
+        "run.num_learners=2",
+        "run.processed_tokens=6000",
+        "run.threads=1",
+        "algo.up_encoding=int4",
+        "algo.down_encoding=int4",
+        "algo.error_feedback=true",
+        "workload.options={hidden = 256}",  # large enough that headers do not hide the payloads
+    ]
+    result = simulate(load_config(None, settings, base=PRESETS["decoupled"]))
+    assert result.traffic is not None
+    final_rounds = [r for r in result.tape if r.get("event") == "round" and r["close_reason"] == "final"]
+    assert len(final_rounds) == result.num_fragments and all(len(r["merged"]) == 2 for r in final_rounds)
+    n_bytes = 4 * sum(t.numel() for t in result.state.values())
+    bound = 0.2 * n_bytes  # int4: 1/8 of fp32, plus a scale per block and the headers
+    for m in ("0", "1"):
+        for direction in ("up", "down"):
+            sent = result.traffic["by_learner"][m][direction]["final_sync"]["bytes"]
+            assert 0 < sent <= bound, (m, direction, sent / n_bytes)
+
+
 def test_a_restarted_syncer_goes_on_counting_from_its_traffic_file(tmp_path) -> None:
     import ddiloco
     from ddiloco.config import load_config
