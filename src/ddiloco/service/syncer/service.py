@@ -616,18 +616,24 @@ class SyncerService:
     def write_final_model(self) -> Path:
         # Every key of the model's state dict, in its dtype, written piece by piece from the
         # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
-        # gets the merged values of the tensor it shares.
+        # is written once, under its first key, and its other keys as aliases of that one
+        # (load_state_dict lists them again).
         pieces = tensor_pieces(self.core.layout, {p: self.core.values(p) for p in self.core.owned})
         entries = []
+        aliases: dict[str, str] = {}
+        stored: dict[tuple[str, torch.dtype], str] = {}  # (synced tensor, dtype) -> the key it is written under
         for key, (name, dtype) in self._state_keys.items():
-            if name in pieces:
+            if (name, dtype) in stored:
+                aliases[key] = stored[name, dtype]
+            elif name in pieces:
+                stored[name, dtype] = key
                 rows = pieces[name]
                 first = rows[0][0]
                 total_rows = sum(pc.row_end - pc.row_start for pc, _ in rows)
                 shape = first.shape if len(rows) == 1 else (total_rows, *first.shape[1:])
                 entries.append((key, dtype, shape, [v for _, v in rows]))
         name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
-        saved = save_pieces(entries, self.run_dir / "final" / name)
+        saved = save_pieces(entries, self.run_dir / "final" / name, aliases)
         self._model_written = tuple(self.core.versions())
         return saved
 
