@@ -268,12 +268,25 @@ def test_train_resume_refuses_a_library_run_in_one_line(tmp_path, capsys):
 
 def test_the_evaluation_hook_records_the_global_model_and_the_final_one(tmp_path):
     d = tmp_path / "lib"
-    run_fleet(d, cfg(f"run.processed_tokens={BUDGET}"), evaluate=evaluate, eval_interval_s=0.2)
+    server = run_fleet(d, cfg(f"run.processed_tokens={BUDGET}"), evaluate=evaluate, eval_interval_s=0.2)
 
     evals = [json.loads(line) for line in (d / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert len(evals) >= 2 and all(e["event"] == "eval" and set(e["metrics"]) == {"accuracy"} for e in evals)
     assert [e["final"] for e in evals] == [False] * (len(evals) - 1) + [True]  # the final one last, once
     assert all("versions" in e for e in evals[:-1])
+    # at the cadence in merged tokens (automatic: 5 x H x B with fp32 both ways = 5 x 4 x 48), each
+    # record saying where it ran, the fragments it fetched and the bytes it moved since the last one
+    marks = [e["merged_tokens"] // (5 * 4 * TOKENS_PER_STEP) for e in evals[:-1]]
+    assert marks[0] >= 1 and marks == sorted(set(marks))  # one per mark at most (a poll may pass two)
+    for e in evals[:-1]:
+        assert e["where"].startswith("evaluate hook in the syncer process on ")
+        assert 1 <= e["fragments_fetched"] <= len(e["versions"]) and e["bytes_down"] > 0 and e["bytes_up"] > 0
+    # the syncer's traffic meter counts the same bytes as observer traffic, on no learner's link
+    assert server.evaluation is not None
+    observed = server.service.traffic_dict()["by_learner"]["unattributed"]
+    moved = server.evaluation.copy.moved
+    assert (observed["up"]["observer"]["bytes"], observed["down"]["observer"]["bytes"]) == (moved.up, moved.down)
+    assert sum(e["bytes_down"] for e in evals[:-1]) <= moved.down
     # the final record is the final global model, after the final sync: evaluate it ourselves
     final_model = Net()
     final_model.load_state_dict(ddiloco.load_state_dict(d))
@@ -302,8 +315,8 @@ def test_an_evaluation_hook_that_raises_never_stops_the_syncer(tmp_path, caplog)
         "evaluate hook raised RuntimeError: CUDA out of memory (a stand-in); the final evaluation is not recorded"
         in lines
     )
-    assert any(re.fullmatch(r"evaluate hook raised RuntimeError: .*; this evaluation \(next in 0\.2 s\) is not "
-                            r"recorded", line) for line in lines)  # fmt: skip
+    assert any(re.fullmatch(r"evaluate hook raised RuntimeError: .*; this evaluation \(the next at [\d,]+ merged "
+                            r"tokens\) is not recorded", line) for line in lines)  # fmt: skip
     s = json.loads((d / "summary.json").read_text())
     assert s["ended_by"] == "run.processed_tokens" and s["tokens_merged"] > 0  # the run went on to its end
     assert s["eval_loss"] is None and "no evaluation of the global model was recorded" in s["warnings"]
@@ -370,6 +383,12 @@ def test_evaluation_hook_arguments_are_checked_in_one_line(tmp_path):
         server(3, evaluate=evaluate, eval_interval_s="5")
     with pytest.raises(UsageError, match=r"^eval_interval_s is given without evaluate=fn"):
         server(4, eval_interval_s=5)
+    with pytest.raises(UsageError, match=r"^eval_every_tokens = -1 is out of range; allowed: a finite number >= 0 \("):
+        server(6, evaluate=evaluate, eval_every_tokens=-1)
+    with pytest.raises(UsageError, match=r"^eval_every_tokens must be a number of merged tokens, not a str$"):
+        server(7, evaluate=evaluate, eval_every_tokens="5")
+    with pytest.raises(UsageError, match=r"^eval_every_tokens is given without evaluate=fn"):
+        server(8, eval_every_tokens=5)
     with pytest.raises(UsageError, match=r"^evaluate= needs the whole model, which a sharded syncer does not hold"):
         server(5, evaluate=evaluate, num_shards=2)
 

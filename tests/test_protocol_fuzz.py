@@ -65,7 +65,8 @@ to_syncer = st.one_of(
     st.builds(Leave, ids, small),
     st.builds(PeerStateRequest, ids, small),
     st.builds(PeerState, ids, st.integers(-1, 3), st.just([]), st.just({})),
-    st.builds(FetchGlobal, st.just("fuzz")),
+    st.builds(FetchGlobal, st.just("fuzz"), st.dictionaries(st.sampled_from(["0", "1", "2", "01", "x"]), small,
+                                                           max_size=5), st.booleans()),
     st.builds(StatusRequest, st.just("fuzz")),
 )  # fmt: skip
 # What a confused or hostile syncer may send a learner.

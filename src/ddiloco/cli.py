@@ -426,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     le.add_argument("--threads", type=int_range(0), default=0, help="torch threads (default 0: run.threads)")
     _key_args(le, "syncer.key and this learner's learner-ID.key_secret (from `ddiloco keys`)")
     le.set_defaults(func=cmd_learner)
-    ev = sub.add_parser("evaluator", help="evaluate the syncer's global model periodically (low priority)")
+    ev = sub.add_parser(
+        "evaluator", help="evaluate the syncer's global model as tokens merge, fetching what changed (low priority)"
+    )
     _config_args(ev, RUNTIME_METHODS, "the syncer's")
     ev.add_argument(
         "--syncer",

@@ -170,6 +170,10 @@ class Config:
             "runtime.syncer_threads", rt.syncer_threads, "an integer in [0, 1024] (0: every core it may use)",
         )  # fmt: skip
         require(1 <= rt.store_log_bound < 1e6, "runtime.store_log_bound", rt.store_log_bound, ">= 1 (records), finite")
+        require(
+            0 <= rt.eval_every_tokens < 1e18,
+            "runtime.eval_every_tokens", rt.eval_every_tokens, ">= 0 merged tokens (0: automatic), finite",
+        )  # fmt: skip
         for name in ("send_queue_mb", "peer_state_chunk_mb"):
             require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")
         for name in (

@@ -10,6 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddiloco.core.compress import data_nbytes
+
+EVAL_TRAFFIC_SHARE = 0.1
+"""The share of the learners' steady traffic the evaluator's automatic cadence keeps to
+(``RuntimeConfig.eval_every_tokens`` = 0)."""
+FP32_BYTES = 4.0
+"""Bytes per value an observer fetches (the exact global model)."""
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -53,7 +61,29 @@ class RuntimeConfig:
     restart_delay_s: float = 0.0
     """Delay before the launcher restarts a learner that exited abnormally."""
     eval_interval_s: float = 20.0
-    """Seconds between evaluations of the global model by the evaluator process."""
+    """Seconds between the evaluator's polls of the syncer (``ddiloco evaluator``, and
+    ``SyncerServer``'s ``evaluate=`` hook): a versions-only ``FetchGlobal`` of a few hundred
+    bytes that says whether the merged tokens passed the next mark of
+    ``runtime.eval_every_tokens`` and whether the run ended. So it is also the least time
+    between two evaluations. (Before wire schema 8 it was the period of the evaluations
+    themselves, each of which fetched the whole model.)"""
+    eval_every_tokens: float = 0.0
+    """Merged tokens between two evaluations of the global model by the evaluator (``ddiloco
+    evaluator``, and ``SyncerServer``'s ``evaluate=`` hook): it evaluates at the first poll
+    (``runtime.eval_interval_s``) after the run's merged tokens pass the next multiple of this,
+    and fetches then only the fragments whose version moved since its last fetch, exact (fp32).
+    0 (the default): automatic, so that the evaluator moves at most a tenth of the learners'
+    steady traffic: X = 40 x H x B / (u + d), with H = ``algo.sync_every``, B the tokens one
+    learner processes per inner step (the learners report it; until they do, no evaluation is
+    due), and u, d the bytes per value of ``algo.up_encoding`` and ``algo.down_encoding`` (fp32
+    4, bf16 2, int8 1, int4 0.5, int2 0.25). The arithmetic: a fragment of n values merges once
+    per H steps of each of the M learners, taking in M x H x B tokens and moving M x n x (u + d)
+    bytes on their links, so the learners move N (u + d) / (H B) bytes per merged token (N: the
+    model's values); the evaluator fetches each fragment that moved at most once per evaluation,
+    at most 4 N bytes per X merged tokens. Its share is 4 H B / (X (u + d)) whatever M and the
+    run's length are: 0.1 at the automatic X (less when learners send scales and headers too,
+    or a fragment did not move). The default GPT (B = 8 x 128 = 1,024 bytes, H = 24) with int4
+    both ways evaluates every 983,040 merged tokens, with fp32 every 122,880. >= 0, finite."""
     duration_s: float = math.inf
     """A real run's time budget: the syncer ends the run this many seconds after it started
     (run.json's started_at) unless its token budgets (run.processed_tokens, run.merged_tokens)
@@ -121,3 +151,58 @@ class RuntimeConfig:
     max_rejections_logged_per_s: float = 5.0
     """Refusals per learner and reason written to the tape per second (bursts of 20); more are
     only counted (`rejections_unlogged` in the status)."""
+
+
+def value_bytes(encoding: str) -> float:
+    """Bytes per value of a payload in ``encoding`` (its data, scales left out)."""
+    n = 1 << 16
+    return data_nbytes(n, encoding) / n
+
+
+def auto_eval_tokens(sync_every: int, up_encoding: str, down_encoding: str, tokens_per_step: float) -> float:
+    """``runtime.eval_every_tokens`` = 0's cadence: the merged tokens X at which an evaluator that
+    fetches every moved fragment in fp32 once per X moves ``EVAL_TRAFFIC_SHARE`` of what the
+    learners move on their links: 4 H B / (X (u + d)) = 0.1 (the arithmetic is the setting's)."""
+    per_value = value_bytes(up_encoding) + value_bytes(down_encoding)
+    return FP32_BYTES * sync_every * tokens_per_step / (EVAL_TRAFFIC_SHARE * per_value)
+
+
+@dataclass
+class EvalCadence:
+    """When an observer evaluates the global model: at a poll that sees the run's merged tokens
+    past the next multiple of ``every`` (marks at X, 2X, 3X ...: an evaluator that starts late or
+    again evaluates at its first poll past a mark, then at the next mark)."""
+
+    every_tokens: float = 0.0
+    """``runtime.eval_every_tokens`` (0: automatic, ``auto_eval_tokens``)."""
+    sync_every: int = 24
+    """``algo.sync_every`` (H)."""
+    up_encoding: str = "fp32"
+    """``algo.up_encoding``."""
+    down_encoding: str = "fp32"
+    """``algo.down_encoding``."""
+    last: float = 0.0
+    """The merged tokens at the last evaluation (0: none yet)."""
+
+    def every(self, tokens_per_step: float) -> float | None:
+        """The merged tokens between two evaluations, given the learners' tokens per inner step
+        (None: automatic, and they have not reported any yet)."""
+        if self.every_tokens > 0:
+            return self.every_tokens
+        if not tokens_per_step > 0:
+            return None
+        return auto_eval_tokens(self.sync_every, self.up_encoding, self.down_encoding, tokens_per_step)
+
+    def next_mark(self, tokens_per_step: float) -> float | None:
+        """The merged tokens at which the next evaluation is due (None: not known yet)."""
+        every = self.every(tokens_per_step)
+        return None if every is None else (math.floor(self.last / every) + 1) * every
+
+    def due(self, merged_tokens: float, tokens_per_step: float) -> bool:
+        """Whether an evaluation is due at ``merged_tokens``."""
+        mark = self.next_mark(tokens_per_step)
+        return mark is not None and merged_tokens >= mark
+
+    def evaluated(self, merged_tokens: float) -> None:
+        """An evaluation of the model at ``merged_tokens`` was made."""
+        self.last = max(self.last, merged_tokens)

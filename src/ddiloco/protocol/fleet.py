@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddiloco.core.counters import IncarnationCounters
-from ddiloco.core.messages import Heartbeat
+from ddiloco.core.messages import MAX_TOKENS_F, Heartbeat
 
 
 @dataclass
@@ -59,6 +59,14 @@ class FleetBook:
     def processed_tokens(self) -> float:
         """Tokens the fleet processed, over every learner and incarnation (as reported)."""
         return self._tokens.total()
+
+    def tokens_per_step(self) -> float:
+        """The tokens one learner processes per inner step: the reported tokens over the reported
+        steps of every learner's current incarnation (0.0 before any step is reported; at most
+        ``MAX_TOKENS_F``, whatever the heartbeats claim)."""
+        steps = sum(p.step for p in self.progress.values())
+        tokens = sum(p.tokens for p in self.progress.values())
+        return min(MAX_TOKENS_F, tokens / steps) if steps > 0 else 0.0
 
     def state(self) -> dict[str, Any]:
         """What a restart needs to keep counting (JSON-able)."""

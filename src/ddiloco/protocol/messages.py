@@ -173,24 +173,38 @@ class PeerState:
 
 @dataclass(frozen=True)
 class FetchGlobal:
-    """Observer (evaluator, launcher) -> syncer: send me the global model."""
+    """Observer (evaluator, ``ddiloco export``) -> syncer: send me the global model, or what of
+    it changed since the versions I hold."""
 
     requester: str = field(metadata={"max_len": 256})
     """Who asks (for logs)."""
+    held: dict[str, int] = field(default_factory=dict, metadata=VERSIONS)
+    """The version of each fragment of this shard the observer already holds (keys are fragment
+    indices as strings, as in ``GlobalState.versions``): the answer carries values only for the
+    fragments whose version differs. Empty (the default, and every request before wire schema
+    8): the values of every fragment. A fragment the shard does not own is ignored (and noted)."""
+    versions_only: bool = False
+    """True: a poll; the answer lists the versions, the merged tokens and the run's end but
+    carries no values at all (a few hundred bytes)."""
 
 
 @dataclass(frozen=True)
 class GlobalState:
-    """Syncer -> observer: this shard's fragments of the global model."""
+    """Syncer -> observer: this shard's fragments of the global model (those the request did not
+    already hold)."""
 
     versions: dict[str, int] = field(metadata=VERSIONS)
-    """Version of each owned fragment (keys are fragment indices as strings)."""
+    """Version of each owned fragment (keys are fragment indices as strings): always all of them."""
     merged_tokens: float = field(metadata=MERGED_TOKENS)
     """Tokens merged so far."""
     tensors: dict[str, torch.Tensor]
-    """Pieces named 'FRAGMENT.PIECE'."""
+    """Pieces named 'FRAGMENT.PIECE', every piece of each fragment sent (none of the others)."""
     run_ended: bool = False
     """Whether the run has ended (this is the final model): an evaluator stops after it."""
+    tokens_per_step: float = field(default=0.0, metadata=MERGED_TOKENS)
+    """The tokens one learner processes per inner step, as the fleet's heartbeats report them
+    (0: none reported yet): an observer's cadence in merged tokens is sized by it
+    (``protocol.config.EvalCadence``)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ It owns the algorithm's ``Syncer`` core and every protocol rule around it:
   not serving another, at most one outstanding per requester and one per
   ``peer_state_interval_s``; only the chosen peer's answer is relayed back, once (in pieces,
   each moving the request's expiry on: it follows progress);
-- reads (``FetchGlobal``, ``StatusRequest``) at most ``max_fetches_per_s`` per key;
+- reads (``FetchGlobal``, ``StatusRequest``) at most ``max_fetches_per_s`` per key; a
+  ``FetchGlobal`` gets every version, and the values only of the fragments whose version
+  differs from what the observer says it holds (none for a poll, ``versions_only``);
 - the learners' reported progress (``fleet.FleetBook``) and the run's budget: tokens processed
   by the fleet, tokens merged, the run's age;
 - the run's end, in stages: "stop" (the learners stop training; open rounds close), "final"
@@ -57,7 +59,7 @@ do and never does it; after ``done`` a registering, asking or heartbeating learn
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -271,14 +273,23 @@ class SyncerSession:
         if meta is not None:
             self.fleet.load_state(meta.get("fleet"))
 
-    def global_state(self) -> GlobalState:
-        """This shard's fragments of the global model, for an observer."""
+    def global_state(self, held: Mapping[str, int] | None = None, versions_only: bool = False) -> GlobalState:
+        """This shard's fragments of the global model, for an observer: every version, and the
+        values of each fragment whose version differs from ``held`` (fragment index as a string
+        -> the version the observer holds; none: all of them); no values at all with
+        ``versions_only``. Entries of ``held`` for fragments this shard does not own are ignored."""
+        held = held or {}
+        versions = {str(p): v for p, v in enumerate(self.core.versions()) if p in self.core.owned}
         tensors: dict[str, torch.Tensor] = {}
-        for p in self.core.owned:
+        for p in () if versions_only else self.core.owned:
+            if held.get(str(p)) == versions[str(p)]:
+                continue  # the observer holds this version already
             for i, v in enumerate(self.core.values(p)):
                 tensors[f"{p}.{i}"] = v
-        versions = {str(p): v for p, v in enumerate(self.core.versions()) if p in self.core.owned}
-        return GlobalState(versions, self.core.merged_tokens, tensors, run_ended=self.end_stage == "done")
+        return GlobalState(
+            versions, self.core.merged_tokens, tensors, run_ended=self.end_stage == "done",
+            tokens_per_step=self.fleet.tokens_per_step(),
+        )  # fmt: skip
 
     # -- events ------------------------------------------------------------------------------
 
@@ -307,7 +318,17 @@ class SyncerSession:
                 )
                 return out
             if isinstance(msg, FetchGlobal):
-                out.send.append((peer, self.global_state()))
+                state = self.global_state(msg.held, msg.versions_only)
+                unknown = [k for k in msg.held if k not in state.versions]
+                if unknown:  # a confused or hostile observer: those entries cost nothing and change nothing
+                    out.notes.append(
+                        Note(
+                            "malformed",
+                            f"FetchGlobal from {peer!r} ({_who(principal)}): its held versions name {len(unknown)} "
+                            f"fragments this shard does not own (the first: {unknown[0][:32]!r}); ignored",
+                        )
+                    )
+                out.send.append((peer, state))
             else:
                 out.status_requests.append(peer)
         elif isinstance(msg, CORE_MESSAGES + RELAYED):

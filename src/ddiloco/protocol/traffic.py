@@ -5,7 +5,9 @@ frame bytes it received and sent, the simulator the modelled wire size of what i
 ``classify`` says which category a message is and whether it is *steady-state* traffic (what
 a learner pays for every inner step it trains: contributions, merged versions, requests, acks,
 heartbeats) or *one-off* (registration, a join or rebase fetch, the optimizer hand-off, the
-run's final sync, leaving and the run's end; observers' requests are nobody's learner traffic).
+run's final sync, leaving and the run's end). Observers' requests and answers (the evaluator,
+``ddiloco status``, a live export) are nobody's learner traffic: counted as ``observer`` on an
+unattributed connection and reported apart (``traffic_figures``'s ``observer_*``).
 
 The figure a run is judged by is steady-state bytes per learner per inner step, up
 (learner -> syncer) and down, against data-parallel training's: an fp32 ring all-reduce of the
@@ -52,6 +54,9 @@ ONE_OFF: tuple[str, ...] = (
 )  # fmt: skip
 """Categories paid once per process, per rejoin or per run (or by nobody's learner)."""
 
+OBSERVER = "observer"
+"""The category of observers' requests and answers (``FetchGlobal``/``GlobalState``,
+``StatusRequest``/``StatusReply``): nobody's learner traffic, reported apart."""
 UNATTRIBUTED = "unattributed"
 """The bucket of messages no learner can be named for (an unbound connection, an observer)."""
 
@@ -112,10 +117,10 @@ _ONE_OFF_TYPES: dict[type, str] = {
     PeerState: "handoff",
     Leave: "leave",
     RunEnd: "run_end",
-    FetchGlobal: "observer",
-    GlobalState: "observer",
-    StatusRequest: "observer",
-    StatusReply: "observer",
+    FetchGlobal: OBSERVER,
+    GlobalState: OBSERVER,
+    StatusRequest: OBSERVER,
+    StatusReply: OBSERVER,
 }
 
 
@@ -243,14 +248,17 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
     """The figures a report shows, from a traffic dict (``to_dict`` or ``merge_traffic``):
     per learner and for the fleet, steady-state bytes per inner step up and down, one-off bytes
     up and down, and the ratio of data-parallel's fp32 ring all-reduce bytes per learner per
-    step to them (None where not known: no steps, no bytes, or no params or learners given)."""
+    step to them (None where not known: no steps, no bytes, or no params or learners given).
+    Observers' bytes (the evaluator, ``ddiloco status``, a live export) are apart: up (to the
+    syncer) and down in ``observer_up_bytes`` / ``observer_down_bytes``, and ``observer_share``,
+    their sum over the learners' steady-state bytes both ways (None: no steady bytes)."""
     by = traffic.get("by_learner")
     by = by if isinstance(by, Mapping) else {}
     params, m_count = _count(traffic.get("params")), _count(traffic.get("learners"))
     dp = dp_ring_bytes(params, m_count) if params is not None and m_count else None
     learners: dict[str, dict[str, Any]] = {}
     total_steps = 0
-    totals = {"up": 0, "down": 0, "one_off_up": 0, "one_off_down": 0}
+    totals = {"up": 0, "down": 0, "one_off_up": 0, "one_off_down": 0, "observer_up": 0, "observer_down": 0}
     for m, entry in by.items():
         if not isinstance(entry, Mapping):
             continue
@@ -264,7 +272,8 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
                 else {}
             )
             steady = sum(b for k, b in cells.items() if k in STEADY)
-            once = sum(b for k, b in cells.items() if k not in STEADY)
+            once = sum(b for k, b in cells.items() if k not in STEADY and k != OBSERVER)
+            totals[f"observer_{d}"] += cells.get(OBSERVER, 0)
             row[f"{d}_bytes"] = steady
             row[f"one_off_{d}_bytes"] = once
             row[f"{d}_bytes_per_step"] = steady / steps if steps else None
@@ -273,6 +282,7 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
         if m != UNATTRIBUTED:
             total_steps += steps
         learners[str(m)] = row
+    steady_both, observed = totals["up"] + totals["down"], totals["observer_up"] + totals["observer_down"]
     up = totals["up"] / total_steps if total_steps else None
     down = totals["down"] / total_steps if total_steps else None
     return {
@@ -283,6 +293,9 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
         "down_bytes_per_step": down,
         "one_off_up_bytes": totals["one_off_up"],
         "one_off_down_bytes": totals["one_off_down"],
+        "observer_up_bytes": totals["observer_up"],
+        "observer_down_bytes": totals["observer_down"],
+        "observer_share": observed / steady_both if steady_both else None,
         "dp_bytes_per_step": dp,
         "dp_ratio_up": ratio(dp, up) if dp is not None and up is not None else None,
         "dp_ratio_down": ratio(dp, down) if dp is not None and down is not None else None,

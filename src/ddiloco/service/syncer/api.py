@@ -30,10 +30,11 @@ from torch import nn
 from ddiloco.config import Config, ConfigLike, as_config
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
+from ddiloco.protocol.config import EvalCadence
 from ddiloco.report.rundir import prepare_run_dir, write_model_info
 from ddiloco.report.summary import log_time_budget_short, write_summary
 from ddiloco.service.base.keys import forget_local_keys, is_local, remember_local_keys, run_keys
-from ddiloco.service.base.observer import observer_keys
+from ddiloco.service.base.observer import cadence_of, observer_keys
 from ddiloco.service.base.transport import InProcessNetwork, SyncerSocket
 from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
 from ddiloco.service.syncer.service import open_syncer
@@ -67,6 +68,7 @@ class SyncerServer:
         start_over: bool = False,
         evaluate: EvalFn | None = None,
         eval_interval_s: float | None = None,
+        eval_every_tokens: float | None = None,
     ) -> None:
         """
         Args:
@@ -87,14 +89,23 @@ class SyncerServer:
             start_over: ``run_dir`` holds a run whose syncer state is missing (deleted, lost):
                 start it over from ``model`` at version 0 instead of refusing to start.
             evaluate: ``fn(model) -> loss`` (a number) or ``-> {"loss": ..., "accuracy": ...}``,
-                called on a copy of the global model (CPU, eval mode, no grad) every
-                ``eval_interval_s`` by a low-priority background thread, and once more on the
-                final model when the syncer stops; each result is a ``metrics/eval.jsonl`` record.
-                A ``fn`` that raises costs one log line; the syncer serves on. Memory: one copy
-                of the model, plus a transient copy of its parameters per evaluation.
-            eval_interval_s: seconds between evaluations (default ``runtime.eval_interval_s``).
+                called on a copy of the global model (CPU, eval mode, no grad) by a
+                low-priority background thread each time the merged tokens pass the next mark
+                of ``eval_every_tokens``, and once more on the final model when the syncer
+                stops; each result is a ``metrics/eval.jsonl`` record. The copy follows the
+                global model by what changed (only fragments whose version moved are fetched):
+                ``fn`` must not modify it. A ``fn`` that raises costs one log line; the syncer
+                serves on. Memory: one copy of the model, plus a transient copy of what moved
+                per evaluation.
+            eval_interval_s: seconds between the hook's polls of the syncer (versions only), so
+                the least time between two evaluations (default ``runtime.eval_interval_s``).
+            eval_every_tokens: merged tokens between evaluations (default
+                ``runtime.eval_every_tokens``; 0: automatic, a tenth of the learners' steady
+                traffic at most).
         """
-        cfg, interval_s = checked_config(model, bind, run_dir, config, evaluate, eval_interval_s, num_shards, transport)
+        cfg, interval_s, every = checked_config(
+            model, bind, run_dir, config, evaluate, eval_interval_s, num_shards, transport, eval_every_tokens
+        )
         by = f"ddiloco.SyncerServer (shard {shard})"
         prepare_folder(run_dir, cfg, shard, num_shards, start_over, by)
         self.keys: Path | None = keys_folder(keys, insecure, transport, bind, run_dir, cfg.run.num_learners)
@@ -113,15 +124,18 @@ class SyncerServer:
         self.evaluation: EvalHook | None = None
         """The evaluation hook (``evaluate=``); ``evaluation.evaluations`` counts its records."""
         if evaluate is not None:
-            self.evaluation = self._eval_hook(evaluate, interval_s, getattr(transport, "net", None), insecure)
+            hook_net = getattr(transport, "net", None)
+            self.evaluation = self._eval_hook(evaluate, interval_s, cadence_of(cfg, every), hook_net, insecure)
 
-    def _eval_hook(self, evaluate: EvalFn, interval_s: float, network: Any, insecure: bool) -> EvalHook:
+    def _eval_hook(
+        self, evaluate: EvalFn, interval_s: float, cadence: EvalCadence, network: Any, insecure: bool
+    ) -> EvalHook:
         """The hook that evaluates the global model, read as an observer of this syncer (its
         thread starts with ``serve``)."""
         obs = None if network is not None else observer_keys([self.address], self.keys, insecure)
         fetch = Fetcher(self.address, obs, network)
         return EvalHook(
-            evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s,
+            evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s, cadence,
             self.service.run_age,
         )  # fmt: skip
 
@@ -207,15 +221,17 @@ def checked_config(
     eval_interval_s: float | None,
     num_shards: int,
     transport: SyncerSocket | None,
-) -> tuple[Config, float]:
+    eval_every_tokens: float | None = None,
+) -> tuple[Config, float, float | None]:
     """The run's resolved config (``run.run_dir`` where the run actually is, as `ddiloco train`
-    saves it) and the evaluation interval, once the arguments are checked (UsageError)."""
+    saves it), the evaluation hook's poll interval and its cadence in merged tokens (None: the
+    config's), once the arguments are checked (UsageError)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
     if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
     cfg = as_config(config)
-    interval_s = check_hook(evaluate, eval_interval_s, cfg.runtime.eval_interval_s)
+    interval_s, every = check_hook(evaluate, eval_interval_s, cfg.runtime.eval_interval_s, eval_every_tokens)
     if evaluate is not None and num_shards != 1:
         raise UsageError(
             "evaluate= needs the whole model, which a sharded syncer does not hold: evaluate in your own loop "
@@ -227,7 +243,7 @@ def checked_config(
         and not isinstance(getattr(transport, "net", None), InProcessNetwork)
     ):
         raise UsageError("evaluate= reads the global model as an observer: use ZeroMQ (no transport=)")
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir))), interval_s
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir))), interval_s, every
 
 
 def prepare_folder(run_dir: str | Path, cfg: Config, shard: int, num_shards: int, start_over: bool, by: str) -> None:

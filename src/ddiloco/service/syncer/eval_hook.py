@@ -1,12 +1,17 @@
 """``SyncerServer(..., evaluate=fn)``: the user's evaluation of the global model, off the merge path.
 
-A background thread of the syncer's process fetches the global model as an observer (a
-``FetchGlobal`` through the syncer's own message loop, like ``ddiloco evaluator``: the syncer
-answers it between messages with a consistent copy, and never waits on the evaluation), writes
-it into its own copy of the model and calls ``fn(model)`` every ``eval_interval_s``; on Linux the
-thread runs at nice 10. When the syncer stops, after the final sync and the final model, it
-evaluates that final model once more. Each result is one ``metrics/eval.jsonl`` record in the
-evaluator's format, so the summary's eval loss and the report's first figure show it.
+A background thread of the syncer's process follows the global model as an observer, like
+``ddiloco evaluator`` (``observer.GlobalCopy``, through the syncer's own message loop: the
+syncer answers between messages with a consistent copy, and never waits on the evaluation): it
+polls every ``eval_interval_s`` (versions only, no values), and when the merged tokens have
+passed the next mark of ``eval_every_tokens`` (``runtime.eval_every_tokens``; automatic by
+default) it fetches the fragments whose version moved since its last fetch, writes them into its
+own copy of the model and calls ``fn(model)``; on Linux the thread runs at nice 10. When the
+syncer stops, after the final sync and the final model, it evaluates that final model once more.
+Each result is one ``metrics/eval.jsonl`` record in the evaluator's format (with where it ran,
+the fragments fetched and the bytes moved), so the summary's eval loss and the report's first
+figure show it. The copy is kept between evaluations and only what moved is written into it:
+``fn`` must not change it (copy it first to move it to an accelerator or train it).
 
 ``fn`` returns the loss (a number, or a one-element tensor), or a dict with a numeric ``"loss"``
 and any other numeric metrics (``{"loss": 0.29, "accuracy": 0.90}``: the others go to the
@@ -14,8 +19,8 @@ record's ``"metrics"``). A ``fn`` that raises, or returns anything else, costs o
 no record; the syncer serves on.
 
 Memory: one copy of the model (parameters and buffers, made when the hook is set up), plus,
-for each evaluation, the fetched global parameters (one more copy of them, transient; the syncer
-encodes one for the reply too) and whatever ``fn`` allocates.
+for each evaluation, the fetched fragments that moved (at most one more copy of the parameters,
+transient; the syncer encodes one for the reply too) and whatever ``fn`` allocates.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import nn
 
 from ddiloco.core.fragments import FragmentLayout
 from ddiloco.errors import UsageError
+from ddiloco.protocol.config import EvalCadence
 from ddiloco.protocol.messages import FetchGlobal, GlobalState
 from ddiloco.report.tape import read_jsonl
 from ddiloco.service.base import observer
@@ -53,8 +59,8 @@ EvalFn = Callable[[nn.Module], EvalResult]
 ``torch.no_grad()``) -> its loss, or a dict of metrics with a ``"loss"``."""
 
 FETCH_TIMEOUT_S = 10.0
-"""How long one fetch of the global model may take; without an answer the evaluation is
-skipped until the next interval."""
+"""How long one request to the syncer may take; without an answer the hook asks again at its
+next poll."""
 
 FINAL_WAIT_S = 60.0
 """How long the final evaluation waits for an interval one still under way before it gives up."""
@@ -65,20 +71,32 @@ NICE = 10
 _REQUESTER = "evaluate hook"
 
 
-def check_hook(evaluate: Any, eval_interval_s: Any, default_interval_s: float) -> float:
-    """The evaluation interval in seconds, once ``evaluate`` and ``eval_interval_s`` are checked
-    (``UsageError`` in one line)."""
+def check_hook(
+    evaluate: Any, eval_interval_s: Any, default_interval_s: float, eval_every_tokens: Any = None
+) -> tuple[float, float | None]:
+    """The poll interval in seconds and the cadence in merged tokens (None: the run's
+    ``runtime.eval_every_tokens``), once ``evaluate``, ``eval_interval_s`` and
+    ``eval_every_tokens`` are checked (``UsageError`` in one line)."""
     if evaluate is not None and not callable(evaluate):
         raise UsageError(f"evaluate must be a function fn(model) -> loss or dict, not a {type(evaluate).__name__}")
-    if eval_interval_s is None:
-        return default_interval_s
-    if evaluate is None:
-        raise UsageError("eval_interval_s is given without evaluate=fn: pass the function that evaluates the model")
-    if isinstance(eval_interval_s, bool) or not isinstance(eval_interval_s, (int, float)):
-        raise UsageError(f"eval_interval_s must be a number of seconds, not a {type(eval_interval_s).__name__}")
-    if not (eval_interval_s > 0 and math.isfinite(eval_interval_s)):
+    for name, value, unit in (
+        ("eval_interval_s", eval_interval_s, "seconds"),
+        ("eval_every_tokens", eval_every_tokens, "merged tokens"),
+    ):
+        if value is None:
+            continue
+        if evaluate is None:
+            raise UsageError(f"{name} is given without evaluate=fn: pass the function that evaluates the model")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{name} must be a number of {unit}, not a {type(value).__name__}")
+    if eval_interval_s is not None and not (eval_interval_s > 0 and math.isfinite(eval_interval_s)):
         raise UsageError(f"eval_interval_s = {eval_interval_s} is out of range; allowed: a finite number > 0")
-    return float(eval_interval_s)
+    if eval_every_tokens is not None and not (eval_every_tokens >= 0 and math.isfinite(eval_every_tokens)):
+        raise UsageError(
+            f"eval_every_tokens = {eval_every_tokens} is out of range; allowed: a finite number >= 0 (0: automatic)"
+        )
+    interval = default_interval_s if eval_interval_s is None else float(eval_interval_s)
+    return interval, None if eval_every_tokens is None else float(eval_every_tokens)
 
 
 def as_result(value: Any) -> tuple[float, dict[str, float]]:
@@ -100,33 +118,38 @@ def as_result(value: Any) -> tuple[float, dict[str, float]]:
 
 
 class Fetcher:
-    """One observer request for the global model, over the syncer's own transport."""
+    """The hook's requests to the syncer (``observer.AskShard``), over its own transport."""
 
     def __init__(self, address: str, keys: ClientKeys | None, network: InProcessNetwork | None) -> None:
         self.address, self.keys, self.network = address, keys, network
 
-    def __call__(self, timeout_s: float = FETCH_TIMEOUT_S) -> GlobalState | None:
-        """The syncer's global state, or None when no answer came in time."""
+    def __call__(
+        self, shard: int, request: FetchGlobal, moved: observer.Moved, timeout_s: float = FETCH_TIMEOUT_S
+    ) -> GlobalState | None:
+        """The syncer's answer to ``request``, or None when none came in time."""
         if self.network is None:
             try:
-                return observer.fetch_global([self.address], timeout_s, self.keys, requester=_REQUESTER)[0]
+                return observer.ask(self.address, request, GlobalState, timeout_s, self.keys, moved)
             except observer.NoReply as e:
                 log.debug("evaluate hook: %s", e)
                 return None
-        return self._in_process(timeout_s)
+        return self._in_process(request, moved, timeout_s)
 
-    def _in_process(self, timeout_s: float) -> GlobalState | None:
+    def _in_process(self, request: FetchGlobal, moved: observer.Moved, timeout_s: float) -> GlobalState | None:
         """The same request over an ``InProcessNetwork`` (a fresh connection, as ``observer.ask``)."""
         assert self.network is not None
         sock = self.network.learner([self.address], b"evaluate-hook")
         try:
-            if not sock.send(0, encode(FetchGlobal(_REQUESTER))):
+            frames = encode(request)
+            if not sock.send(0, frames):
                 return None
+            moved.up += observer.frames_nbytes(frames)
             deadline = time.monotonic() + timeout_s
             while (left := deadline - time.monotonic()) > 0:
-                for _link, frames in sock.recv(left):
+                for _link, got in sock.recv(left):
+                    moved.down += observer.frames_nbytes(got)
                     try:
-                        msg = decode(frames)
+                        msg = decode(got)
                     except WireError:
                         continue
                     if isinstance(msg, GlobalState):
@@ -137,50 +160,60 @@ class Fetcher:
 
 
 class EvalHook:
-    """The thread that evaluates the global model every ``interval_s``, and the final evaluation."""
+    """The thread that follows the global model and evaluates it at the cadence, and the final
+    evaluation."""
 
     def __init__(
         self,
         fn: EvalFn,
         model: nn.Module,
         layout: FragmentLayout,
-        fetch: Callable[[], GlobalState | None],
+        ask: observer.AskShard,
         run_dir: Path,
         interval_s: float,
+        cadence: EvalCadence,
         run_age: Callable[[], float],
     ) -> None:
-        self.fn, self.layout, self.fetch, self.interval_s, self.run_age = fn, layout, fetch, interval_s, run_age
+        self.fn, self.interval_s, self.run_age = fn, interval_s, run_age
         self.model = copy.deepcopy(model)  # the hook's own copy: the syncer's model is never touched
+        self.copy = observer.GlobalCopy(self.model, layout, 1, ask, _REQUESTER)
+        """What the copy holds, and the bytes the hook moved (``copy.moved``)."""
+        self.evals = observer.Evaluations(
+            self.copy, cadence, f"evaluate hook in the syncer process on {observer.here()}"
+        )
         self.path = run_dir / "metrics" / "eval.jsonl"
         self._stop = threading.Event()
         self._busy = threading.Lock()
         """Held while the model copy is loaded and evaluated."""
         self._thread: threading.Thread | None = None
         self.evaluations = 0
-        """Records written (interval ones and the final one)."""
+        """Records written (at the cadence, and the final one)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ddiloco-evaluate", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the interval evaluations (at once: a fetch under way is dropped when it returns,
-        an evaluation under way finishes before the final one starts)."""
+        """Stop the evaluations at the cadence (at once: a fetch under way is dropped when it
+        returns, an evaluation under way finishes before the final one starts)."""
         self._stop.set()
 
     def _run(self) -> None:
         _lower_priority()
         torch.set_grad_enabled(False)  # grad mode is per thread: this one never trains
+        log.info("%s: a poll every %g s, an evaluation %s", self.evals.where, self.interval_s, self.evals.describe())
         while not self._stop.is_set():
-            state = self.fetch()
-            with self._busy:  # the model copy is the final evaluation's once the syncer stops
-                if self._stop.is_set():
-                    return
-                if state is not None:
-                    versions = observer.write_global_states(self.model, self.layout, [state])
-                    self._evaluate(final=False, merged_tokens=state.merged_tokens, versions=versions)
-            if state is not None and state.run_ended:
+            seen = self.copy.poll()
+            if seen is not None and seen.run_ended:
                 return  # nothing changes any more; the final evaluation follows the syncer's stop
+            if seen is not None and self.evals.due(seen):
+                with self._busy:  # the model copy is the final evaluation's once the syncer stops
+                    if self._stop.is_set():
+                        return
+                    seen = self.copy.refresh()
+                    if seen is not None:
+                        fields = self.evals.made(seen)
+                        self._evaluate(False, seen.merged_tokens, self.copy.versions(), fields, seen)
             self._stop.wait(self.interval_s)
 
     def final(self, model: nn.Module, merged_tokens: float, ended: bool) -> None:
@@ -204,8 +237,17 @@ class EvalHook:
         finally:
             self._busy.release()
 
-    def _evaluate(self, final: bool, merged_tokens: float, versions: dict[str, int] | None) -> None:
-        when = "the final evaluation" if final else f"this evaluation (next in {self.interval_s:g} s)"
+    def _evaluate(
+        self,
+        final: bool,
+        merged_tokens: float,
+        versions: dict[str, int] | None,
+        fields: dict[str, Any] | None = None,
+        seen: observer.Seen | None = None,
+    ) -> None:
+        mark = None if seen is None else self.evals.cadence.next_mark(seen.tokens_per_step)
+        nxt = "" if mark is None else f" (the next at {mark:,.0f} merged tokens)"
+        when = "the final evaluation" if final or seen is None else f"this evaluation{nxt}"
         try:
             self.model.eval()
             with torch.no_grad():
@@ -236,12 +278,17 @@ class EvalHook:
             rec["versions"] = versions
         if extra:
             rec["metrics"] = extra
+        if fields is not None:
+            rec.update(fields)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         self.evaluations += 1
         if final:
             log.info("final eval loss %.4f (evaluate hook)", loss)
+        elif fields is not None and seen is not None:
+            log.info("evaluate hook: eval loss %.4f at %s merged tokens; %s", loss, f"{merged_tokens:,.0f}",
+                     self.evals.line(fields, seen))  # fmt: skip
 
 
 def _lower_priority() -> None:
