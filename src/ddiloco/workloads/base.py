@@ -51,7 +51,10 @@ class Workload(Protocol):
     """Short name used in reports."""
 
     def build_model(self, seed: int) -> nn.Module:
-        """A freshly initialised model; the same seed gives the same parameters."""
+        """A freshly initialised model; the same seed gives the same parameters. Called under
+        ``with torch.device("meta")`` it may give the structure alone, on the meta device (as
+        any module built there is): a role that receives every value builds it so
+        (``training/empty_model.py``; see ``structure_only``)."""
         ...
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -72,6 +75,14 @@ class Workload(Protocol):
 
     # Optional: ``routed_tokens(model) -> Mapping[str, torch.Tensor]``, the tokens the last
     # training ``loss()`` routed to each expert row (see ``routed_tokens`` below).
+
+
+def structure_only() -> bool:
+    """Whether a ``build_model`` is running under ``with torch.device("meta")``: its caller
+    wants the model's structure alone (it will write every value itself). A builder that makes
+    its modules on the meta device and then initialises them on CPU returns them as they are,
+    uninitialised, when this is true."""
+    return torch.get_default_device().type == "meta"
 
 
 def routed_tokens(workload: object, model: nn.Module) -> Mapping[str, torch.Tensor] | None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
+from ddiloco.workloads.base import structure_only
 from ddiloco.workloads.config import WorkloadConfig, require_ints
 
 VOCAB_SIZE = 256
@@ -158,6 +159,8 @@ def build_gpt(cfg: GPTConfig, seed: int) -> GPT:
     """
     with torch.device("meta"):
         model = GPT(cfg)
+    if structure_only():  # the caller writes every value (``workloads.base.structure_only``)
+        return model
     model = model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(seed))
     return model

@@ -64,7 +64,7 @@ from torch import nn
 
 from ddiloco.errors import ConfigError
 from ddiloco.workloads import shakespeare
-from ddiloco.workloads.base import Batch
+from ddiloco.workloads.base import Batch, structure_only
 from ddiloco.workloads.config import WorkloadConfig, check_known_options
 from ddiloco.workloads.gpt import GPT, CausalSelfAttention, GPTConfig
 from ddiloco.workloads.text import TextWorkload
@@ -237,6 +237,8 @@ def build_moe(cfg: MoEConfig, seed: int) -> MoEGPT:
     so the global RNG is never drawn from, as ``gpt.build_gpt``)."""
     with torch.device("meta"):
         model = MoEGPT(cfg)
+    if structure_only():  # the caller writes every value (``workloads.base.structure_only``)
+        return model
     model = model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(seed))
     return model

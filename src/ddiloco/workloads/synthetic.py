@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
-from ddiloco.workloads.base import Batch
+from ddiloco.workloads.base import Batch, structure_only
 from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
 
 _EVAL_KEY = (0, 0, 0)  # num_shards = 0: a key prefix that no training stream uses
@@ -163,6 +163,8 @@ class SyntheticWorkload:
         """A fresh student initialised from ``seed`` (without touching the global RNG)."""
         with torch.device("meta"):
             model = Student(self.opts)
+        if structure_only():  # the caller writes every value (``workloads.base.structure_only``)
+            return model
         model = model.to_empty(device="cpu")
         model.init_weights(torch.Generator().manual_seed(seed))
         if isinstance(model.norm, nn.BatchNorm1d):

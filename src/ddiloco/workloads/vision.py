@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddiloco.errors import ConfigError, DataError
-from ddiloco.workloads.base import Batch
+from ddiloco.workloads.base import Batch, structure_only
 from ddiloco.workloads.config import WorkloadConfig, check_known_options, check_shard, require_ints
 from ddiloco.workloads.vision_mixer import build_mixer
 
@@ -312,6 +312,8 @@ def build_cnn(seed: int, width: int = 16, norm: str = "batch", image_hw: tuple[i
     the meta device, then every value, buffers included, written from a private generator)."""
     with torch.device("meta"):
         model = SmallCNN(width, norm, image_hw)
+    if structure_only():  # the caller writes every value (``workloads.base.structure_only``)
+        return model
     model = model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(seed))
     return model

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddiloco.workloads.base import structure_only
+
 
 class MixerMLP(nn.Module):
     """Linear-GELU-Linear over the last dimension."""
@@ -96,6 +98,8 @@ def build_mixer(
     the meta device, then every value written from a private generator)."""
     with torch.device("meta"):
         model = SmallMixer(patch, dim, depth, image_hw)
+    if structure_only():  # the caller writes every value (``workloads.base.structure_only``)
+        return model
     model = model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(seed))
     return model

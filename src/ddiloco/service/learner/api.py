@@ -28,7 +28,7 @@ from torch import nn
 
 from ddiloco.config import Config, ConfigLike, as_config
 from ddiloco.core.config import DiLoCoConfig
-from ddiloco.core.fragments import tensor_rows
+from ddiloco.core.fragments import read_fragment, tensor_rows
 from ddiloco.core.learner import routed_counts
 from ddiloco.core.messages import ID, FragmentUpdate
 from ddiloco.errors import CommError, RefusedError, UsageError
@@ -43,7 +43,7 @@ from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.base.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.base.wire import WireError, decode, encode
 from ddiloco.service.learner.comm import LearnerComm
-from ddiloco.service.learner.model_host import ModelHost
+from ddiloco.service.learner.model_host import ModelHost, fsdp_rows
 from ddiloco.service.learner.model_watch import ModelWatch
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
@@ -163,6 +163,7 @@ class Learner:
         max_merged_tokens: float = math.inf,
         claims: Sequence[str] = EVERY_LEARNER,
         startup: StartupTimes | None = None,
+        initial: Callable[[], nn.Module] | None = None,
     ) -> None:
         """
         Args:
@@ -188,11 +189,15 @@ class Learner:
                 (``ddiloco learner`` passes 1000x the run's budget).
             claims: the run settings an explicit config claims (``ddiloco learner`` adds its own
                 training loop's, ``ddiloco.settings.INNER_LOOP``).
+            initial: makes the model with the run's initial values, for the fragments a join
+                that went quiet did not deliver (it trains on from what it has): ``ddiloco
+                learner`` passes it for a model built empty (``training/empty_model.py``); not
+                for an FSDP2 model (only rank 0 would write them).
         """
         _check_arguments(model, learner_id, optimizer, join_timeout_s)
         addrs = check_addresses(syncer)
         given = as_config(config)
-        self.id, self.clock, self.optimizer = learner_id, clock, optimizer
+        self.id, self.clock, self.optimizer, self._initial = learner_id, clock, optimizer, initial
         self._bind_model(model)
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
@@ -228,7 +233,7 @@ class Learner:
         if not params:
             raise UsageError("the model has no parameters to synchronise")
         self.params = params
-        self.sharded = self._sharding(params)  # name -> this rank's rows, for FSDP2 parameters
+        self.sharded = fsdp_rows(params)  # name -> this rank's rows, for FSDP2 parameters
         self._watch = ModelWatch(self.model, params)
         self.device = next(iter(params.values())).device
         self.rank, self.world = 0, 1
@@ -485,41 +490,6 @@ class Learner:
 
     # -- checks --------------------------------------------------------------------------------
 
-    def _sharding(self, params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-        """For FSDP2 (``fully_shard``): the rows of each DTensor parameter this rank holds.
-
-        Only what FSDP2 makes is supported: a 1-D mesh over the torchrun group, each parameter
-        ``Shard(0)`` (rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world)) or
-        ``Replicate``. Writes go into the local rows; reads gather the full tensor."""
-        rows: dict[str, tuple[int, int]] = {}
-        for name, p in params.items():
-            if type(p).__name__ != "DTensor":
-                continue
-            from torch.distributed.tensor import Replicate, Shard
-
-            mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
-            ok = mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], (Shard, Replicate))
-            if ok and isinstance(placements[0], Shard) and placements[0].dim != 0:
-                ok = False
-            if not ok or p.dim() == 0:
-                raise UsageError(
-                    f"parameter {name} is a DTensor placed {placements} on a {mesh.ndim}-D mesh; ddiloco.Learner "
-                    "supports FSDP2's Shard(0) (or Replicate) on one mesh dimension: use fully_shard over the group"
-                )
-            n, width, r = p.shape[0], mesh.size(), mesh.get_local_rank()
-            if isinstance(placements[0], Replicate):
-                rows[name] = (0, n)
-                continue
-            c = -(-n // width)
-            lo = min(r * c, n)
-            rows[name] = (lo, min(lo + c, n))
-            local = p.to_local()  # type: ignore[attr-defined]
-            if local.shape[0] != rows[name][1] - lo:
-                raise UsageError(
-                    f"parameter {name}: this rank holds {local.shape[0]} rows, not the expected {rows[name]}"
-                )
-        return rows
-
     def _check_can_step(self, tokens: int, data_position: int | None) -> None:
         if self._closed:
             raise UsageError("step() after close(): make a new Learner (it rejoins and fetches the global state)")
@@ -576,6 +546,7 @@ class Learner:
             self._wait_for_fragments(comm, session, timeout_s)
             if session.refused:
                 raise RefusedError(self._refusal(session))
+            self._write_initial(session)
         if self.world > 1:
             self._share_initial()
         self._idle_boundary()
@@ -586,7 +557,7 @@ class Learner:
         long as its fragments keep coming). The wait is ``stats.join_s``."""
         t0 = time.perf_counter()
         while not comm.stop.is_set() and not session.done:
-            self._idle_boundary(keep=bool(self.sharded))  # an FSDP2 group's other ranks write their rows of them too
+            self._idle_boundary(keep=bool(self.sharded), joining=True)  # (keep: an FSDP2 group's other ranks' rows)
             now = self.clock.monotonic()
             with self._lock():
                 ready, deadline = session.ready(now), session.join_deadline
@@ -625,6 +596,16 @@ class Learner:
                 self.id, ", ".join(comm.addresses), shown, total, got, total, self._position,
                 f"{session.core.fleet_tokens():,.0f}",
             )  # fmt: skip
+
+    def _write_initial(self, session: LearnerSession) -> None:
+        """The fragments the join did not deliver take the ``initial`` model's values (a model
+        built empty has none of its own), before anything reads them or the group shares them."""
+        lacking = [p for p in range(self.layout.num_fragments) if p not in session.received]
+        if lacking and self._initial is not None:
+            values = synced_tensors(self._initial())
+            for p in lacking:
+                self._host.write(p, read_fragment(values, self.pieces[p]), 0.0, False)
+            log.info("learner %d: %d fragments the join did not deliver take the initial values", self.id, len(lacking))
 
     def _no_answer(self, addresses: list[str], timeout_s: float) -> str:
         return (
@@ -699,14 +680,17 @@ class Learner:
 
     # -- the step boundary ---------------------------------------------------------------------
 
-    def _idle_boundary(self, keep: bool = False) -> None:
+    def _idle_boundary(self, keep: bool = False, joining: bool = False) -> None:
         """A boundary without a step: while joining, waiting (lock-step) or finishing, what
         arrived is applied and answered at once. ``keep``: remember the applied fragments (an
-        FSDP2 group's other ranks write their rows of the join's fragments)."""
+        FSDP2 group's other ranks write their rows of the join's fragments). ``joining``: snapshot
+        no fragment the join has not delivered (the model does not hold its values yet)."""
         plan = None
         if self.session is not None:
             with self._lock():
                 plan = self.session.boundary(self.clock.monotonic())
+                if joining:  # no answer is built on a fragment the join has not delivered yet
+                    plan.prepare = [p for p in plan.prepare if p in self.session.received]
             if keep:
                 self._joined += [u for u, _ in plan.apply]
         if self.world > 1 and not self._shared:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddiloco.core.fragments import Piece, write_fragment
+from ddiloco.errors import UsageError
 from ddiloco.protocol.messages import PeerState
 from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
 
@@ -25,6 +26,40 @@ if TYPE_CHECKING:
     from ddiloco.service.learner.device_copies import DeviceCopies
 
 log = logging.getLogger(__name__)
+
+
+def fsdp_rows(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """For FSDP2 (``fully_shard``): the rows of each DTensor parameter this rank holds.
+
+    Only what FSDP2 makes is supported: a 1-D mesh over the torchrun group, each parameter
+    ``Shard(0)`` (rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world)) or
+    ``Replicate``. Writes go into the local rows; reads gather the full tensor."""
+    rows: dict[str, tuple[int, int]] = {}
+    for name, p in params.items():
+        if type(p).__name__ != "DTensor":
+            continue
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        ok = mesh.ndim == 1 and len(placements) == 1 and isinstance(placements[0], (Shard, Replicate))
+        if ok and isinstance(placements[0], Shard) and placements[0].dim != 0:
+            ok = False
+        if not ok or p.dim() == 0:
+            raise UsageError(
+                f"parameter {name} is a DTensor placed {placements} on a {mesh.ndim}-D mesh; ddiloco.Learner "
+                "supports FSDP2's Shard(0) (or Replicate) on one mesh dimension: use fully_shard over the group"
+            )
+        n, width, r = p.shape[0], mesh.size(), mesh.get_local_rank()
+        if isinstance(placements[0], Replicate):
+            rows[name] = (0, n)
+            continue
+        c = -(-n // width)
+        lo = min(r * c, n)
+        rows[name] = (lo, min(lo + c, n))
+        local = p.to_local()  # type: ignore[attr-defined]
+        if local.shape[0] != rows[name][1] - lo:
+            raise UsageError(f"parameter {name}: this rank holds {local.shape[0]} rows, not the expected {rows[name]}")
+    return rows
 
 
 class ModelHost:

@@ -2,7 +2,9 @@
 
 It trains the config's workload with AdamW and its LR schedule over the fleet's tokens, and does
 everything else through ``ddiloco.Learner`` (``service/learner/api.py``), as a user's own loop would:
-the step boundary, the comm thread, joining, DDP broadcasts, the optimizer-state hand-off.
+the step boundary, the comm thread, joining, DDP broadcasts, the optimizer-state hand-off. The
+model the join overwrites is built without its initialisation where it allows that
+(``training/empty_model.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.base.status import write_status
 from ddiloco.service.learner.api import Learner, SocketFactory
 from ddiloco.settings import SETTINGS
+from ddiloco.training.empty_model import build_to_receive
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.base import routed_tokens
 from ddiloco.workloads.config import load_workload
@@ -85,8 +88,13 @@ class LearnerProcess:
         prepare_run_dir(self.run_dir, f"ddiloco learner {learner_id}")
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.wl = load_workload(cfg.workload)
-        self.model = self.wl.build_model(cfg.run.seed).to(self.device)
+        # The join writes every synced tensor before the first step: with a syncer to join, the
+        # model is built without its initialisation where the workload's model allows it.
+        built = build_to_receive(self.wl, cfg.run.seed, self.device) if syncers else None
+        self.model = built.model if built is not None else self.wl.build_model(cfg.run.seed).to(self.device)
+        self.empty = built is not None and built.empty
         self.opt = make_optimizer(self.model, cfg.inner)
+        self.startup.who["model"] = built.how if built is not None else "initialised"  # (the record says which)
         self.startup.mark("model")
         if self.rank == 0:  # one record per learner, not per rank
             self.startup.run_dir = self.run_dir
@@ -132,6 +140,8 @@ class LearnerProcess:
             key=self.keys,
             claims=SETTINGS,  # its own loop reads the run's seed and inner schedule too
             startup=self.startup,
+            # what a join that went quiet did not deliver: the ordinary build's values (version 0)
+            initial=(lambda: self.wl.build_model(self.cfg.run.seed)) if self.empty else None,
         )
         if learner.data_position:
             self.stream.seek(learner.data_position)
@@ -248,9 +258,12 @@ class LearnerProcess:
     def write_status(self) -> None:
         release_free_memory()  # versions applied and contributions sent since the last write
         name = f"learner-{self.id}" if self.rank == 0 else f"learner-{self.id}.rank{self.rank}"
-        # (summed in float64 without a float64 copy of the model: this runs every status write)
-        checksum = float(sum(p.detach().sum(dtype=torch.float64) for p in self.model.parameters()))
         learner = self.learner
+        # (summed in float64 without a float64 copy of the model: this runs every status write;
+        # none for a model built empty that never joined: it holds no values)
+        checksum = None
+        if learner is not None or not self.empty:
+            checksum = float(sum(p.detach().sum(dtype=torch.float64) for p in self.model.parameters()))
         comm = learner.comm if learner is not None else None
         if learner is not None:  # the protocol's share of the step: time inside Learner.step()
             st = learner.stats
