@@ -7,8 +7,10 @@ simulator computes: it goes in a commit of its own, which says which rule change
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,10 +67,60 @@ def config(name: str) -> Any:
     return load_config(None, [*settings, f"run.method={method}"], base=PRESETS[method])
 
 
+def machine() -> str:
+    """What the last bits of a run depend on besides the code: torch's build, the kernels it
+    dispatches to on this CPU, and the CPU (its BLAS may take another path on another vendor)."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {platform.machine()}, {model}"
+
+
+def _structure(value: Any) -> Any:
+    """``value`` with every float left out: what a run decided (who merged into which version,
+    why a round closed, what was refused), which no rounding difference may change."""
+    if isinstance(value, float):
+        return None
+    if isinstance(value, dict):
+        return {k: _structure(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_structure(v) for v in value]
+    return value
+
+
+def _float_sums(tape: list[dict[str, Any]]) -> dict[str, float]:
+    """Each float field of the tape summed over the run (by its path of keys), for comparing two
+    runs whose floats differ only by rounding."""
+    sums: dict[str, float] = {}
+
+    def add(value: Any, path: str) -> None:
+        if isinstance(value, float):
+            sums[path] = sums.get(path, 0.0) + value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                add(v, f"{path}.{k}" if path else k)
+        elif isinstance(value, list):
+            for v in value:
+                add(v, path)
+
+    for record in tape:
+        add(record, str(record.get("event", "")))
+    return dict(sorted(sums.items()))
+
+
 def digest(result: RunResult) -> dict[str, Any]:
-    """What a fixture keeps of a run: digests of the tape and of the final parameters, and a few
-    figures a reader can compare when a digest changes."""
+    """What a fixture keeps of a run.
+
+    Bit for bit, on the machine that recorded it (``machine``): digests of the tape and of the
+    final parameters. Anywhere: the tape's structure (every field but its floats) exactly, and
+    the floats (summed per field over the tape, each tensor's norm) and the figures a reader
+    compares when a digest changes, to within rounding. Floating-point kernels differ between
+    CPUs (AVX2 and AVX-512 sum in other orders), so another machine's last bits differ."""
     tape = json.dumps(result.tape, sort_keys=True).encode()
+    structure = json.dumps(_structure(result.tape), sort_keys=True).encode()
     params = hashlib.sha256()
     for name in sorted(result.state):
         t = result.state[name].detach().contiguous()
@@ -76,8 +128,12 @@ def digest(result: RunResult) -> dict[str, Any]:
         params.update(t.to(torch.float64).numpy().tobytes())
     rounds = [r for r in result.tape if r.get("event") == "round"]
     return {
+        "machine": machine(),
         "tape_sha256": hashlib.sha256(tape).hexdigest(),
         "params_sha256": params.hexdigest(),
+        "tape_structure_sha256": hashlib.sha256(structure).hexdigest(),
+        "tape_float_sums": _float_sums(result.tape),
+        "param_norms": {n: float(result.state[n].double().norm()) for n in sorted(result.state)},
         "final_loss": result.final_loss,
         "rounds": len(rounds),
         "tokens_processed": result.tokens_processed,
