@@ -49,9 +49,9 @@ def _initial() -> dict[str, torch.Tensor]:
 class Learner:
     """A learner's codec and counters, and its model's values of the one fragment."""
 
-    def __init__(self, cfg: DiLoCoConfig, m: int = 0) -> None:
-        self.m = m
-        self.core = LearnerCore(cfg, m, 1)
+    def __init__(self, cfg: DiLoCoConfig, m: int = 0, incarnation: int = 0) -> None:
+        self.m, self.incarnation = m, incarnation
+        self.core = LearnerCore(cfg, m, 1, incarnation)
         self.codec = LearnerCodec(cfg, LAYOUT.fragments)
         self.values: list[torch.Tensor] = []
         self.gen = torch.Generator().manual_seed(100 + m)
@@ -65,7 +65,7 @@ class Learner:
             return None
         self.codec.received(full)
         self.values = [v.clone() for v in full.values]
-        return Ack(self.m, 0, 0, full.version)
+        return Ack(self.m, self.incarnation, 0, full.version)
 
     def train(self, steps: int = 4) -> None:
         for _ in range(steps):
@@ -253,3 +253,71 @@ def test_a_restarted_syncer_serves_in_full_before_chaining_again() -> None:
     _held_equals_served(fresh, ln)
     (u,) = _round(fresh, ln, 4.0)
     assert u.kind == "delta"
+
+
+def _restarted(ln: Learner, m: int = 0) -> Learner:
+    """A new process of learner ``ln`` that restored its saved state (``LocalState``): the model's
+    values, the codec's base copies and residuals, the counters."""
+    back = Learner(CFG, m, incarnation=1)
+    back.values = [v.clone() for v in ln.values]
+    back.codec.base = dict(ln.codec.base)
+    back.codec.residual = dict(ln.codec.residual)
+    back.core.base_version = list(ln.core.base_version)
+    return back
+
+
+def test_a_learner_restarted_from_its_saved_state_catches_up_by_the_chains_changes() -> None:
+    """It holds version 2 as served; the fleet went on to 5. The join sends the three encoded
+    changes 2 -> 3 -> 4 -> 5 (each a tenth of the fragment), which rebuild exactly what the
+    chain serves, and the learner is on the chain again for the next merge."""
+    s, ln, other = _syncer(), Learner(CFG, 0), Learner(CFG, 1)
+    _join(s, ln, 0.0)
+    _join(s, other, 0.0)
+    for k in (1, 2):
+        (u, *_) = _round(s, ln, float(k))
+        s.handle(ln.receive(u), k + 0.1)  # type: ignore[arg-type]
+    saved = _restarted(ln)  # what its local state held when it died at version 2
+    for k in (3, 4, 5):  # the fleet trains on without it
+        for u in _round(s, other, float(k)):
+            if u.learner == 1:
+                s.handle(other.receive(u), k + 0.1)  # type: ignore[arg-type]
+    updates = s.handle(Join(0, 1, [2]), 6.0).messages
+    assert [(u.kind, u.base_version, u.version) for u in updates] == [("delta", 2, 3), ("delta", 3, 4), ("delta", 4, 5)]
+    sent = sum(e.nbytes for u in updates for e in u.encoded)
+    assert sent < 0.5 * 4 * 300  # three int4 changes of w (plus the exact buffers): not the fragment in fp32
+    for u in updates:
+        s.handle(saved.receive(u), 6.1)  # type: ignore[arg-type]
+    _held_equals_served(s, saved)
+    (u,) = [u for u in _round(s, saved, 7.0) if u.learner == 0]
+    assert u.kind == "delta"  # on the chain
+
+
+def test_a_catch_up_beyond_the_kept_history_or_not_cheaper_is_the_full_version() -> None:
+    s, ln = _syncer(), Learner(CFG)
+    _join(s, ln, 0.0)
+    for k in range(1, 6):
+        (u,) = _round(s, ln, float(k))
+        s.handle(ln.receive(u), k + 0.1)  # type: ignore[arg-type]
+    chain = s.fragments[0].chain
+    assert chain is not None and sorted(chain.history) == [3, 4, 5]  # algo.chain_history = 3
+    assert chain.catch_up(1) is None and chain.catch_up(5) is None and chain.catch_up(9) is None
+    # Four versions behind: the history does not reach; in full.
+    (u,) = s.handle(Join(0, 1, [1]), 6.0).messages
+    assert u.kind == "values" and u.version == 5
+    # fp32 down: the changes cost as much as the fragment; no chain, in full.
+    fp32 = dataclasses.replace(CFG, down_encoding="fp32", up_encoding="int4")
+    s2, ln2 = _syncer(fp32), Learner(fp32)
+    _join(s2, ln2, 0.0)
+    (u,) = _round(s2, ln2, 1.0)
+    (u,) = s2.handle(Join(0, 1, [0]), 2.0).messages
+    assert u.kind == "values"
+    # None kept: in full; and the syncer's accounting shows what the history holds.
+    none = dataclasses.replace(CFG, chain_history=0)
+    s3, ln3 = _syncer(none), Learner(none)
+    _join(s3, ln3, 0.0)
+    for k in (1, 2):
+        (u,) = _round(s3, ln3, float(k))
+        s3.handle(ln3.receive(u), k + 0.1)  # type: ignore[arg-type]
+    (u,) = s3.handle(Join(0, 1, [1]), 3.0).messages
+    assert u.kind == "values"
+    assert s3.held_bytes()["chain_history"] == 0 < s.held_bytes()["chain_history"]

@@ -123,6 +123,11 @@ def run(cfg: DiLoCoConfig, rounds: int, leave_open: int = 0) -> tuple[Syncer, li
     return s, learners
 
 
+def rounds_made(s: Syncer) -> int:
+    """The versions every owned fragment has moved through (the fewest)."""
+    return min(s.fragments[p].version for p in s.owned)
+
+
 @pytest.mark.parametrize("down", ["fp32", "int4"])
 def test_the_syncer_holds_values_momentum_and_open_rounds_only(down: str) -> None:
     cfg = dataclasses.replace(CFG, down_encoding=down, up_encoding=down)
@@ -131,6 +136,13 @@ def test_the_syncer_holds_values_momentum_and_open_rounds_only(down: str) -> Non
     assert held["values"] == MODEL_BYTES
     assert held["momentum"] == MODEL_BYTES  # (buffers carry a zero momentum: fed zeros, not progress)
     assert held["chain"] == (MODEL_BYTES if down == "int4" else 0)
+    # the chain's last encoded changes (algo.chain_history of them): int4 is an eighth of fp32,
+    # plus a scale per 128 values; buffers travel exactly, in each change
+    kept = min(rounds_made(s), s.cfg.chain_history)
+    if down == "int4":
+        assert 0 < held["chain_history"] <= kept * (PARAM_BYTES / 8 * 1.1 + BUFFER_BYTES) * 1.0
+    else:
+        assert held["chain_history"] == 0
     # past versions keep their buffers only (at most keep_versions of them), never parameters
     assert 0 < held["past"] <= s.cfg.keep_versions * BUFFER_BYTES and held["past"] % BUFFER_BYTES == 0
     frag = [4 * sum(pc.numel for pc in LAYOUT.fragments[p]) for p in range(P)]

@@ -125,7 +125,9 @@ class LearnerCodec:
 @dataclasses.dataclass
 class Chain:
     """The syncer's down-link chain of one fragment: what a learner on it holds (``served``, at
-    ``version``) and the encoded change that made that version from the one before."""
+    ``version``), the encoded change that made that version from the one before, and the last
+    few such changes (``history``) for a learner that restarts from its own saved state and
+    catches up by them (``catch_up``)."""
 
     version: int
     """The version ``served`` reconstructs."""
@@ -138,6 +140,11 @@ class Chain:
     """(encoded, decoded) change from ``version - 1`` to ``version``, while the merge that made it
     builds its messages (None otherwise: only a merged version goes as a delta, so keeping it
     would cost a whole copy of the model for nothing)."""
+    keep: int = 0
+    """How many encoded changes ``history`` keeps (``DiLoCoConfig.chain_history``)."""
+    history: dict[int, list[Encoded]] = dataclasses.field(default_factory=dict)
+    """Version -> the encoded change that made it from the version before (the newest ``keep``;
+    encoded only: a decoded change would cost the fragment in fp32)."""
 
     def advance(self, version: int, values: Sequence[torch.Tensor], pieces: Sequence[Piece], encoding: str) -> None:
         """The fragment's global values became ``version``: encode the change from what the chain
@@ -146,7 +153,34 @@ class Chain:
         encoded, decoded = encode_pieces(change, pieces, encoding)
         self.served = [s + d if pc.kind == "param" else d for s, d, pc in zip(self.served, decoded, pieces)]
         self.version, self.delta = version, (encoded, decoded)
+        if self.keep > 0:
+            self.history[version] = encoded
+            for old in [v for v in self.history if v <= version - self.keep]:
+                del self.history[old]
+        elif self.history:
+            self.history.clear()
 
     def can_chain(self, held: int | None) -> bool:
         """Whether a learner holding ``held`` (as the syncer last knew it) takes the delta."""
         return self.delta is not None and held is not None and held == self.version - 1 and held >= self.start
+
+    def catch_up(self, held: int) -> list[tuple[int, list[Encoded]]] | None:
+        """The encoded changes that bring a learner holding version ``held`` *as served* to
+        ``version``, oldest first (each applies to the version before it); None when the history
+        does not reach back that far, or ``held`` was never served by this chain."""
+        if not self.start <= held < self.version:
+            return None
+        changes = [(v, self.history.get(v)) for v in range(held + 1, self.version + 1)]
+        if any(enc is None for _, enc in changes):
+            return None
+        return [(v, enc) for v, enc in changes if enc is not None]
+
+    def history_tensors(self) -> list[torch.Tensor]:
+        """The tensors ``history`` holds (for the syncer's memory accounting)."""
+        out: list[torch.Tensor] = []
+        for encoded in self.history.values():
+            for e in encoded:
+                out.append(e.data)
+                if e.scales is not None:
+                    out.append(e.scales)
+        return out

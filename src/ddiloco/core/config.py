@@ -192,6 +192,12 @@ class DiLoCoConfig:
     error_feedback: bool = False
     """Whether a learner adds what its lossy encoding dropped (its residual) to its next
     contribution of that fragment."""
+    chain_history: int = 3
+    """With a lossy down_encoding: how many of each fragment's latest encoded changes the syncer
+    keeps, so that a learner restarting from its own saved state (``runtime.local_state_s``)
+    catches up by them instead of taking the fragment in full, when it is at most this many
+    versions behind and the changes cost fewer bytes than the fragment. Costs the syncer this
+    many encoded copies of the model (int4: 1/8 of fp32 each); 0: none kept."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field and its allowed range."""
@@ -279,6 +285,8 @@ class DiLoCoConfig:
         _check(self.takeover_after_s > 0, "takeover_after_s", self.takeover_after_s, "> 0")
         _one_of("up_encoding", self.up_encoding, ENCODING_NAMES)
         _one_of("down_encoding", self.down_encoding, ENCODING_NAMES)
+        _check(_is_int(self.chain_history) and 0 <= self.chain_history <= 64, "chain_history", self.chain_history,
+               "an integer in [0, 64]")  # fmt: skip
 
     @property
     def fixed_fragments(self) -> int | None:

@@ -43,7 +43,7 @@ import torch
 from ddiloco.core import admission, fleet
 from ddiloco.core.admission import STRIKES, Admitting, Sender, Shape
 from ddiloco.core.codec import Chain
-from ddiloco.core.compress import is_lossy
+from ddiloco.core.compress import decode, is_lossy
 from ddiloco.core.config import DiLoCoConfig
 from ddiloco.core.ema import Ema
 from ddiloco.core.fleet import JoinRefusal, LearnerInfo
@@ -125,7 +125,7 @@ class Syncer:
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
             frag = FragmentState(0, history, outer, norm=norm_of(vals))
             if is_lossy(cfg.down_encoding):
-                frag.chain = Chain(0, vals, start=0)
+                frag.chain = Chain(0, vals, start=0, keep=cfg.chain_history)
             self.fragments.append(frag)
         flat = list(embedding_like)
         if len(flat) != sum(len(f) for f in layout.fragments):
@@ -219,9 +219,10 @@ class Syncer:
         info.held = {p: have[p] for p in self.owned} if have is not None else {}
         for p in self.owned:
             # A learner that already holds the current version (e.g. after a syncer restart)
-            # keeps its local progress on it; everything else is sent.
+            # keeps its local progress on it; one a few versions behind (restarted from its own
+            # saved state) catches up by the chain's changes; everything else is sent in full.
             if have is None or have[p] != self.fragments[p].version:
-                out.messages.append(self._update(j.learner, p, "join", now))
+                out.messages += self._join_updates(j.learner, p, have[p] if have is not None else None, now)
 
     def _on_heartbeat(self, hb: Heartbeat, now: float) -> None:
         info = self._current(hb.learner, hb.incarnation)
@@ -576,6 +577,27 @@ class Syncer:
             learner, p, frag.version, chain.served, self.merged_tokens, live, self.max_step_seen, reason
         )
 
+    def _join_updates(self, learner: int, p: int, held: int | None, now: float) -> list[FragmentUpdate]:
+        """What brings a joining learner that holds version ``held`` of p (None: nothing) to the
+        current version: the chain's encoded changes since ``held``, oldest first, when the
+        chain keeps them all and they cost fewer bytes than the fragment; else the version in
+        full. The changes reconstruct exactly what the chain serves, as the merged deltas do."""
+        chain = self.fragments[p].chain
+        changes = chain.catch_up(held) if chain is not None and held is not None else None
+        if chain is None or not changes:
+            return [self._update(learner, p, "join", now)]
+        full = storage_bytes(chain.served)
+        if sum(e.nbytes for _, enc in changes for e in enc) >= full:
+            return [self._update(learner, p, "join", now)]
+        live = max(1, len(self.live(now)))
+        return [
+            FragmentUpdate(
+                learner, p, version, [decode(e) for e in encoded], self.merged_tokens, live, self.max_step_seen,
+                "join", kind="delta", base_version=version - 1, encoded=encoded,
+            )  # fmt: skip
+            for version, encoded in changes
+        ]
+
     def global_state(self) -> dict[str, torch.Tensor]:
         """The global model as a name -> tensor map (row-split pieces joined back)."""
         return assemble(self.layout, {p: frag.values for p, frag in enumerate(self.fragments)})
@@ -610,12 +632,13 @@ class Syncer:
         """The bytes of tensors this core holds, by what they are for (summed over the owned
         fragments): ``values`` (the current version), ``momentum`` (the outer optimizer's state,
         a delayed optimizer's pending share included), ``chain`` (the served copy of a lossy
-        down-link, where it is not the values themselves), ``past`` (buffers of past versions),
+        down-link, where it is not the values themselves), ``chain_history`` (its last encoded
+        changes, ``algo.chain_history``), ``past`` (buffers of past versions),
         ``pending`` (open rounds' outer gradients, one per answer) and ``scratch`` (merge
         buffers, open rounds' and the pool's). docs/runtime.md states the budget."""
 
         held: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("values", "momentum", "chain", "past", "pending", "scratch")
+            k: [] for k in ("values", "momentum", "chain", "chain_history", "past", "pending", "scratch")
         }
         for p in self.owned:
             f = self.fragments[p]
@@ -623,11 +646,16 @@ class Syncer:
             held["momentum"] += [*(f.outer.buffers or ()), *(f.outer.pending or ())]
             if f.chain is not None and any(a is not b for a, b in zip(f.chain.served, f.values)):
                 held["chain"] += f.chain.served
+            if f.chain is not None:
+                held["chain_history"] += f.chain.history_tensors()
             held["past"] += [t for v in list(f.history)[:-1] for t in v.values]
         for rnd in self.rounds.values():
             held["pending"] += [t for pd in rnd.pending.values() for t in pd.deltas]
             held["scratch"] += [rnd.scratch] if rnd.scratch is not None else []
         held["scratch"] += self._scratch_pool
+        # A change's exact buffers are the version's own tensors: counted where they are held.
+        counted = {t.untyped_storage().data_ptr() for k, ts in held.items() if k != "chain_history" for t in ts}
+        held["chain_history"] = [t for t in held["chain_history"] if t.untyped_storage().data_ptr() not in counted]
         # (each storage once: fragments may be views of one tensor, as a fresh run's version 0 is)
         return {k: storage_bytes(ts) for k, ts in held.items()}
 

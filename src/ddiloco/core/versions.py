@@ -126,7 +126,7 @@ class FragmentState:
         if self.chain is not None:
             # What learners hold of versions served before is not known: deltas chain again only
             # from versions this process serves.
-            self.chain = Chain(rec.version, self.values, start=rec.version + 1)
+            self.chain = Chain(rec.version, self.values, start=rec.version + 1, keep=self.chain.keep)
 
 
 _GONE = torch.empty(0)
