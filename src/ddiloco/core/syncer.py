@@ -592,8 +592,17 @@ class Syncer:
         live = max(1, len(self.live(now)))
         return [
             FragmentUpdate(
-                learner, p, version, [decode(e) for e in encoded], self.merged_tokens, live, self.max_step_seen,
-                "join", kind="delta", base_version=version - 1, encoded=encoded,
+                learner,
+                p,
+                version,
+                [decode(e) for e in encoded],
+                self.merged_tokens,
+                live,
+                self.max_step_seen,
+                "join",
+                kind="delta",
+                base_version=version - 1,
+                encoded=encoded,
             )  # fmt: skip
             for version, encoded in changes
         ]
