@@ -174,11 +174,12 @@ class Config:
             0 <= rt.eval_every_tokens < 1e18,
             "runtime.eval_every_tokens", rt.eval_every_tokens, ">= 0 merged tokens (0: automatic), finite",
         )  # fmt: skip
-        for name in ("send_queue_mb", "peer_state_chunk_mb"):
+        require(rt.local_state_max_age_s > 0, "runtime.local_state_max_age_s", rt.local_state_max_age_s, "> 0")
+        for name in ("send_queue_mb", "peer_state_chunk_mb", "local_state_chunk_mb"):
             require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")
         for name in (
             "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
-            "give_up_after_s",
+            "give_up_after_s", "local_state_s",
         ):  # fmt: skip
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:

@@ -233,6 +233,26 @@ class LearnerCore:
         unmerged = (sum(self.tokens) + self._overwritten) / max(1, self.num_fragments)
         return self._merged_tokens + self._fleet * unmerged
 
+    @property
+    def merged_tokens(self) -> float:
+        """The syncer's merged-token count as last heard."""
+        return self._merged_tokens
+
+    @property
+    def fleet(self) -> int:
+        """The live learners as last heard."""
+        return self._fleet
+
+    def restore(
+        self, versions: list[int], steps: list[int], tokens: list[int], step: int, merged_tokens: float, fleet: int
+    ) -> None:
+        """Take back a predecessor's saved counters (``protocol/local_state.py`` checked them):
+        the versions it held and each fragment's progress since, its step count and where it
+        had heard the fleet was. What this process sends is counted anew (tokens processed)."""
+        self.base_version, self.steps, self.tokens = list(versions), list(steps), list(tokens)
+        self.step = step
+        self._merged_tokens, self._fleet = merged_tokens, max(1, fleet)
+
     # -- receiving ---------------------------------------------------------------------------
 
     def on_update(self, u: FragmentUpdate, pieces: Sequence[Piece] | None = None) -> Receipt:

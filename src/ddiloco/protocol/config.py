@@ -136,6 +136,21 @@ class RuntimeConfig:
     goes alone), so that on a thin link each crosses within the liveness timeouts (any message
     is liveness, but ZeroMQ delivers whole messages only) and the relay's timeout follows the
     pieces: keep it below the slowest link's rate x ``syncer_liveness_s`` (1 MiB: 4.2 s at 2 Mbit/s)."""
+    local_state_s: float = 120.0
+    """How often a learner saves its own state for a restart on the same machine: its model and
+    optimizer, the versions it holds with what its deltas are measured against and its
+    error-feedback residual, its counters, data position and RNG (seconds from the end of one
+    save to the start of the next; 0: never). Restarted with it, a learner catches up by what
+    changed since (``algo.chain_history``) instead of taking the whole model and a peer's
+    optimizer state. ``ddiloco learner`` saves in RUN_DIR/learners/learner-ID; a library
+    learner where ``Learner(local_state=...)`` says (docs/runtime.md, "Restarts")."""
+    local_state_chunk_mb: float = 64.0
+    """What a save copies at one step boundary (MiB; a larger tensor alone): the copy is on the
+    step, the write to disk on a thread of its own, and the next piece is copied only once the
+    last one is written, so a save holds at most one piece in memory."""
+    local_state_max_age_s: float = 3600.0
+    """A saved state older than this is not taken back (the restart joins afresh and says why):
+    its versions would be further behind than the syncer keeps changes for."""
     record_mb: float = 0.0
     """Flight recorder: each syncer shard records what its session is handed (messages, with
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to

@@ -209,6 +209,8 @@ class ShardLink:
     lost_at: float | None = None
     """When it stopped counting this learner as joined (gone silent, restarted, lost our
     connection): the next acceptance is a rejoin."""
+    run: str = ""
+    """The run's identity, as its acceptance said (``JoinReply.run``)."""
 
 
 PIECE = "ddiloco_piece"
@@ -293,6 +295,9 @@ class LearnerSession:
         self.joined_once = False
         self.received: set[int] = set()
         """Fragments received since this process started (the join is complete with all)."""
+        self.restored_runs: list[str] | None = None
+        """Each shard's run, when this process took back its predecessor's saved state
+        (``protocol/local_state.py``): it claims the versions it holds in that run."""
         self.answered = 0
         """Requests answered at once from a snapshot."""
         # progress, for heartbeats and the fleet view
@@ -427,7 +432,7 @@ class LearnerSession:
                         "reconnecting and registering again with backoff"
                     )
             if not link.joined and now >= link.next_join:
-                out.send.append(Send(i, self._register()))
+                out.send.append(Send(i, self._register(i)))
                 link.next_join = now + link.backoff
                 link.backoff = min(link.backoff * 2, self.rt.backoff_max_s)
         return out
@@ -589,12 +594,26 @@ class LearnerSession:
                 "training went on meanwhile"
             )
             link.lost_at = None
-        link.epoch, link.joined, link.owned = msg.epoch, True, list(msg.owned)
+        saved = self.restored_runs[shard] if self.restored_runs is not None and link.epoch is None else ""
+        if saved and msg.run and msg.run != saved:  # the rule the shard applied to the claim (SyncerSession)
+            self._forget_restored(msg.owned, msg.run, out)
+        link.epoch, link.joined, link.owned, link.run = msg.epoch, True, list(msg.owned), msg.run
         self._join_progress(now)  # accepted: its fragments follow
         link.backoff, self.held = self.rt.backoff_initial_s, None
         if self.data_position is None:
             self.data_position = msg.data_position
         self.joined_once = True
+
+    def _forget_restored(self, owned: list[int], run: str, out: LearnerOutput) -> None:
+        """The saved state was of another run: its fragments of this shard are sent in full
+        (the shard took this learner as holding nothing); until they arrive it holds none."""
+        for p in owned:
+            if 0 <= p < self.layout.num_fragments:
+                self.core.base_version[p] = self.core.steps[p] = self.core.tokens[p] = 0
+                self.codec.base.pop(p, None)
+                self.codec.residual.pop(p, None)
+                self.received.discard(p)
+        out.notes.append(f"learner {self.learner}: its saved state is of another run than {run!r}: joining afresh")
 
     def _on_request(self, msg: FragmentRequest, shard: int, out: LearnerOutput) -> None:
         """Answer at once from the last boundary's snapshot, or at the next boundary: training is
@@ -723,11 +742,15 @@ class LearnerSession:
 
     # -- messages ----------------------------------------------------------------------------
 
-    def _register(self) -> Register:
+    def _register(self, shard: int) -> Register:
         r = self.registration
-        # A fresh process needs every fragment; after a shard restarts, it keeps its progress.
-        bases = list(self.core.base_version) if self.joined_once else []
-        return Register(self.learner, self.incarnation, r.params, r.layout, bases, r.pid, r.device, dict(r.settings))
+        # A fresh process needs every fragment; after a shard restarts, or from its predecessor's
+        # saved state, it keeps its progress (in the run it has it from).
+        restored = self.restored_runs is not None
+        bases = list(self.core.base_version) if self.joined_once or restored else []
+        run = self.links[shard].run or (self.restored_runs[shard] if self.restored_runs is not None else "")
+        return Register(self.learner, self.incarnation, r.params, r.layout, bases, r.pid, r.device, dict(r.settings),
+                        run)  # fmt: skip
 
     def _heartbeat(self) -> Heartbeat:
         """Progress since the start of this incarnation, every figure within its wire bounds: the

@@ -67,6 +67,10 @@ def first_mismatch(ours: list[list[Any]], theirs: list[list[Any]]) -> str | None
     return None
 
 
+RUN_ID_LEN = 64
+"""Most characters of a run's identity (``JoinReply.run``)."""
+
+
 @dataclass(frozen=True)
 class Register:
     """Learner -> syncer: register (or re-register after a restart of either side)."""
@@ -90,6 +94,10 @@ class Register:
     "run.processed_tokens"), checked against the syncer's: the first that differs refuses it.
     Empty: it claims none (it adopted the run's, or it is a simulated learner, which shares
     the syncer's config)."""
+    run: str = field(default="", metadata={"max_len": RUN_ID_LEN})
+    """The run whose versions ``base_versions`` are (as this shard's ``JoinReply.run`` said to
+    the process that saved them); empty: not said. A shard of another run takes the learner as
+    holding nothing."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,9 @@ class JoinReply:
     superseded: bool = False
     """For a final refusal: a newer process took this learner id over; this one must stop
     (``ddiloco learner`` exits with its own code)."""
+    run: str = field(default="", metadata={"max_len": RUN_ID_LEN})
+    """This run's identity (made once when its syncer state is first made; empty: unknown): a
+    learner that saves its state records it, and claims its versions only in the same run."""
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from ddiloco.protocol.fleet import FleetBook
 from ddiloco.protocol.learner_session import Registration, is_piece
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
+    RUN_ID_LEN,
     FetchGlobal,
     GlobalState,
     JoinReply,
@@ -93,12 +94,13 @@ Peer = Hashable
 EndStage = Literal["stop", "final", "done"]
 CORE_MESSAGES = (Heartbeat, Contribution, Ack, Leave)
 RELAYED = (PeerStateRequest, PeerState)
-NOTE_KINDS = ("malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded")
+NOTE_KINDS = ("malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded", "foreign_state")
 """What a ``Note`` counts (the driver counts decoding failures as "malformed" too, and its own
 receipt-time limits as "rate_limited"): a message from a key that may not say it; one for a
 learner from a peer not bound to it; reads over ``max_fetches_per_s``; an optimizer hand-off
 message outside the rules (a repeated or too early request, a state nobody asked that peer
-for); a registration of a process that a newer one has replaced."""
+for); a registration of a process that a newer one has replaced; a registration that claims
+versions saved in another run."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ class SyncerSession:
         ended: str | None = None,
         keyed: bool = False,
         num_learners: int | None = None,
+        run: str = "",
     ) -> None:
         """``core``: the shard's core, restored from its store if there was one (see
         ``restore``); ``registration``: its model's parameters and layout digest, which every
@@ -221,8 +224,12 @@ class SyncerSession:
         run already was at ``now``; ``ended``: the reason, when the run had already ended before
         this start; ``keyed``: messages come with a ``Principal`` (CURVE keys), which must match
         what they claim; ``num_learners``: the run's cap on learner ids (``run.num_learners``:
-        ids 0 .. num_learners - 1; None: no cap but ``algo.max_learners``)."""
+        ids 0 .. num_learners - 1; None: no cap but ``algo.max_learners``); ``run``: the run's
+        identity, told to every learner it accepts (``JoinReply.run``; a learner that claims
+        versions of another run is taken as holding nothing): a new one for a fresh run, the
+        store's (``meta``) once ``restore`` took it back."""
         self.core, self.rt, self.budget = core, rt, budget
+        self.run = run
         self.registration = registration
         self.shard, self.epoch, self.keyed = shard, epoch, keyed
         self.num_learners = num_learners
@@ -263,7 +270,7 @@ class SyncerSession:
     def meta(self) -> dict[str, Any]:
         """Everything else a restart needs (JSON-able): the core's meta state and the fleet's
         processed tokens (the budget keeps counting across restarts)."""
-        return {**self.core.meta_state(), "fleet": self.fleet.state()}
+        return {**self.core.meta_state(), "fleet": self.fleet.state(), "run": self.run}
 
     def restore(self, records: dict[int, FragmentRecord], meta: dict[str, Any] | None, take: bool = False) -> None:
         """Take back what a store made durable (call before any message): the core's fragments
@@ -272,6 +279,9 @@ class SyncerSession:
         self.core.restore(records, meta, take)
         if meta is not None:
             self.fleet.load_state(meta.get("fleet"))
+            run = meta.get("run")
+            if isinstance(run, str) and 0 < len(run) <= RUN_ID_LEN and run.isascii() and run.isalnum():
+                self.run = run  # the run's identity outlives its syncer processes (a bad one: a new one)
 
     def global_state(self, held: Mapping[str, int] | None = None, versions_only: bool = False) -> GlobalState:
         """This shard's fragments of the global model, for an observer: every version, and the
@@ -441,7 +451,13 @@ class SyncerSession:
             out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
             return
         before = self.core.registered(msg.learner)
-        core_out = self.core.handle(Join(msg.learner, msg.incarnation, msg.base_versions), now)
+        bases = msg.base_versions
+        if bases and msg.run and self.run and msg.run != self.run:
+            # Saved in another run (a folder reused): its versions are not this run's.
+            out.notes.append(Note("foreign_state", f"learner {msg.learner} claims versions of run {msg.run!r}, "
+                                  f"this is run {self.run!r}: it is sent every fragment"))  # fmt: skip
+            bases = []
+        core_out = self.core.handle(Join(msg.learner, msg.incarnation, bases), now)
         held = self.core.registered(msg.learner)
         if core_out.refused:  # only a Join is refused, and only the joiner: the id stays with its holder
             r = core_out.refused[0]
@@ -461,7 +477,7 @@ class SyncerSession:
                 out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned, superseded=True)))
             self.identities[msg.learner] = peer
             self.fleet.restarted(msg.learner, msg.incarnation)
-            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned)
+            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned, run=self.run)
             out.send.append((peer, reply))  # before the fragments it announces
             if self.end_stage is not None:  # ending: it stops training and hands in what it has
                 out.send.append((peer, RunEnd("stop", self.end_reason)))

@@ -54,7 +54,8 @@ from ddiloco.protocol.messages import (
 SCHEMA = 8  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens;
 # 5: run settings (Register.settings, SettingsRequest, RunSettings), JoinReply.superseded; 6: encoded payloads
 # (Contribution.encoded, FragmentUpdate.kind/base_version/encoded); 7: Contribution.routed (routed-token counts);
-# 8: FetchGlobal.held/versions_only (an observer fetches what changed), GlobalState.tokens_per_step
+# 8: FetchGlobal.held/versions_only (an observer fetches what changed), GlobalState.tokens_per_step,
+# Register.run and JoinReply.run (a learner restarted from its saved state claims versions of its run only)
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 _OTHERS = (PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, *_OTHERS, SettingsRequest, RunSettings)}

@@ -43,6 +43,7 @@ from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
 from ddiloco.service.base.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.base.wire import WireError, decode, encode
 from ddiloco.service.learner.comm import LearnerComm
+from ddiloco.service.learner.local_state import open_local_state
 from ddiloco.service.learner.model_host import ModelHost, fsdp_rows
 from ddiloco.service.learner.model_watch import ModelWatch
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
@@ -164,6 +165,7 @@ class Learner:
         claims: Sequence[str] = EVERY_LEARNER,
         startup: StartupTimes | None = None,
         initial: Callable[[], nn.Module] | None = None,
+        local_state: str | Path | None = None,
     ) -> None:
         """
         Args:
@@ -193,11 +195,15 @@ class Learner:
                 that went quiet did not deliver (it trains on from what it has): ``ddiloco
                 learner`` passes it for a model built empty (``training/empty_model.py``); not
                 for an FSDP2 model (only rank 0 would write them).
+            local_state: a folder on this machine where the learner saves its own state every
+                ``runtime.local_state_s`` and, restarted, takes it back: it then catches up by
+                what changed since instead of the whole model (one process per learner only).
         """
         _check_arguments(model, learner_id, optimizer, join_timeout_s)
         addrs = check_addresses(syncer)
         given = as_config(config)
         self.id, self.clock, self.optimizer, self._initial = learner_id, clock, optimizer, initial
+        self._local_dir, self._saver = (Path(local_state) if local_state is not None else None), None
         self._bind_model(model)
         # One incarnation per process start: the syncer drops whatever its predecessor still sends.
         self.incarnation = incarnation if incarnation is not None else int(clock.wall() * 1e6)
@@ -253,6 +259,10 @@ class Learner:
             self._configure(adopt(given, {k: v for k, v in run.items() if k not in claimed}) if run else given)
             if self.rank == 0:
                 self.session = self._make_session(len(link.addresses), claimed, link.join_timeout_s)
+            if self._local_dir is not None and self.session is not None and self.world == 1:
+                # (before the comm thread registers: it claims the versions it took back)
+                local = self._local_dir, self.session, self.params, self.optimizer, self.cfg.runtime
+                self._saver = open_local_state(*local)
             if sock is not None and self.session is not None:
                 self.comm = LearnerComm(self.session, link.addresses, sock, self.clock)
         except BaseException:
@@ -477,6 +487,8 @@ class Learner:
         if self._closed:
             return
         self._closed = True
+        if self._saver is not None:
+            self._saver.close()
         if self.comm is not None:
             self.comm.close()
 
@@ -732,6 +744,8 @@ class Learner:
         out = self._executor.run(plan, self.session, read=self.rank == 0 or gather, lock=self._lock())
         if out is not None and self.comm is not None:
             self.comm.post(out)
+        if self._saver is not None and self.session is not None:
+            self._saver.boundary(self.session, self._position)
 
     def _took_state(self, ps: PeerState) -> None:
         """A live peer's optimizer state was loaded at a boundary."""

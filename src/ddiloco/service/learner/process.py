@@ -142,6 +142,8 @@ class LearnerProcess:
             startup=self.startup,
             # what a join that went quiet did not deliver: the ordinary build's values (version 0)
             initial=(lambda: self.wl.build_model(self.cfg.run.seed)) if self.empty else None,
+            # its own saved state on this machine (runtime.local_state_s): a restart catches up from it
+            local_state=self.run_dir / "learners" / f"learner-{self.id}" if self.world == 1 else None,
         )
         if learner.data_position:
             self.stream.seek(learner.data_position)

@@ -113,6 +113,7 @@ class FlightRecorder:
             "owned": core.owned,
             "shard": session.shard,
             "epoch": session.epoch,
+            "run": session.run,
             "age_s": session.run_age(now),
             "ended": session.end_reason if session.end_stage == "done" else None,
             "keyed": session.keyed,
@@ -270,7 +271,7 @@ def replay(path: str | Path) -> Replay:
         session = SyncerSession(
             core, cfg.runtime, budget, Registration(start["params"], str(start["layout"])), float(start["t"]),
             shard=int(start["shard"]), epoch=int(start["epoch"]), age_s=float(start["age_s"]),
-            ended=start["ended"], keyed=bool(start["keyed"]),
+            ended=start["ended"], keyed=bool(start["keyed"]), run=str(start.get("run", "")),
         )  # fmt: skip
         session.restore(found, start["meta"])
     except (KeyError, TypeError, ValueError, IndexError, SafetensorError) as e:

@@ -196,6 +196,7 @@ def open_session(
         ended=ended,
         keyed=keyed,
         num_learners=cfg.run.num_learners,  # the cap on learner ids, with or without keys
+        run=secrets.token_hex(8),  # a fresh run's identity; a restored store's replaces it
     )
     if g.found is not None:
         session.restore(g.found.fragments, g.found.syncer_meta, take=True)  # (the store's own tensors)
