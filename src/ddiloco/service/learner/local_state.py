@@ -36,6 +36,7 @@ from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.local_state import MAX_COUNT, LocalState, capture
 from ddiloco.protocol.messages import RUN_ID_LEN, PeerState
+from ddiloco.service.base.durable import fsync_dir
 from ddiloco.training.peer_state import StateServer
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,6 @@ def _save_file(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalStateSaver:
@@ -207,13 +200,13 @@ class LocalStateSaver:
     def _finish(self, saving: Path, meta: dict[str, Any]) -> None:
         """The save is complete: its meta last, then it replaces the previous one."""
         (saving / "meta.json").write_text(json.dumps(meta))
-        _fsync_dir(saving)
+        fsync_dir(saving)
         current, previous = self.folder / "current", self.folder / "previous"
         shutil.rmtree(previous, ignore_errors=True)
         if current.exists():
             current.rename(previous)
         saving.rename(current)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         shutil.rmtree(previous, ignore_errors=True)
         self.saves += 1
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from ddiloco.service.base.durable import fsync_dir
 from ddiloco.service.syncer.store.errors import StateError, StoreFull, StoreLocked
 from ddiloco.service.syncer.store.frames import FORMAT, LOCK, MARKS, MIRROR
 
@@ -29,14 +30,6 @@ def _write_all(fd: int, pieces: list[Any]) -> None:
         view = memoryview(piece).cast("B")
         while view:
             view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def has_state(d: Path) -> bool:
@@ -186,7 +179,7 @@ class StateFolder:
 
     def _fsync_dir(self) -> None:
         if self.fsync:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
             self.fsyncs += 1
 
     def _remove(self, path: Path) -> None:
