@@ -206,6 +206,18 @@ def test_header_estimates_are_close_to_the_wire() -> None:
         assert abs(header - HEADER_BYTES[name]) <= 0.25 * HEADER_BYTES[name], (name, header)
 
 
+SIMULATED = [
+    "workload.factory=ddiloco.workloads.synthetic:make_workload",
+    "workload.batch_size=16",
+    "run.eval_points=1",
+    "run.method=decoupled",
+    "run.num_learners=2",
+    "run.processed_tokens=6000",
+    "run.threads=1",
+]
+"""A short simulated run of 2 learners on the synthetic task."""
+
+
 def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_path) -> None:
     """The simulator counts what it delivers as the service counts frames: per learner, steady and
     one-off; the steady bytes per step follow from H, P and the model's size."""
@@ -215,16 +227,7 @@ def test_a_simulated_run_counts_every_learners_link_and_writes_traffic_json(tmp_
     from ddiloco.sim.run import simulate
 
     torch.set_num_threads(1)
-    settings = [
-        "workload.factory=ddiloco.workloads.synthetic:make_workload",
-        "workload.batch_size=16",
-        "run.eval_points=1",
-        "run.method=decoupled",
-        "run.num_learners=2",
-        "run.processed_tokens=6000",
-        "run.threads=1",
-    ]
-    cfg = load_config(None, settings, base=PRESETS["decoupled"])
+    cfg = load_config(None, SIMULATED, base=PRESETS["decoupled"])
     result = simulate(cfg)
     assert result.traffic is not None
     f = traffic_figures(result.traffic)
@@ -256,13 +259,7 @@ def test_the_final_sync_moves_each_learners_last_progress_encoded_not_the_model_
 
     torch.set_num_threads(1)
     settings = [
-        "workload.factory=ddiloco.workloads.synthetic:make_workload",
-        "workload.batch_size=16",
-        "run.eval_points=1",
-        "run.method=decoupled",
-        "run.num_learners=2",
-        "run.processed_tokens=6000",
-        "run.threads=1",
+        *SIMULATED,
         "algo.up_encoding=int4",
         "algo.down_encoding=int4",
         "algo.error_feedback=true",
