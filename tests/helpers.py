@@ -48,6 +48,27 @@ def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condit
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_while_progress(
+    pred: Callable[[], Any], progress: Callable[[], Any], stall_s: float, cap_s: float, what: str, poll: float = 0.1
+) -> Any:
+    """Poll ``pred`` until it returns something true (returned). Fail when ``progress()`` (a
+    count that grows while the run moves: merges, steps) has not changed for ``stall_s``, or
+    after ``cap_s`` in all: a loaded machine makes a run slower, not stuck."""
+    start = last_change = time.monotonic()
+    seen = progress()
+    while time.monotonic() < start + cap_s:
+        value = pred()
+        if value:
+            return value
+        now_seen = progress()
+        if now_seen != seen:
+            seen, last_change = now_seen, time.monotonic()
+        elif time.monotonic() > last_change + stall_s:
+            raise AssertionError(f"no progress for {stall_s:.0f} s waiting for {what} (progress {seen!r})")
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {cap_s:.0f} s waiting for {what} (progress {seen!r})")
+
+
 def merges(run_dir: Path) -> list[RoundRecord]:
     """The rounds on a syncer's tape that merged something (an entry took part: ``was_merged``)."""
     return [r for r in read_rounds(Path(run_dir) / "state" / "tape.jsonl") if r.took_part]
