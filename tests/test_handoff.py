@@ -78,6 +78,7 @@ def serve_until_taken(pair: SessionPair, step_s: float, limit_s: float = 200.0) 
 def test_the_pace_tops_the_unsent_bytes_up_to_what_the_link_carries_in_two_steps_within_floor_and_ceiling():
     pace = HandoffPace(ceiling=64 * MIB, copy_share=0.2)
     assert pace.budget() == FLOOR_BYTES  # nothing measured yet: the floor
+    pace.last_copy = 1 << 40  # (the growth of the copies is the next test's)
     pace.stepped(1.0)
     pace.sending(0, 10 * MIB)
     assert pace.budget() == 20 * MIB  # 10 MiB/s x 1 s x 2 steps
@@ -95,16 +96,23 @@ def test_the_pace_tops_the_unsent_bytes_up_to_what_the_link_carries_in_two_steps
     assert pace.budget() == FLOOR_BYTES - MIB
 
 
-def test_the_copy_takes_at_most_its_share_of_a_step_and_never_less_than_the_floor():
+def test_the_copy_takes_at_most_its_share_of_a_step_and_grows_at_most_eightfold_a_boundary():
     pace = HandoffPace(ceiling=1 << 40, copy_share=0.2)
     pace.stepped(2.0)
     pace.sending(0, 1e12)  # a link far faster than the copy
-    pace.copied(100 * MIB, 1.0)  # 100 MiB/s
-    assert pace.budget() == int(0.2 * 2.0 * 100 * MIB)
-    pace.copied(MIB, 1.0)  # a slow copy: the smoothed rate falls, the floor stays
-    assert pace.budget() == int(0.2 * 2.0 * (0.5 * 100 * MIB + 0.5 * MIB))
+    budgets = []
+    for _ in range(8):  # each boundary copies its budget at 100 MiB/s, and it was all sent
+        budgets.append(pace.budget())
+        pace.copied(budgets[-1], budgets[-1] / (100 * MIB))
+        pace.emitted = pace.done = pace.emitted + budgets[-1]
+    share = int(0.2 * 2.0 * 100 * MIB)  # 40 MiB: a fifth of the 2 s step at 100 MiB/s
+    assert budgets == [FLOOR_BYTES, 32 * MIB, share, share, share, share, share, share]
+    pace.copied(16 * MIB, 1.0)  # a slow copy: the smoothed rate falls to 58 MiB/s
+    assert pace.budget() == int(0.2 * 2.0 * (0.5 * 100 * MIB + 0.5 * 16 * MIB))
+    pace.copied(MIB // 4, 1.0)  # a small one: 8 x it is below the floor
+    assert pace.budget() == FLOOR_BYTES
     slow = HandoffPace(ceiling=1 << 40, copy_share=0.2, step_s=0.01, copy_rate=MIB, rate=1e12, reported=True)
-    assert slow.budget() == FLOOR_BYTES
+    assert slow.budget() == FLOOR_BYTES  # never below the floor
 
 
 def test_a_driver_that_never_says_what_it_sent_gets_the_floor_every_boundary():

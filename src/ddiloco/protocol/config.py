@@ -151,7 +151,9 @@ class RuntimeConfig:
     peer_state_copy_share: float = 0.2
     """The most of its step time a serving learner's boundary spends copying optimizer state for
     the hand-off (its copy rate, measured at the earlier boundaries, x this x the step time, and
-    never less than 4 MiB per boundary), so that serving does not stall its steps. In (0, 1]."""
+    never less than 4 MiB per boundary; a boundary also copies at most 8 x what the last one
+    did, so the rate is measured at each size first), so that serving does not stall its steps.
+    In (0, 1]."""
     record_mb: float = 0.0
     """Flight recorder: each syncer shard records what its session is handed (messages, with
     the sender and its key's role, and ticks, with their times) to RUN_DIR/recordings/, up to

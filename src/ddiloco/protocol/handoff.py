@@ -8,8 +8,9 @@
   (``runtime.peer_state_buffer_mb``), less what is still waiting to be sent (backpressure: while
   the driver holds that much unsent, nothing more is copied, so the copies held stay within the
   ceiling), and never more than the copy itself can do in ``runtime.peer_state_copy_share`` of a
-  step (the copy rate measured by the driver). The driver's comm thread sends the pieces while
-  training goes on. So a hand-off takes about its bytes / the link's rate, whatever the step time.
+  step (the copy rate measured by the driver) or 8 x the last boundary's copy. The driver's
+  comm thread sends the pieces while training goes on. So a hand-off takes about its bytes / the
+  link's rate, whatever the step time.
 - **Messages** (``peer_state_chunks``): each at most about ``runtime.peer_state_chunk_mb``. A
   tensor larger than that (or than a boundary's budget) goes as ranges of its rows (dim 0), each
   named ``INDEX.KEY@LO:HI/ROWS`` (rows LO..HI of a tensor of ROWS rows; ``range_name``), so no
@@ -48,6 +49,10 @@ HORIZON_STEPS = 2.0
 up to: the link stays busy until the next boundary even when a step runs long."""
 SMOOTHING = 0.5
 """Weight of the newest measurement in the step time and copy rate the pace keeps."""
+GROWTH = 8.0
+"""A boundary copies at most this many times what the last one that copied did (at least the
+floor): the copy rate is measured at each size before a larger one, and a rate measured too high
+(a burst the kernel's and a relay's buffers took at once) grows the copies step by step only."""
 RANGE = "@"
 """Separates a state tensor's name from the rows a piece carries (``range_name``)."""
 
@@ -142,6 +147,8 @@ class HandoffPace:
     """Bytes of hand-off messages this session handed its driver (``handoff_nbytes``)."""
     done: int = 0
     """Of them, bytes the driver has put on the link or dropped, as it last said."""
+    last_copy: int = 0
+    """Bytes the last boundary that copied copied."""
     reported: bool = False
     """Whether the driver says anything about its link (else ``unsent`` is taken as 0)."""
 
@@ -161,6 +168,8 @@ class HandoffPace:
 
     def copied(self, nbytes: int, seconds: float) -> None:
         """A boundary copied ``nbytes`` of state in ``seconds`` (0: not measured)."""
+        if nbytes > 0:
+            self.last_copy = nbytes
         if nbytes > 0 and seconds > 0 and math.isfinite(seconds):
             rate = nbytes / seconds
             self.copy_rate = rate if self.copy_rate <= 0 else _mix(self.copy_rate, rate)
@@ -176,8 +185,8 @@ class HandoffPace:
     def budget(self) -> int:
         """Bytes to copy at this boundary: the unsent bytes topped up to what the link carries in
         ``HORIZON_STEPS`` steps (the floor while that is not known; at most the ceiling), and at
-        most what the copy does in ``copy_share`` of a step (at least the floor). 0 while the
-        unsent bytes are at that or over it: backpressure."""
+        most what the copy does in ``copy_share`` of a step and ``GROWTH`` x the last copy (each
+        at least the floor). 0 while the unsent bytes are at that or over it: backpressure."""
         want = float(self.floor)
         if self.rate > 0 and self.step_s > 0:
             want = min(max(self.rate * self.step_s * HORIZON_STEPS, want), float(self.ceiling))
@@ -186,7 +195,7 @@ class HandoffPace:
             return 0
         if self.copy_rate > 0 and self.step_s > 0:
             room = min(room, max(self.floor, int(self.copy_share * self.step_s * self.copy_rate)))
-        return room
+        return min(room, max(self.floor, int(GROWTH * self.last_copy)))
 
 
 def _mix(old: float, new: float) -> float:

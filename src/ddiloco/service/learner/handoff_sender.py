@@ -64,8 +64,9 @@ class HandoffSender:
         """Bytes of the hand-off messages that the transport is done with, or that were dropped."""
         self.rate = 0.0
         """Bytes per second the transport took them at, lately (0: not measured yet)."""
-        self.served: list[tuple[int, int, float]] = []
-        """Hand-offs whose last message went: (learner, bytes, seconds from its first piece here)."""
+        self.served: list[tuple[int, int, float, float]] = []
+        """Hand-offs whose last message went: (learner, bytes, when its first piece came here, when
+        the transport was done with its last), on ``clock``."""
         self._serving: dict[int, _Serving] = {}
         self._window = (0, 0.0)  # (bytes, busy seconds) of the measurement under way
         self._last: float | None = None
@@ -134,7 +135,7 @@ class HandoffSender:
         if not is_piece(msg):
             del self._serving[msg.learner]
             seconds = now - serving.started
-            self.served.append((msg.learner, serving.nbytes, seconds))
+            self.served.append((msg.learner, serving.nbytes, serving.started, now))
             log.info(
                 "learner %d: sent its optimizer state to learner %d: %.1f MB in %.1f s (%.1f MB/s on its link lately)",
                 msg.source, msg.learner, serving.nbytes / 1e6, seconds, self.rate / 1e6,
