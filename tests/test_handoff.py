@@ -212,7 +212,9 @@ HOSTILE = {
     "another row shape": [{"0.exp_avg@0:2/4": T(2, 2)}, {"0.exp_avg@2:4/4": T(2, 3)}],
     "whole and by rows": [{"0.exp_avg": T(4, 2)}, {"0.exp_avg@0:2/4": T(2, 2)}],
     "a name twice": [{"0.exp_avg": T(4, 2)}, {"0.exp_avg": T(4, 2)}],
-    "rows over the bound": [{"0.exp_avg@0:1/1000000000000": T(1, 2)}],
+    "rows over the bound": [{"0.exp_avg@0:1/1000000000": T(1, 2)}],
+    "rows past the wire's largest dimension": [{"0.exp_avg@0:1/9999999999": torch.ones(1, 0)}],
+    "digits that are not ASCII": [{"0.exp_avg@\u00b2:3/4": T(1, 2)}],
     "values over the bound": [{"0.exp_avg": torch.zeros(4 * 8 + (1 << 20) + 1)}],
     "rows missing at the end": [{"0.exp_avg@0:2/4": T(2, 2)}, {"0.exp_avg@3:4/4": T(1, 2)}],
 }
@@ -294,3 +296,13 @@ def test_the_comm_threads_queue_keeps_little_in_the_transport_and_measures_the_l
     assert sender.busy and len(sender.waiting) == 1 and sender.done == total
     sender.drop()  # the link was reconnected: what waited is gone, and counted done
     assert not sender.busy and sender.done == total + handoff_nbytes(pieces[0])
+
+
+def test_a_state_key_with_digits_that_are_not_ascii_is_refused_not_raised():
+    from ddiloco.training.peer_state import load_state
+
+    opt = adamw(4, 4)
+    before = state_of(opt)
+    problem = load_state(opt, PeerState(0, 1, [], {"\u00b2.exp_avg": torch.zeros(4, 4)}), torch.device("cpu"))
+    assert problem is not None and "names no parameter" in problem
+    assert all(torch.equal(v, before[k]) for k, v in state_of(opt).items())

@@ -55,6 +55,8 @@ floor): the copy rate is measured at each size before a larger one, and a rate m
 (a burst the kernel's and a relay's buffers took at once) grows the copies step by step only."""
 RANGE = "@"
 """Separates a state tensor's name from the rows a piece carries (``range_name``)."""
+MAX_ROWS = 2**31
+"""The most rows a tensor sent by ranges may have (the wire's largest dimension)."""
 
 
 def is_piece(msg: PeerState) -> bool:
@@ -85,11 +87,11 @@ def parse_range(key: str) -> tuple[str, int, int, int] | str | None:
         return None
     span, _, total = rest.partition("/")
     lo, _, hi = span.partition(":")
-    if not name or not all(x.isdigit() and len(x) <= 19 for x in (lo, hi, total)):
+    if not name or not all(x.isascii() and x.isdigit() and len(x) <= 10 for x in (lo, hi, total)):
         return f"{key!r} is not NAME@LO:HI/ROWS"
     a, b, n = int(lo), int(hi), int(total)
-    if not 0 <= a < b <= n:
-        return f"{key!r}: rows {a}..{b} are not a range within {n} rows"
+    if not 0 <= a < b <= n <= MAX_ROWS:
+        return f"{key!r}: rows {a}..{b} are not a range within {n} rows (at most {MAX_ROWS})"
     return name, a, b, n
 
 

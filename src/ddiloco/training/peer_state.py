@@ -179,7 +179,7 @@ def check_state(opt: torch.optim.Optimizer, msg: PeerState) -> tuple[dict[int, d
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in msg.tensors.items():
         idx, _, name = key.partition(".")
-        if not idx.isdigit() or not name or int(idx) >= len(params):
+        if not (idx.isascii() and idx.isdigit()) or not name or int(idx) >= len(params):
             return {}, f"state key {key!r} names no parameter of this optimizer ({len(params)} parameters)"
         state.setdefault(int(idx), {})[name] = t
     names = {frozenset(st) for st in state.values()}
