@@ -45,12 +45,14 @@ whole is *joining* until ``ready(now)`` (accepted once, and every fragment recei
 ``gave_up`` or ``run_end``: no more steps, boundaries go on) and *done* (refused, given up or
 ``run_end == "done"``: ``tick`` returns nothing, ``next_deadline`` None).
 
-Events, each handed ``now`` (a driver's seconds: virtual or monotonic), except ``complete``:
+Events, each handed ``now`` (a driver's seconds: virtual or monotonic), except ``complete``, ``sending``:
 
 - ``tick(now)``: deadlines due (heartbeats, liveness, give-up, registration) -> ``LearnerOutput``;
 - ``receive(shard, msg, now)`` (``heard`` first: any message is liveness) -> ``LearnerOutput``;
 - ``step(tokens, duration_s, now, ..., waited_s)`` or ``boundary(now)`` -> ``BoundaryPlan``;
-- ``complete(plan, values, peer_states)`` -> ``LearnerOutput`` (acks, answers, pushes, pieces);
+- ``complete(plan, values, peer_states, copy_s)`` -> ``LearnerOutput`` (acks, answers, pushes,
+  pieces); ``serve_budget()`` before it: the bytes of optimizer state to copy for it;
+- ``sending(done, rate)``: the driver's word on the hand-off pieces it sent (no output);
 - ``leave()`` -> ``LearnerOutput`` (a ``Leave`` to every joined shard);
 - ``next_deadline(now)``: when to call ``tick`` next (never before ``now``).
 
