@@ -306,3 +306,23 @@ def test_a_state_key_with_digits_that_are_not_ascii_is_refused_not_raised():
     problem = load_state(opt, PeerState(0, 1, [], {"\u00b2.exp_avg": torch.zeros(4, 4)}), torch.device("cpu"))
     assert problem is not None and "names no parameter" in problem
     assert all(torch.equal(v, before[k]) for k, v in state_of(opt).items())
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "runtime.peer_state_buffer_mb=0",
+        "runtime.peer_state_buffer_mb=inf",
+        "runtime.peer_state_copy_share=0",
+        "runtime.peer_state_copy_share=1.5",
+        "runtime.peer_state_copy_share=nan",
+        "runtime.peer_state_chunk_mb=-1",
+    ],
+)
+def test_the_handoffs_settings_are_validated(setting):
+    from ddiloco.config import load_config
+    from ddiloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=setting.split("=")[0]):
+        load_config(None, [setting])
+    load_config(None, ["runtime.peer_state_buffer_mb=64", "runtime.peer_state_copy_share=1.0"])
