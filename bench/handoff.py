@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -254,7 +255,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.wait(timeout=60)
         relay.close()
-    return report(args, serve, rejoin, counts, parse_rate(args.rate) / 8, run_dir)
+    out = report(args, serve, rejoin, counts, parse_rate(args.rate) / 8, run_dir)
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        out.pop("run_dir")
+    return out
 
 
 def report(
@@ -331,6 +336,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=16)
     ap.add_argument("--chunk-mb", type=float, default=1.0, help="runtime.peer_state_chunk_mb")
     ap.add_argument("--json", default="", help="also write the figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the run folder (logs, tape); kept anyway on failure")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.role:
