@@ -117,8 +117,44 @@ class _TensorHost:
     def load_peer_state(self, state: Any) -> None:
         pass  # no optimizer: a session made with wants_peer_state=False never gets one
 
-    def serve(self, learner: int) -> None:
+    def serve(self, learner: int) -> Any:
         return None  # nothing to give: the asker trains on cold
+
+
+class OptimizerHost(_TensorHost):
+    """``_TensorHost`` with an optimizer of its own (over parameters apart from the session's
+    model): it serves that optimizer's state through a ``StateServer`` (each piece's time, budget
+    and bytes recorded in ``pieces``) and keeps every state a peer hands it (``taken``: (time, state))."""
+
+    def __init__(self, tensors: dict[str, Any], layout: Any, opt: Any, learner: int, clock: Any) -> None:
+        super().__init__(tensors, layout)
+        self.opt, self.learner, self.clock = opt, learner, clock
+        self.pieces: list[tuple[float, int, int]] = []
+        self.taken: list[tuple[float, Any]] = []
+
+    def load_peer_state(self, state: Any) -> None:
+        self.taken.append((self.clock(), state))
+
+    def serve(self, learner: int) -> Any:
+        from ddiloco.protocol.handoff import handoff_nbytes
+        from ddiloco.training.peer_state import StateServer
+
+        server, pieces, clock = StateServer(self.opt, learner, self.learner), self.pieces, self.clock
+
+        class Recorded:
+            copy_s = 0.0
+
+            @property
+            def done(self) -> bool:
+                return server.done
+
+            def piece(self, budget_bytes: int) -> Any:
+                ps = server.piece(budget_bytes)
+                if ps is not None:
+                    pieces.append((clock(), budget_bytes, handoff_nbytes(ps)))
+                return ps
+
+        return Recorded()
 
 
 class SessionPair:
@@ -138,7 +174,13 @@ class SessionPair:
         cfg: DiLoCoConfig = SESSION_CFG,
         rt: RuntimeConfig = SESSION_RT,
         budget: Any = None,
+        optimizers: dict[int, Any] | None = None,
+        uplink: dict[int, float] | None = None,
     ) -> None:
+        """``optimizers``: learners with an optimizer (``OptimizerHost``: they serve its state and
+        take a peer's); ``uplink``: learners whose optimizer hand-off crosses a link of that many
+        bytes per second, one piece after another (``release``), the way the comm thread sends
+        it, and is told to the session (``LearnerSession.sending``); other messages go at once."""
         import torch
 
         from ddiloco.core.syncer import Syncer
@@ -151,11 +193,29 @@ class SessionPair:
         initial = {s.name: torch.zeros(s.shape) for s in SESSION_SPECS}
         core = Syncer(cfg, self.layout, initial, [False] * sum(len(f) for f in self.layout.fragments))
         self.syncer = SyncerSession(core, rt, budget or Budget(), SESSION_REGISTRATION, self.now)
+        opts = optimizers or {}
         self.sessions = {
-            m: LearnerSession(cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now) for m in learners
+            m: LearnerSession(cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now, wants_peer_state=m in opts)
+            for m in learners
         }
         self.models = {m: {s.name: torch.zeros(s.shape) for s in SESSION_SPECS} for m in learners}
-        self.executors = {m: BoundaryExecutor(_TensorHost(self.models[m], self.layout)) for m in learners}
+        self.hosts: dict[int, Any] = {
+            m: OptimizerHost(self.models[m], self.layout, opts[m], m, lambda: self.now)
+            if m in opts
+            else _TensorHost(self.models[m], self.layout)
+            for m in learners
+        }
+        self.executors = {m: BoundaryExecutor(self.hosts[m]) for m in learners}
+        self.uplink = dict(uplink or {})
+        self.training: set[int] = set()
+        """Learners in the middle of training: their boundaries run only at their steps (the
+        drivers run one on receipt only for a learner that is not stepping)."""
+        self.stalled: set[int] = set()
+        """Learners whose hand-off link carries nothing for now (``uplink``)."""
+        self.queued: dict[int, list[tuple[Any, int]]] = {m: [] for m in self.uplink}
+        """Per learner with an uplink: the hand-off messages waiting for it, with their bytes."""
+        self.handed_off: dict[int, int] = {m: 0 for m in self.uplink}
+        self._link_at: dict[int, float] = {m: 0.0 for m in self.uplink}
         self.transcript: list[tuple[str, int, str]] = []
         self.tape: list[Any] = []
         self.notes: list[str] = []
@@ -166,9 +226,29 @@ class SessionPair:
     # -- the wire ------------------------------------------------------------------------------
 
     def _from_learner(self, m: int, out: Any) -> None:
+        from ddiloco.protocol.handoff import handoff_nbytes
+        from ddiloco.protocol.messages import PeerState
+
         self.notes += out.notes
         if m not in self.cut_off:
-            self._to_syncer += [(m, s.msg) for s in out.send]
+            for s in out.send:
+                if m in self.uplink and isinstance(s.msg, PeerState) and s.msg.tensors:
+                    self.queued[m].append((s.msg, handoff_nbytes(s.msg)))
+                else:
+                    self._to_syncer.append((m, s.msg))
+
+    def release(self) -> None:
+        """Each uplink carries its hand-off messages, in order, for the time since it last did
+        (bytes / rate each; a stalled link carries nothing), and its session hears how far it got."""
+        for m, rate in self.uplink.items():
+            queue, at = self.queued[m], self._link_at[m]  # when its last message was through
+            while queue and m not in self.stalled and at + queue[0][1] / rate <= self.now + 1e-9:
+                msg, n = queue.pop(0)
+                at += n / rate
+                self.handed_off[m] += n
+                self._to_syncer.append((m, msg))
+            self._link_at[m] = at if queue and m not in self.stalled else self.now  # idle: no time saved up
+            self.sessions[m].sending(self.handed_off[m], 0.0 if m in self.stalled else rate)
 
     def _from_syncer(self, out: Any) -> None:
         self.tape += out.tape
@@ -177,7 +257,8 @@ class SessionPair:
 
     def deliver(self) -> None:
         """Hand every message in flight over, in order, until the wire is quiet; a learner that
-        is not stepping runs a boundary after each message it receives (as both drivers do)."""
+        is not stepping (not in ``training``) runs a boundary after each message it receives (as
+        both drivers do)."""
         for _ in range(100):  # bounded: answers beget answers
             if not (self._to_syncer or self._to_learners):
                 return
@@ -189,7 +270,8 @@ class SessionPair:
                 m, msg = self._to_learners.pop(0)
                 self.transcript.append(("<-", m, type(msg).__name__))
                 self._from_learner(m, self.sessions[m].receive(0, msg, self.now))
-                self._run(m, self.sessions[m].boundary(self.now))
+                if m not in self.training:
+                    self._run(m, self.sessions[m].boundary(self.now))
         raise AssertionError("the sessions never went quiet")
 
     def _run(self, m: int, plan: Any) -> None:
@@ -201,6 +283,7 @@ class SessionPair:
 
     def tick(self) -> None:
         """Every session's deadlines due now, then the wire until quiet."""
+        self.release()
         self._from_syncer(self.syncer.tick(self.now))
         for m, session in self.sessions.items():
             self._from_learner(m, session.tick(self.now))
@@ -219,6 +302,7 @@ class SessionPair:
         for t in self.models[m].values():
             t.add_(drift)
         self.now += duration
+        self.release()
         self._run(m, self.sessions[m].step(tokens, duration, self.now))
         self.tick()
 

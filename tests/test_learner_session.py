@@ -73,6 +73,8 @@ def test_the_boundary_executor_writes_in_order_and_serves_a_state_a_piece_per_bo
     calls: list[tuple] = []
 
     class Source:
+        copy_s = 0.0
+
         def __init__(self, to: int) -> None:
             self.left = 2
 
@@ -80,7 +82,8 @@ def test_the_boundary_executor_writes_in_order_and_serves_a_state_a_piece_per_bo
         def done(self) -> bool:
             return self.left == 0
 
-        def piece(self) -> PeerState | None:
+        def piece(self, budget_bytes: int) -> PeerState | None:
+            calls.append(("piece", budget_bytes))
             self.left -= 1
             return PeerState(1, 0, [{"ddiloco_piece": 0}] if self.left else [], {"0.step": torch.ones(1)})
 
@@ -105,7 +108,8 @@ def test_the_boundary_executor_writes_in_order_and_serves_a_state_a_piece_per_bo
         peer_state=PeerState(0, 2, [], {"0.step": torch.ones(1)}),
     )  # fmt: skip
     out = ex.run(plan, session())
-    assert calls == [("write", 0, 0.0, True), ("write", 1, 0.25, False), ("load", 2), ("read", 0)]
+    floor = 4 << 20  # the session's budget before its driver measured anything (``protocol/handoff.py``)
+    assert calls == [("write", 0, 0.0, True), ("write", 1, 0.25, False), ("load", 2), ("read", 0), ("piece", floor)]
     assert [type(x.msg).__name__ for x in out.send] == ["Ack", "PeerState"]  # the first of two pieces
     assert len(ex.serving) == 1
     out = ex.run(BoundaryPlan(), session())

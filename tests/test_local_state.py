@@ -244,14 +244,14 @@ def test_a_save_whose_tensors_do_not_fit_is_refused_by_the_session_and_changes_n
     name = next(iter(saved.model))
     bad = dict(saved.model)
     bad[name] = torch.full_like(bad[name], float("nan"))
-    assert "non-finite" in take_back(Saved(saved.state, bad, None, None, 0, 0.0), back.session, back.params, None)
+    assert "non-finite" in take_back(Saved(saved.state, bad, {}, None, 0, 0.0), back.session, back.params, None)
     p0 = next(iter(saved.state.base))
     base = dict(saved.state.base)
     base[p0] = [v[:1] for v in base[p0]]
     import dataclasses
 
     state = dataclasses.replace(saved.state, base=base)
-    assert "base copy" in take_back(Saved(state, saved.model, None, None, 0, 0.0), back.session, back.params, None)
+    assert "base copy" in take_back(Saved(state, saved.model, {}, None, 0, 0.0), back.session, back.params, None)
     for k, v in back.params.items():
         assert torch.equal(v, model_before[k])
 
@@ -289,3 +289,46 @@ def test_the_session_claims_saved_versions_in_their_run_and_forgets_them_in_anot
     other = SessionPair((0,))
     assert "fragments" in (restore(other.sessions[0], dataclasses.replace(saved, versions=(0,))) or "")
     assert other.sessions[0].restored_runs is None
+
+
+def test_a_save_in_pieces_smaller_than_a_parameter_comes_back_bit_for_bit(tmp_path):
+    """A chunk smaller than a parameter's optimizer state: its moments go as ranges of rows over
+    several boundaries (the hand-off's pieces) and are put back together on reading."""
+    from helpers import SESSION_LAYOUT, SessionPair
+
+    from ddiloco.service.learner.local_state import LocalStateSaver, take_back
+
+    def model() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Module()
+        m.w, m.b = nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2))
+        opt = torch.optim.AdamW([m.w, m.b], lr=0.1)
+        (m.w.sum() * 2 + m.b.sum()).backward()
+        opt.step()
+        return m, opt
+
+    pair = SessionPair((0,))
+    pair.advance(1.0)
+    session = pair.sessions[0]
+    m, opt = model()
+    params = {"w": m.w, "b": m.b}
+    saver = LocalStateSaver(tmp_path, 0, SESSION_LAYOUT.digest(), params, opt, 0.0, chunk_bytes=8)
+    for _ in range(200):
+        if saver.saves:
+            break
+        saver.boundary(session, 5)
+        time.sleep(0.01)
+    saver.close()
+    assert saver.saves == 1
+    from safetensors.torch import load_file
+
+    names = [k for f in sorted((tmp_path / "current").glob("optimizer-*")) for k in load_file(str(f))]
+    assert any("@" in k for k in names)  # ranges of rows
+    saved = read_local_state(tmp_path, 0, SESSION_LAYOUT.digest(), 3600.0)
+    assert isinstance(saved, Saved) and saved.data_position == 5
+    back_pair = SessionPair((0,))
+    m2, opt2 = model()
+    assert take_back(saved, back_pair.sessions[0], {"w": m2.w, "b": m2.b}, opt2) is None
+    assert torch.equal(m2.w, m.w) and torch.equal(m2.b, m.b)
+    for p, q in ((m.w, m2.w), (m.b, m2.b)):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), key

@@ -199,7 +199,7 @@ def test_the_final_sync_holds_a_window_of_rounds_not_the_whole_model() -> None:
 
 
 def test_a_served_optimizer_state_is_copied_a_budget_per_boundary_not_whole() -> None:
-    from ddiloco.protocol.learner_session import is_piece
+    from ddiloco.protocol.handoff import Reassembly, is_piece
     from ddiloco.training.peer_state import StateServer
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
@@ -208,14 +208,17 @@ def test_a_served_optimizer_state_is_copied_a_budget_per_boundary_not_whole() ->
     opt.step()
     states = opt.state_dict()["state"].values()
     budget = 2 * max(sum(v.numel() * v.element_size() for v in st.values()) for st in states)
-    server = StateServer(opt, to=1, source=0, budget_bytes=budget)
+    server = StateServer(opt, to=1, source=0)
     pieces = []
-    while (piece := server.piece()) is not None:
+    while (piece := server.piece(budget)) is not None:
         pieces.append(piece)
         assert sum(t.numel() * t.element_size() for t in piece.tensors.values()) <= budget
     assert len(pieces) > 1 and server.done
     assert all(is_piece(p) for p in pieces[:-1]) and not is_piece(pieces[-1])
-    got = {k: v for p in pieces for k, v in p.tensors.items()}
+    assert any("@" in k for p in pieces for k in p.tensors)  # a parameter that did not fit went by rows
+    whole = Reassembly(1 << 20)
+    assert all(whole.add(p.tensors) is None for p in pieces)
+    got, problem = whole.finish()
     want = {f"{i}.{k}": v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert problem is None and set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert all(got[k].data_ptr() != want[k].data_ptr() for k in want)  # copies, taken piece by piece

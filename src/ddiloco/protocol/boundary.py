@@ -9,9 +9,13 @@ order, and hands the result back to the session (``complete``):
    > 0, adds when its mode is "shift");
 2. load a live peer's optimizer state, when the plan carries one with tensors;
 3. read the fragments in ``plan.read`` to host memory;
-4. serve this learner's optimizer state to each learner in ``plan.serve``: a few parameters
-   per boundary (a ``StateSource`` per asker, kept until it is done), not copied whole;
-5. ``session.complete`` with the values read and the pieces served: the messages to send.
+4. serve this learner's optimizer state to each learner in ``plan.serve``: a piece per
+   boundary (a ``StateSource`` per asker, kept until it is done), never copied whole: the
+   session's budget (``LearnerSession.serve_budget``: sized by the link and the step time,
+   nothing while the driver still holds unsent pieces), shared by the hand-offs under way;
+   the driver's comm thread sends the pieces while training goes on;
+5. ``session.complete`` with the values read and the pieces served (with the seconds their copy
+   took, as the driver measured): the messages to send.
 
 What differs between drivers is handed in as a ``BoundaryHost``: the simulator writes CPU
 tensors; ``ddiloco.Learner`` uploads on a side stream, writes only its rows of an FSDP2
@@ -26,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from ddiloco.protocol.handoff import handoff_nbytes
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession
 from ddiloco.protocol.messages import PeerState
 
@@ -38,8 +43,14 @@ class StateSource(Protocol):
         """The last piece went."""
         ...
 
-    def piece(self) -> PeerState | None:
-        """This boundary's piece (None once the last one went)."""
+    @property
+    def copy_s(self) -> float:
+        """Seconds the last piece's copy took, as the driver measured (0: not measured)."""
+        ...
+
+    def piece(self, budget_bytes: int) -> PeerState | None:
+        """This boundary's piece: about ``budget_bytes`` of state (at least one row of a
+        tensor); None once the last one went."""
         ...
 
 
@@ -86,12 +97,22 @@ class BoundaryExecutor:
         """Step 3: the host copy of each fragment the session needs."""
         return {p: self.host.read(p) for p in plan.read}
 
-    def serve(self, plan: BoundaryPlan) -> list[PeerState]:
-        """Step 4: this boundary's piece of every hand-off under way (new askers start now)."""
+    def serve(self, plan: BoundaryPlan, budget_bytes: int) -> tuple[list[PeerState], float]:
+        """Step 4: this boundary's piece of every hand-off under way (new askers start now),
+        ``budget_bytes`` in all, shared evenly (0: none this boundary); and the seconds the
+        copies took."""
         self.serving += [src for who in plan.serve if (src := self.host.serve(who)) is not None]
-        states = [piece for src in self.serving if (piece := src.piece()) is not None]
+        states: list[PeerState] = []
+        copy_s, left = 0.0, budget_bytes
+        for i, src in enumerate(self.serving):
+            share = left // (len(self.serving) - i)
+            piece = src.piece(share) if share > 0 else None
+            if piece is not None:
+                states.append(piece)
+                left -= handoff_nbytes(piece)
+                copy_s += src.copy_s
         self.serving = [src for src in self.serving if not src.done]
-        return states
+        return states, copy_s
 
     def run(
         self,
@@ -109,6 +130,11 @@ class BoundaryExecutor:
         values = self.read(plan) if read else {}
         if session is None:
             return None
-        states = self.serve(plan)
-        with lock if lock is not None else contextlib.nullcontext():
-            return session.complete(plan, values, states)
+        guard = lock if lock is not None else contextlib.nullcontext()
+        budget = 0
+        if self.serving or plan.serve:
+            with guard:
+                budget = session.serve_budget()
+        states, copy_s = self.serve(plan, budget)
+        with guard:
+            return session.complete(plan, values, states, copy_s)

@@ -132,10 +132,28 @@ class RuntimeConfig:
     the request, then from each piece of the state it relays (``peer_state_chunk_mb``), so a
     hand-off over a thin link takes as long as its pieces keep coming."""
     peer_state_chunk_mb: float = 1.0
-    """The optimizer hand-off goes in pieces of about this many MiB (whole tensors: a larger one
-    goes alone), so that on a thin link each crosses within the liveness timeouts (any message
-    is liveness, but ZeroMQ delivers whole messages only) and the relay's timeout follows the
-    pieces: keep it below the slowest link's rate x ``syncer_liveness_s`` (1 MiB: 4.2 s at 2 Mbit/s)."""
+    """The size of each message of the optimizer hand-off, in MiB: a state goes in messages of
+    about this many MiB (whole tensors where they fit; a tensor larger goes as ranges of its
+    rows, put back together by the receiver, so only a single row larger than this makes a
+    larger message), so that on a thin link each crosses within the liveness timeouts (any
+    message is liveness, but ZeroMQ delivers whole messages only) and the relay's timeout
+    follows the pieces: keep it below the slowest link's rate x ``syncer_liveness_s`` (1 MiB:
+    4.2 s at 2 Mbit/s). It sizes messages only: how much a serving learner copies per step
+    boundary is ``peer_state_buffer_mb`` and its link's rate."""
+    peer_state_buffer_mb: float = 4096.0
+    """The most optimizer state a learner serving the hand-off holds copied and not yet sent, in
+    MiB: at each step boundary it copies what its link can carry until the next boundaries (the
+    rate its comm thread measured x 2 of its steps; 4 MiB before it has measured anything), less
+    what is still unsent, up to this bound (backpressure: while this much waits, it copies
+    nothing). So the hand-off's extra host memory on the serving learner stays within this,
+    plus one row of a tensor, and its pace follows the link: a link faster than this / the step
+    time is paced by this (4 GiB at a 4 s step: about 1 GB/s). > 0."""
+    peer_state_copy_share: float = 0.2
+    """The most of its step time a serving learner's boundary spends copying optimizer state for
+    the hand-off (its copy rate, measured at the earlier boundaries, x this x the step time, and
+    never less than 4 MiB per boundary; a boundary also copies at most 8 x what the last one
+    did, so the rate is measured at each size first), so that serving does not stall its steps.
+    In (0, 1]."""
     local_state_s: float = 120.0
     """How often a learner saves its own state for a restart on the same machine: its model and
     optimizer, the versions it holds with what its deltas are measured against and its

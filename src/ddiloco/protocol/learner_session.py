@@ -11,12 +11,14 @@ It owns the algorithm's ``LearnerCore`` and every protocol rule around it:
   optimizer state, answer the requests that could not be answered at once, push what a
   lock-step learner sends on its own schedule, and snapshot the fragments the syncer will ask
   for next, so that their requests are answered at once, from that snapshot;
-- the optimizer hand-off: a learner that joins a run under way (some fragment past version 0)
-  asks once, when its join is complete, for a live peer's optimizer state, and takes only the
-  answer to its own request (once, from another learner, through shard 0, which relays only
-  the peer it chose), in pieces (``peer_state_chunks``); it serves its own state when asked,
-  in pieces, at most one at a time and once per ``peer_state_interval_s``, refusing others at
-  once with an empty state (cheap);
+- the optimizer hand-off (``protocol/handoff.py``): a learner that joins a run under way (some
+  fragment past version 0) asks once, when its join is complete, for a live peer's optimizer
+  state, and takes only the answer to its own request (once, from another learner, through
+  shard 0, which relays only the peer it chose), in pieces put together as they come
+  (``Reassembly``), giving up after ``2 x peer_state_timeout_s`` without one; it serves its own
+  state when asked, at most one at a time and once per ``peer_state_interval_s``, refusing
+  others at once with an empty state (cheap), a budget per boundary sized by its link
+  (``serve_budget``, ``HandoffPace``: the driver says what it sent, ``sending``);
 - a link that goes silent, or a shard that says this connection is not bound to the learner
   (``SyncerHeartbeat(bound=False)``), makes the driver reconnect that link on a fresh
   connection (``LearnerOutput.reconnect``) and register again; a shard silent for
@@ -43,12 +45,14 @@ whole is *joining* until ``ready(now)`` (accepted once, and every fragment recei
 ``gave_up`` or ``run_end``: no more steps, boundaries go on) and *done* (refused, given up or
 ``run_end == "done"``: ``tick`` returns nothing, ``next_deadline`` None).
 
-Events, each handed ``now`` (a driver's seconds: virtual or monotonic), except ``complete``:
+Events, each handed ``now`` (a driver's seconds: virtual or monotonic), except ``complete``, ``sending``:
 
 - ``tick(now)``: deadlines due (heartbeats, liveness, give-up, registration) -> ``LearnerOutput``;
 - ``receive(shard, msg, now)`` (``heard`` first: any message is liveness) -> ``LearnerOutput``;
 - ``step(tokens, duration_s, now, ..., waited_s)`` or ``boundary(now)`` -> ``BoundaryPlan``;
-- ``complete(plan, values, peer_states)`` -> ``LearnerOutput`` (acks, answers, pushes, pieces);
+- ``complete(plan, values, peer_states, copy_s)`` -> ``LearnerOutput`` (acks, answers, pushes,
+  pieces); ``serve_budget()`` before it: the bytes of optimizer state to copy for it;
+- ``sending(done, rate)``: the driver's word on the hand-off pieces it sent (no output);
 - ``leave()`` -> ``LearnerOutput`` (a ``Leave`` to every joined shard);
 - ``next_deadline(now)``: when to call ``tick`` next (never before ``now``).
 
@@ -89,6 +93,7 @@ from ddiloco.core.messages import (
 )
 from ddiloco.core.overlap import OverlapKeeper
 from ddiloco.protocol.config import RuntimeConfig
+from ddiloco.protocol.handoff import HandoffPace, Reassembly, handoff_nbytes, is_piece, peer_state_chunks
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     JoinReply,
@@ -213,34 +218,6 @@ class ShardLink:
     """The run's identity, as its acceptance said (``JoinReply.run``)."""
 
 
-PIECE = "ddiloco_piece"
-"""Marks a piece of an optimizer state that more pieces follow: its param_groups are only
-``[{PIECE: index}]`` (the last piece carries the real ones; a receiver loads its own anyway)."""
-
-
-def is_piece(msg: PeerState) -> bool:
-    """``msg`` is a piece of an optimizer state that more pieces follow (``peer_state_chunks``)."""
-    return len(msg.param_groups) == 1 and set(msg.param_groups[0]) == {PIECE}
-
-
-def peer_state_chunks(ps: PeerState, limit_bytes: int) -> list[PeerState]:
-    """``ps`` as messages of at most about ``limit_bytes`` each (whole tensors: a larger one goes
-    alone), the param_groups in the last: on a thin link each crosses within the liveness
-    timeouts (any message is liveness), and the syncer's relay timeout follows the pieces."""
-    pieces: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in ps.tensors.items():
-        n = t.numel() * t.element_size()
-        if pieces[-1] and size + n > limit_bytes:
-            pieces.append({})
-            size = 0
-        pieces[-1][name] = t
-        size += n
-    *first, last = pieces
-    marked = [PeerState(ps.learner, ps.source, [{PIECE: i}], p) for i, p in enumerate(first)]
-    return [*marked, PeerState(ps.learner, ps.source, ps.param_groups, last)]
-
-
 class LearnerSession:
     """The protocol of one learner process (one incarnation) against its syncer shards."""
 
@@ -318,14 +295,17 @@ class LearnerSession:
         self._inbox: list[FragmentUpdate] = []
         self._peer_state: PeerState | None = None
         self._awaiting_peer_state = False
-        # The optimizer hand-off arrives in pieces (``peer_state_chunks``): what came so far.
-        self._ps_pieces: dict[str, torch.Tensor] = {}
+        # The optimizer hand-off arrives in pieces (``peer_state_chunks``), put together as they come.
+        self._ps: Reassembly | None = None
         self._ps_source: int | None = None
-        self._ps_numel = 0
         self._ps_said = now
+        self._ps_heard = now  # the request, then each piece: silence past 2 x peer_state_timeout_s gives up
+        self._boundary_at = now  # the last boundary's time (``complete`` is handed none)
         # More state than any optimizer keeps for this model (AdamW: 2 moments per parameter;
         # with amsgrad 3) is a peer's mistake or attack: the pieces are dropped past this.
         self._ps_max_numel = 4 * sum(math.prod(pc.shape) for f in layout.fragments for pc in f) + (1 << 20)
+        self.pace = HandoffPace(int(rt.peer_state_buffer_mb * (1 << 20)), rt.peer_state_copy_share)
+        """What serving this learner's optimizer state may copy at a boundary (``serve_budget``)."""
         self._asked_peer_state = False
         self._peer_requests: list[int] = []
         # Serving costs a copy of the optimizer state: one per peer_state_interval_s, bursts of 2
@@ -405,6 +385,10 @@ class LearnerSession:
         out = LearnerOutput()
         if self.done:
             return out
+        if self._awaiting_peer_state and now - self._ps_heard > 2 * self.rt.peer_state_timeout_s:
+            # The syncer forgot the request after peer_state_timeout_s without a piece: nothing more comes.
+            wait = now - self._ps_heard
+            self._drop_peer_state(f"no optimizer state from a peer for {wait:.0f} s; training on with its own", out)
         if self._hb_at is None or now >= self._hb_at + self.rt.heartbeat_interval_s:  # the sum next_deadline wakes at
             self._hb_at = now
             hb = self._heartbeat()
@@ -525,36 +509,39 @@ class LearnerSession:
     def _on_peer_state(self, msg: PeerState, shard: int, now: float, out: LearnerOutput) -> None:
         """Only the answer to this process's own pending request, once, relayed by shard 0 (which
         relays only the peer it chose), and never from itself. It may come in pieces, all from
-        one peer (``peer_state_chunks``): the last one, with the param_groups, completes it. Its
-        values are validated by the driver when it loads them (``training.peer_state.load_state``)."""
+        one peer (``peer_state_chunks``), put together as they come (``Reassembly``: a piece out
+        of its rules drops the whole state); the last one, with the param_groups, completes it.
+        Its values are validated by the driver when it loads them (``training.peer_state.load_state``)."""
         ours = msg.learner == self.learner and shard == 0 and msg.source != self.learner
-        if self._awaiting_peer_state and ours and self._ps_source in (None, msg.source):
-            if not is_piece(msg):
-                self._awaiting_peer_state = False
-                tensors = {**self._ps_pieces, **msg.tensors}
-                self._peer_state = PeerState(msg.learner, msg.source, msg.param_groups, tensors)
-                self._ps_pieces, self._ps_source = {}, None
-                return
-            self._ps_source = msg.source
-            self._ps_pieces.update(msg.tensors)
-            self._ps_numel += sum(t.numel() for t in msg.tensors.values())
-            if self._ps_numel > self._ps_max_numel:
-                self._awaiting_peer_state, self._ps_pieces = False, {}
-                out.notes.append(
-                    f"learner {self.learner}: dropped learner {msg.source}'s optimizer state: more than any "
-                    "optimizer of this model keeps; training on with its own"
-                )
-            elif now - self._ps_said >= JOIN_PROGRESS_S:
-                self._ps_said = now
-                out.info.append(
-                    f"learner {self.learner}: taking learner {msg.source}'s optimizer state: {len(self._ps_pieces)} "
-                    f"tensors so far ({self._ps_numel * 4 / 1e6:.1f} MB as fp32)"
-                )
-        else:
+        if not (self._awaiting_peer_state and ours and self._ps_source in (None, msg.source)):
             out.notes.append(
                 f"learner {self.learner}: ignored an optimizer state (from learner {msg.source}, shard {shard}) "
                 "it did not ask for"
             )
+            return
+        got = self._ps if self._ps is not None else Reassembly(self._ps_max_numel)
+        self._ps, self._ps_source, self._ps_heard = got, msg.source, now
+        problem = got.add(msg.tensors)
+        tensors: dict[str, torch.Tensor] = {}
+        if problem is None and not is_piece(msg):
+            tensors, problem = got.finish()
+        if problem is not None:
+            why = f"dropped learner {msg.source}'s optimizer state: {problem}; training on with its own"
+            self._drop_peer_state(why, out)
+        elif not is_piece(msg):
+            self._peer_state = PeerState(msg.learner, msg.source, msg.param_groups, tensors)
+            self._awaiting_peer_state, self._ps, self._ps_source = False, None, None
+        elif now - self._ps_said >= JOIN_PROGRESS_S:
+            self._ps_said = now
+            out.info.append(
+                f"learner {self.learner}: taking learner {msg.source}'s optimizer state: {len(got)} "
+                f"tensors so far ({got.numel * 4 / 1e6:.1f} MB as fp32)"
+            )
+
+    def _drop_peer_state(self, why: str, out: LearnerOutput) -> None:
+        """The hand-off under way ends without a state (what came of it is let go)."""
+        self._awaiting_peer_state, self._ps, self._ps_source = False, None, None
+        out.notes.append(f"learner {self.learner}: {why}")
 
     def _on_peer_request(self, msg: PeerStateRequest, shard: int, now: float, out: LearnerOutput) -> None:
         """Serve at most one request at a time and one per ``peer_state_interval_s`` (bursts of
@@ -652,6 +639,7 @@ class LearnerSession:
         fragment; ``routed``: its routed-token counts, see ``LearnerCore.on_step``) and plan the
         boundary after it. The step's busy time is ``duration_s - waited_s`` (``busy_s``)."""
         self.busy_s += max(duration_s - waited_s, 0.0)
+        self.pace.stepped(duration_s)
         self.tokens += tokens
         self.position = self.position + 1 if data_position is None else data_position
         if loss is not None:
@@ -661,6 +649,7 @@ class LearnerSession:
 
     def boundary(self, now: float) -> BoundaryPlan:
         """Plan a step boundary (also without a step: while joining, blocked, or finishing)."""
+        self._boundary_at = now
         plan = BoundaryPlan(move=self.overlap.moves())
         pieces = self.layout.fragments
         for arrived in self._inbox:
@@ -699,13 +688,29 @@ class LearnerSession:
         plan.prepare = [p for p in self.core.expected if p not in busy]
         return plan
 
+    def sending(self, done: int, rate: float) -> None:
+        """The driver's word on the optimizer hand-off it sends: ``done`` bytes of the hand-off
+        messages this session gave it are on the link or dropped (a running total, this process:
+        ``handoff.handoff_nbytes``), at ``rate`` bytes per second lately (0: not known)."""
+        self.pace.sending(done, rate)
+
+    def serve_budget(self) -> int:
+        """Bytes of optimizer state to copy at this boundary for the hand-offs under way
+        (``HandoffPace.budget``: by the link, the step time and what is still unsent; 0: none now)."""
+        return self.pace.budget()
+
     def complete(
-        self, plan: BoundaryPlan, values: Mapping[int, list[torch.Tensor]], peer_states: Sequence[PeerState] = ()
+        self,
+        plan: BoundaryPlan,
+        values: Mapping[int, list[torch.Tensor]],
+        peer_states: Sequence[PeerState] = (),
+        copy_s: float = 0.0,
     ) -> LearnerOutput:
         """Finish the boundary ``plan``: ``values`` holds the host copy of each fragment in
-        ``plan.read`` (taken after ``plan.apply`` was written); ``peer_states`` the optimizer
-        state for each learner in ``plan.serve``. Returns the acks, answers, pushes and states
-        to send; the snapshots are kept for the next requests."""
+        ``plan.read`` (taken after ``plan.apply`` was written); ``peer_states`` this boundary's
+        pieces of the optimizer states it serves (copied in ``copy_s`` seconds, as the driver
+        measured: 0, not measured). Returns the acks, answers, pushes and states to send, each
+        state in messages of ``peer_state_chunk_mb``; the snapshots are kept for the next requests."""
         out = LearnerOutput()
         for u, _ in plan.apply:
             out.send.append(Send(self.shard_of(u.fragment), Ack(self.learner, self.incarnation, u.fragment, u.version)))
@@ -715,13 +720,16 @@ class LearnerSession:
             out.send.append(self._sent(self._contribution(p, values[p])))
         self._prepared = {p: self._contribution(p, values[p]) for p in plan.prepare}
         limit = int(self.rt.peer_state_chunk_mb * (1 << 20))
-        out.send += [Send(0, piece) for ps in peer_states for piece in peer_state_chunks(ps, limit)]
+        self.pace.copied(sum(handoff_nbytes(ps) for ps in peer_states), copy_s)
+        for piece in (piece for ps in peer_states for piece in peer_state_chunks(ps, limit)):
+            self.pace.emitted += handoff_nbytes(piece)
+            out.send.append(Send(0, piece))
         if self.wants_peer_state and not self._asked_peer_state and len(self.received) == self.layout.num_fragments:
             # In a fresh run nobody has a state worth taking; in a run under way a warm one saves
             # the first steps from AdamW's cold start.
             self._asked_peer_state = True
             if max(self.core.base_version, default=0) > 0:
-                self._awaiting_peer_state = True
+                self._awaiting_peer_state, self._ps_heard = True, self._boundary_at
                 out.send.append(Send(0, PeerStateRequest(self.learner, self.incarnation)))
         return out
 

@@ -70,7 +70,8 @@ from ddiloco.core.syncer import FragmentRecord, Output, Syncer, SyncerView
 from ddiloco.core.tape import TapeRecord
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.fleet import FleetBook
-from ddiloco.protocol.learner_session import Registration, is_piece
+from ddiloco.protocol.handoff import is_piece
+from ddiloco.protocol.learner_session import Registration
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     RUN_ID_LEN,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.protocol.learner_session import is_piece
+from ddiloco.protocol.handoff import is_piece
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,12 @@ class PoisonedServer:
     def done(self) -> bool:
         return bool(self.server.done)
 
-    def piece(self) -> Any:
-        ps = self.server.piece()
+    @property
+    def copy_s(self) -> float:
+        return float(self.server.copy_s)
+
+    def piece(self, budget_bytes: int) -> Any:
+        ps = self.server.piece(budget_bytes)
         return None if ps is None else poisoned_state(ps, self.kind)
 
 

@@ -54,3 +54,46 @@ class SimLinks:
             self._site_free[direction] = done
         jitter = float(self.rng.uniform(-d.jitter_s, d.jitter_s)) if d.jitter_s > 0 else 0.0
         return done + d.latency_s + jitter
+
+    def rate(self, learner: int, direction: Direction) -> float:
+        """The bytes per second the learner's emulated link carries (the site link's, when
+        slower); 0: not limited."""
+        link = self.links[learner]
+        d: DirectionConfig = link.up if direction == "up" else link.down
+        rates = [r for r in (d.rate_bps, self.site_bps) if r > 0]
+        return min(rates) / 8 if rates else 0.0
+
+
+class HandoffQueues:
+    """Each learner's optimizer hand-off as its comm thread sends it (``service/learner/
+    handoff_sender.py``): the pieces one after another on its link, behind nothing else, and
+    what of them is done (arrived, or lost to a partition), for ``LearnerSession.sending``."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, float] = {}  # when each learner's hand-off has its link to itself again
+        self._pending: dict[int, list[tuple[float, int]]] = {}  # (done at, bytes), in order
+        self._done: dict[int, int] = {}
+
+    def start(self, learner: int) -> None:
+        """A new process: its running total starts again (its session's does)."""
+        self._pending[learner], self._done[learner] = [], 0
+
+    def wait_s(self, learner: int, now: float, nbytes: int, rate: float) -> float:
+        """How long a piece of ``nbytes`` sent at ``now`` waits for the pieces ahead of it on a
+        link of ``rate`` bytes per second (its own transfer is the caller's)."""
+        start = max(now, self._free.get(learner, now))
+        self._free[learner] = start + (nbytes / rate if rate > 0 else 0.0)
+        return start - now
+
+    def sent(self, learner: int, done_at: float, nbytes: int) -> None:
+        self._pending.setdefault(learner, []).append((done_at, nbytes))
+
+    def lost(self, learner: int, nbytes: int) -> None:
+        self._done[learner] = self._done.get(learner, 0) + nbytes
+
+    def done(self, learner: int, now: float) -> int:
+        """Bytes of the learner's hand-off pieces done by ``now`` (this process)."""
+        pending = self._pending.get(learner, [])
+        while pending and pending[0][0] <= now:
+            self._done[learner] = self._done.get(learner, 0) + pending.pop(0)[1]
+        return self._done.get(learner, 0)

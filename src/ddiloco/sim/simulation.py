@@ -35,6 +35,7 @@ from ddiloco.core.syncer import Syncer
 from ddiloco.core.tape import RoundRecord, TapeRecord
 from ddiloco.errors import DataError
 from ddiloco.protocol.boundary import BoundaryExecutor, StateSource
+from ddiloco.protocol.handoff import handoff_nbytes
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerOutput, LearnerSession, Registration
 from ddiloco.protocol.messages import PeerState
 from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
@@ -53,12 +54,12 @@ from ddiloco.sim.faults import (
     Slow,
     SlowLink,
 )
-from ddiloco.sim.links import SimLinks
+from ddiloco.sim.links import HandoffQueues, SimLinks
 from ddiloco.sim.memory_store import MemoryStore
 from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.training.layout import ModelLayout, layout_for, load_global, param_spec, synced_tensors
-from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
+from ddiloco.training.peer_state import StateServer, load_state
 from ddiloco.workloads.base import DataStream, Workload, loss_unit, routed_tokens
 
 SYNCER = 1 << 30  # actor ids of the syncer shards in the event order (after every learner)
@@ -142,7 +143,7 @@ class SimHost:
         )
 
     def serve(self, learner: int) -> StateSource:
-        server = StateServer(self.ln.opt, learner, self.ln.id, SERVE_BYTES_PER_BOUNDARY)
+        server = StateServer(self.ln.opt, learner, self.ln.id)  # a boundary takes no virtual time: no copy clock
         return server if self.hostile is None else PoisonedServer(server, self.hostile)
 
 
@@ -249,6 +250,7 @@ class Simulation:
         self._last_arrival: dict[tuple[int, int], float] = {}
         # The links of chaos.links / chaos.site_link, from their own seeded stream.
         self.links = SimLinks(cfg.chaos, m_count, np.random.default_rng([r.seed, 0x11A7]))
+        self.handoffs = HandoffQueues()
         self._next_sample = 0.0
         num_shards = s.syncer_shards
         self.shards = [
@@ -272,9 +274,16 @@ class Simulation:
             for f in self.faults
         )
 
-    def _deliver(self, src: int, dst: int, kind: str, data: Any, nbytes: int, extra_s: float = 0.0) -> None:
+    def _uplink_rate(self, m: int) -> float:
+        """Bytes per second learner m's messages cross its link at (its comm thread's measure)."""
+        return self.links.rate(m, "up") if self.links.covers(m) else self.cfg.sim.bandwidth_gbps * 1e9 / 8
+
+    def _deliver(
+        self, src: int, dst: int, kind: str, data: Any, nbytes: int, extra_s: float = 0.0, handoff: int = 0
+    ) -> None:
         """Send one message over the link src -> dst: it arrives after its transfer time, never
-        before an earlier message of the same link (a TCP connection keeps order)."""
+        before an earlier message of the same link (a TCP connection keeps order). ``handoff``: the
+        bytes of a piece of an optimizer state it serves, which waits for the pieces ahead of it."""
         learner = src if src < SYNCER else dst
         # As the syncer service counts: the learner's link, once the run's end is announced its final sync.
         self.traffic.count(data[-1], nbytes, "up" if src < SYNCER else "down", learner, final=self.end_time is not None)
@@ -285,8 +294,12 @@ class Simulation:
             sent = self.links.transfer_end(self.now + extra_s, learner, "up" if src < SYNCER else "down", nbytes)
         else:
             sent = self.now + extra_s + self._transfer_s(nbytes)
+            if handoff:  # one piece after another (an emulated link above is one queue already)
+                sent += self.handoffs.wait_s(learner, self.now, nbytes, self._uplink_rate(learner))
         arrival = max(sent, self._last_arrival.get((src, dst), 0.0))
         self._last_arrival[(src, dst)] = arrival
+        if handoff:
+            self.handoffs.sent(learner, arrival, handoff)
         self._at(arrival, dst, kind, data)
 
     # -- learners: the process side ----------------------------------------------------------
@@ -306,6 +319,7 @@ class Simulation:
             wants_peer_state=True,
         )
         ln.executor = BoundaryExecutor(SimHost(self, ln))
+        self.handoffs.start(ln.id)
         ln.training = ln.stepping = False
         ln.incarnation_start = (ln.tokens_processed, ln.steps_taken)
         ln.record = len(self.incarnations)
@@ -315,10 +329,14 @@ class Simulation:
     def _learner_out(self, ln: SimLearner, out: LearnerOutput) -> None:
         """Send what the session asked to send (a partitioned learner's messages are lost)."""
         self.log += [{"event": "note", "learner": ln.id, "time": self.now, "text": n} for n in out.notes]
-        if self._partitioned(ln.id):
-            return
+        lost = self._partitioned(ln.id)
         for send in out.send:
-            self._deliver(ln.id, SYNCER + send.shard, "to_syncer", (ln.id, send.shard, send.msg), _nbytes(send.msg))
+            piece = handoff_nbytes(send.msg) if isinstance(send.msg, PeerState) else 0  # (a refusal: none)
+            if lost:
+                self.handoffs.lost(ln.id, piece)
+                continue
+            data = (ln.id, send.shard, send.msg)
+            self._deliver(ln.id, SYNCER + send.shard, "to_syncer", data, _nbytes(send.msg), handoff=piece)
 
     def _learner_tick(self, ln: SimLearner) -> None:
         """Run the session's deadlines due now, and wake it at its next one."""
@@ -358,6 +376,7 @@ class Simulation:
         """What the learner's training thread does at a boundary (``protocol/boundary.py``):
         write, load, read, serve, send."""
         assert ln.session is not None and ln.executor is not None
+        ln.session.sending(self.handoffs.done(ln.id, self.now), self._uplink_rate(ln.id))
         out = ln.executor.run(plan, ln.session)
         assert out is not None
         self._learner_out(ln, out)

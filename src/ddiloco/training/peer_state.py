@@ -12,10 +12,11 @@ the receiver's parameters or holds values no honest optimizer could reach.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
-from ddiloco.protocol.learner_session import PIECE
+from ddiloco.protocol.handoff import PIECE, range_name, tensor_bytes
 from ddiloco.protocol.messages import PeerState
 
 MAX_STEP = 2**53
@@ -36,48 +37,107 @@ def state_message(opt: torch.optim.Optimizer, to: int, source: int) -> PeerState
     return PeerState(to, source, sd["param_groups"], tensors)
 
 
-SERVE_BYTES_PER_BOUNDARY = 32 << 20
-"""What a learner serving its optimizer state copies at one step boundary (``StateServer``)."""
-
-
 class StateServer:
-    """An optimizer state handed to a peer a few parameters per step boundary, not copied whole:
-    each boundary copies at most ``budget_bytes`` of state (a parameter's tensors together, so
-    its moments and step count are of one step; a parameter larger than the budget goes alone),
-    and the pieces (``learner_session.PIECE``) end with one carrying the param_groups. A copy of
-    the whole state would cost the serving learner twice the model at once (AdamW)."""
+    """An optimizer state handed to a peer a piece per step boundary, never copied whole: each
+    ``piece(budget_bytes)`` copies about that much state (the session's budget:
+    ``protocol.handoff.HandoffPace``), parameter after parameter in the optimizer's order. A
+    parameter whose state does not fit goes as ranges of rows (dim 0) over several boundaries,
+    its moments' same rows copied together (so they are of one step), under the names
+    ``protocol.handoff.range_name`` gives; its step count and any state of another shape go
+    with its first range. At least one row goes per piece. The pieces
+    (``protocol.handoff.PIECE``) end with one carrying the param_groups.
 
-    def __init__(self, opt: torch.optim.Optimizer, to: int, source: int, budget_bytes: int) -> None:
-        self.opt, self.to, self.source, self.budget = opt, to, source, budget_bytes
-        self._next = 0
+    ``clock``: a driver that measures how long each copy takes hands its clock (a copy from an
+    accelerator is timed after the device finished the step: what the copy costs, not what the
+    step still had queued); ``copy_s`` is then the last piece's copy time (0 without one)."""
+
+    def __init__(
+        self, opt: torch.optim.Optimizer, to: int, source: int, clock: Callable[[], float] | None = None
+    ) -> None:
+        self.opt, self.to, self.source, self.clock = opt, to, source, clock
+        self._next = 0  # the parameter (position in the state) under way
+        self._row = 0  # its next row (0: none of it went yet)
         self._index = 0
+        self.copy_s = 0.0
+        """Seconds the last piece's copy took (0: not measured)."""
 
     @property
     def done(self) -> bool:
         return self._next < 0
 
-    def piece(self) -> PeerState | None:
-        """This boundary's piece (None once the last one went)."""
+    def piece(self, budget_bytes: int) -> PeerState | None:
+        """About ``budget_bytes`` of state (None once the last piece went)."""
         if self.done:
             return None
         sd = self.opt.state_dict()  # (references to the live tensors: copied below, a few at a time)
         ids = list(sd["state"])  # the optimizer's own order (stable: a state made later goes last)
+        started = self._started(sd["state"].values())
         tensors: dict[str, torch.Tensor] = {}
         size = 0
-        while self._next < len(ids) and (not tensors or size < self.budget):
+        while self._next < len(ids) and (not tensors or size < budget_bytes):
             i = ids[self._next]
             items = {k: v for k, v in sd["state"][i].items() if isinstance(v, torch.Tensor)}
-            n = sum(v.numel() * v.element_size() for v in items.values())
-            if tensors and size + n > self.budget:
+            got = self._take(i, items, budget_bytes - size, first=not tensors)
+            if got is None:
                 break
-            tensors.update({f"{i}.{k}": v.detach().cpu().clone() for k, v in items.items()})
-            size += n
-            self._next += 1
+            tensors.update(got)
+            size += tensor_bytes(got)
+        if started is not None and self.clock is not None:
+            self.copy_s = self.clock() - started
         if self._next < len(ids):
             self._index += 1
             return PeerState(self.to, self.source, [{PIECE: self._index - 1}], tensors)
         self._next = -1
         return PeerState(self.to, self.source, sd["param_groups"], tensors)
+
+    def _started(self, states: Iterable[dict[str, object]]) -> float | None:
+        """When the copy starts (after an accelerator finished what it had queued), by ``clock``."""
+        if self.clock is None:
+            return None
+        for st in states:
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                    torch.cuda.synchronize(v.device)
+                    return self.clock()
+        return self.clock()
+
+    def _take(self, i: int, items: dict[str, torch.Tensor], room: int, first: bool) -> dict[str, torch.Tensor] | None:
+        """Copies of parameter ``i``'s state, or of its next rows, within ``room`` bytes (at least
+        one row when ``first``); None when not even that fits."""
+        ranged = _row_tensors(items)
+        whole = tensor_bytes(items)
+        if self._row == 0 and (whole <= room or not ranged):
+            if not first and whole > room:
+                return None
+            self._next += 1
+            return {f"{i}.{k}": _host_copy(v) for k, v in items.items()}
+        rows = next(iter(ranged.values())).shape[0]
+        row_bytes = sum(v[0].numel() * v.element_size() for v in ranged.values())
+        rest = whole - rows * row_bytes if self._row == 0 else 0  # what goes with the first range
+        take = min(rows - self._row, max(1 if first else 0, (room - rest) // max(1, row_bytes)))
+        if take <= 0:
+            return None
+        lo, hi = self._row, self._row + take
+        out = {f"{i}.{k}": _host_copy(v) for k, v in items.items() if k not in ranged and lo == 0}
+        out.update({range_name(f"{i}.{k}", lo, hi, rows): _host_copy(v[lo:hi]) for k, v in ranged.items()})
+        self._row = hi
+        if hi == rows:
+            self._next, self._row = self._next + 1, 0
+        return out
+
+
+def _row_tensors(items: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A parameter's state tensors that go by rows: those with the rows (dim 0, more than one) of
+    its largest one (AdamW: both moments; the step count goes whole)."""
+    big = max(items.values(), key=lambda v: v.numel(), default=None)
+    if big is None or big.dim() == 0 or big.shape[0] <= 1:
+        return {}
+    return {k: v for k, v in items.items() if v.dim() > 0 and v.shape[0] == big.shape[0]}
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in host memory, a copy of their own (one copy, from any device)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def _moment_bound(group: dict[str, object]) -> float | None:
@@ -119,7 +179,7 @@ def check_state(opt: torch.optim.Optimizer, msg: PeerState) -> tuple[dict[int, d
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in msg.tensors.items():
         idx, _, name = key.partition(".")
-        if not idx.isdigit() or not name or int(idx) >= len(params):
+        if not (idx.isascii() and idx.isdigit()) or not name or int(idx) >= len(params):
             return {}, f"state key {key!r} names no parameter of this optimizer ({len(params)} parameters)"
         state.setdefault(int(idx), {})[name] = t
     names = {frozenset(st) for st in state.values()}

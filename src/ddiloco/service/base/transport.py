@@ -111,6 +111,34 @@ class LearnerSocket(Protocol):
     def close(self, linger_s: float = 0.0) -> None: ...
 
 
+class Tracked(Protocol):
+    """A message handed to a transport: ``done`` once the transport let go of it (its bytes
+    written to the connection, or the connection gone)."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class TrackingSocket(Protocol):
+    """A learner's transport that says when it is done with a message (``ZmqLearnerSocket``,
+    the in-process network's): the comm thread paces the optimizer hand-off by it and measures
+    its link's rate. A transport without ``send_tracked`` is taken as done at once."""
+
+    def send_tracked(self, link: int, frames: Frames) -> Tracked | None:
+        """Queue a message to shard ``link`` without blocking (None: it cannot be queued now:
+        not connected, or the queue is full; try again later)."""
+        ...
+
+
+class _Done:
+    """A message the transport is done with at once."""
+
+    done = True
+
+
+DONE: Tracked = _Done()
+
+
 # -- the syncer's send queue -----------------------------------------------------------------
 
 
@@ -443,6 +471,25 @@ class ZmqLearnerSocket:
         except zmq.Again:
             return False  # not connected or queue full: the protocol retries, training goes on
 
+    def send_tracked(self, link: int, frames: Frames) -> Tracked | None:
+        """``send``, and a tracker that is done once ZeroMQ wrote every large frame to the
+        connection (frames under ``zmq.COPY_THRESHOLD`` are copied: done at once). ZeroMQ checks
+        its high-water mark on a message's first frame only, so it is queued whole or not at all."""
+        sock, trackers = self.socks[link], []
+        for i, frame in enumerate(frames):
+            more = zmq.SNDMORE if i < len(frames) - 1 else 0
+            try:
+                tracker = sock.send(frame, flags=zmq.NOBLOCK | more, copy=False, track=True)
+            except zmq.ZMQError as e:
+                if i > 0:
+                    return DONE  # the connection went mid-message: ZeroMQ dropped it
+                if isinstance(e, zmq.Again):
+                    return None  # not connected or queue full: try again later
+                raise
+            if tracker is not None and not tracker.done:
+                trackers.append(tracker)
+        return zmq.MessageTracker(*trackers) if trackers else DONE
+
     def recv(self, timeout_s: float) -> list[tuple[int, Frames]]:
         out: list[tuple[int, Frames]] = []
         for sock, _ in self.poller.poll(int(timeout_s * 1000)):
@@ -638,6 +685,9 @@ class _HubLearner:
         self.net, self.addresses, self.identity, self.inbox, self.key = net, addresses, identity, inbox, key
         self.routes: list[bytes] = []
         """Each link's current route (``InProcessNetwork._new_route``)."""
+
+    def send_tracked(self, link: int, frames: Frames) -> Tracked | None:
+        return DONE if self.send(link, frames) else None  # taken at once, or not at all
 
     def send(self, link: int, frames: Frames) -> bool:
         with self.net.cv:

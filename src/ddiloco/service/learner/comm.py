@@ -6,7 +6,9 @@ its deadlines (heartbeats, liveness, registration with backoff), and encodes and
 the session returns, including what the training thread's step boundaries produced (posted to
 ``outbox``). The training thread and this thread share the session under one short lock: every
 session call is pure bookkeeping (no I/O, no tensor copies), so neither waits on the other for
-long, and the training thread never waits on the network.
+long, and the training thread never waits on the network. The pieces of an optimizer state this
+learner serves wait behind everything else, in ``handoff`` (``handoff_sender.py``), which paces
+them by the link and measures it; the session hears what went (``LearnerSession.sending``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from collections.abc import Iterable
 
 from ddiloco.core.messages import Contribution
 from ddiloco.protocol.learner_session import LearnerOutput, LearnerSession, Send
+from ddiloco.protocol.messages import PeerState
 from ddiloco.service.base.clock import Clock
 from ddiloco.service.base.transport import LearnerSocket
 from ddiloco.service.base.wire import WireError, decode, encode
+from ddiloco.service.learner.handoff_sender import HandoffSender, untracked
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ class LearnerComm:
         self.wire_bytes_sent = 0
         """Bytes of contributions on the wire (every frame, to every shard); this thread only."""
         self._warned: set[str] = set()
+        tracked = getattr(sock, "send_tracked", None)
+        self.handoff = HandoffSender(tracked if tracked is not None else untracked(sock.send), clock.monotonic)
+        """The optimizer state this learner serves, waiting for its link (this thread's only)."""
         self._thread = threading.Thread(target=self._run, name=f"ddiloco-comm-{session.learner}", daemon=True)
 
     # -- the training thread's side ----------------------------------------------------------
@@ -110,10 +117,13 @@ class LearnerComm:
         while not self.stop.is_set():
             now = self.clock.monotonic()
             with self.lock:
+                session.sending(self.handoff.done, self.handoff.rate)
                 out = session.tick(now)
                 deadline = session.next_deadline(now)
             self._send(out)
             wait = 0.25 if deadline is None else min(max(0.0, deadline - now), 0.25)
+            if self.handoff.busy:
+                wait = min(wait, self.handoff.poll_s)
             for index, frames in self.sock.recv(wait):
                 try:
                     msg = decode(frames)
@@ -146,12 +156,23 @@ class LearnerComm:
             try:
                 send = self.outbox.get_nowait()
             except queue.Empty:
-                return
-            self._send_one(send)
+                break
+            if isinstance(send.msg, PeerState):  # a piece of the state it serves: behind the rest, paced
+                self.handoff.put(send)
+            else:
+                self._send_one(send)
+        if self.handoff.busy:
+            done = self.handoff.done
+            self.handoff.pump()
+            if self.handoff.done != done:  # the next boundary must see it (this loop may sleep a while next)
+                with self.lock:
+                    self.session.sending(self.handoff.done, self.handoff.rate)
 
     def _reconnect(self, link: int) -> None:
         log.info("learner %d: reconnecting to %s on a fresh connection", self.session.learner, self.addresses[link])
         self.reconnects += 1
+        if link == 0:  # the hand-off goes through shard 0: what waits was for the old connection
+            self.handoff.drop()
         self.sock.reconnect(link)
 
     def _send(self, out: LearnerOutput) -> None:

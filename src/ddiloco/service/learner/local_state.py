@@ -58,8 +58,9 @@ class Saved:
     """The session's part."""
     model: dict[str, torch.Tensor]
     """The model's synced tensors by name (CPU)."""
-    optimizer: PeerState | None
-    """The optimizer's state as a hand-off message (None: the learner saved none)."""
+    optimizer: dict[str, torch.Tensor]
+    """The optimizer's state as the hand-off's pieces name it (a large tensor by ranges of rows,
+    put together by ``take_back``); empty: the learner saved none."""
     rng: torch.Tensor | None
     """The CPU RNG's state."""
     data_position: int
@@ -158,8 +159,8 @@ class LocalStateSaver:
             yield "model", piece
         if self.optimizer is None:
             return
-        server = StateServer(self.optimizer, self.learner, self.learner, self.chunk_bytes)
-        while (ps := server.piece()) is not None:
+        server = StateServer(self.optimizer, self.learner, self.learner)
+        while (ps := server.piece(self.chunk_bytes)) is not None:
             if ps.tensors:
                 yield "optimizer", dict(ps.tensors)
 
@@ -313,9 +314,7 @@ def read_local_state(folder: Path, learner: int, layout: str, max_age_s: float) 
         tuple(versions), tuple(steps), tuple(tokens), scalars[0], float(merged), scalars[1], tuple(runs),
         tables["base"], tables["residual"],
     )  # fmt: skip
-    opt = PeerState(learner, learner, [], optimizer) if optimizer else None
-    rng = session.get("rng")
-    return Saved(state, model, opt, rng, scalars[2], age)
+    return Saved(state, model, optimizer, session.get("rng"), scalars[2], age)
 
 
 def _model_problem(saved: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> str | None:
@@ -333,6 +332,24 @@ def _model_problem(saved: Mapping[str, torch.Tensor], params: Mapping[str, torch
     return None
 
 
+def _optimizer_state(
+    pieces: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, me: int
+) -> tuple[PeerState | None, str | None]:
+    """The saved optimizer pieces put together (the hand-off's rules and bound) and checked as a
+    peer's state would be; or why not."""
+    from ddiloco.protocol.handoff import Reassembly
+    from ddiloco.training.peer_state import check_state
+
+    whole = Reassembly(4 * sum(p.numel() for p in params.values()) + (1 << 20))
+    problem = whole.add(pieces)
+    tensors, problem = whole.finish() if problem is None else ({}, problem)
+    if problem is not None:
+        return None, f"its optimizer state: {problem}"
+    state = PeerState(me, me, [], tensors)
+    problem = check_state(optimizer, state)[1]
+    return (state, None) if problem is None else (None, f"its optimizer state: {problem}")
+
+
 def take_back(
     saved: Saved,
     session: LearnerSession,
@@ -342,19 +359,20 @@ def take_back(
     """Write a save back into the model, the optimizer, the session and the RNG, or say why not
     (then nothing was changed). Everything is checked before anything is written."""
     from ddiloco.protocol.local_state import check, restore
-    from ddiloco.training.peer_state import check_state, load_state
+    from ddiloco.training.peer_state import load_state
 
     problem = _model_problem(saved.model, params) or check(session, saved.state)
-    if problem is None and optimizer is not None and saved.optimizer is not None:
-        problem = check_state(optimizer, saved.optimizer)[1]
+    state = None
+    if problem is None and optimizer is not None and saved.optimizer:
+        state, problem = _optimizer_state(saved.optimizer, params, optimizer, session.learner)
     if problem is not None:
         return problem
     with torch.no_grad():
         for name, t in saved.model.items():
             params[name].copy_(t)
-    if optimizer is not None and saved.optimizer is not None:
+    if optimizer is not None and state is not None:
         device = next(iter(params.values())).device
-        problem = load_state(optimizer, saved.optimizer, device)
+        problem = load_state(optimizer, state, device)
         if problem is not None:  # checked above: only torch's own load can still refuse it
             return f"its optimizer state did not load ({problem})"
     if saved.rng is not None and saved.rng.dtype == torch.uint8:

@@ -4,7 +4,7 @@
 driver's own is here: on CUDA, fragments go up and down on a side stream through pinned memory
 (``device_copies.py``); under FSDP2 a rank writes only its own rows of a sharded parameter and
 gathers the full tensor to read it; a peer's optimizer state is checked and loaded (or refused,
-with a line in the log); its own is served a few parameters per boundary (``StateServer``).
+with a line in the log); its own is served a piece per boundary (``StateServer``, its copies timed).
 Every write goes through ``core.fragments.write_fragment``: one rule for every driver.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ import torch
 from ddiloco.core.fragments import Piece, write_fragment
 from ddiloco.errors import UsageError
 from ddiloco.protocol.messages import PeerState
-from ddiloco.training.peer_state import SERVE_BYTES_PER_BOUNDARY, StateServer, load_state
+from ddiloco.training.peer_state import StateServer, load_state
 
 if TYPE_CHECKING:
     from ddiloco.service.learner.device_copies import DeviceCopies
@@ -144,9 +145,10 @@ class ModelHost:
             self.on_handoff(state)
 
     def serve(self, learner: int) -> StateServer | None:
-        """Its optimizer state for ``learner``, a few parameters per boundary. Without an
+        """Its optimizer state for ``learner``, a piece per boundary as the session's budget
+        says, each copy timed (the budget keeps it within a share of a step). Without an
         optimizer (or with sharded state, FSDP2) there is nothing to give; the peer does not
         wait for an answer."""
         if self.optimizer is None or self.sharded:
             return None
-        return StateServer(self.optimizer, learner, self.learner, SERVE_BYTES_PER_BOUNDARY)
+        return StateServer(self.optimizer, learner, self.learner, clock=time.perf_counter)
