@@ -20,7 +20,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +32,7 @@ from ddiloco.config import Config
 from ddiloco.core import robust
 from ddiloco.core.fragments import tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.syncer import FragmentRecord, Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
@@ -511,8 +511,16 @@ class SyncerService:
         self._progress.maybe(self._progress_line)
 
     def snapshot(self) -> Path:
-        """Write every owned fragment and the meta state as one snapshot."""
-        return self.store.snapshot(self.session.records(self.core.owned), self.session.meta())
+        """Write every owned fragment and the meta state as one snapshot (the records made one
+        at a time: each copies its fragment's momentum, let go before the next is made)."""
+
+        def records() -> Iterator[FragmentRecord]:
+            for p in self.core.owned:
+                [rec] = self.session.records([p])
+                yield rec
+                del rec
+
+        return self.store.snapshot(records(), self.session.meta())
 
     def memory(self) -> dict[str, int]:
         """Bytes the core holds by purpose (``Syncer.held_bytes``), what waits in the send
