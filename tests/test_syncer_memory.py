@@ -5,14 +5,31 @@ status ``memory``."""
 from __future__ import annotations
 
 import gc
+import json
+import logging
+import time
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
+from helpers import SESSION_LAYOUT, SessionPair
+from test_library_run import BUDGET, Net, cfg, run_fleet
+from test_observer import Observer, ScriptedSyncer, Toy, merge_one_round
 from test_store_bounds import LAYOUT, META, record
+from torch import nn
 
+import ddiloco
+from ddiloco.core.fragments import read_fragment, write_fragment
 from ddiloco.core.syncer import FragmentRecord
+from ddiloco.protocol.config import EvalCadence
+from ddiloco.protocol.messages import FetchGlobal, GlobalState
+from ddiloco.service.base.observer import Moved
+from ddiloco.service.base.transport import InProcessNetwork
+from ddiloco.service.syncer.eval_hook import EvalHook
 from ddiloco.service.syncer.store import SyncerStore
+from ddiloco.training.layout import synced_tensors
 
 torch.set_num_threads(1)
 
@@ -38,3 +55,205 @@ def test_a_snapshot_makes_each_record_after_the_one_before_is_let_go(tmp_path):
     store.snapshot(records(), META)
     assert len(alive) == 4
     assert store.restore(LAYOUT, list(range(4))) is not None
+
+
+# -- SyncerServer: one copy of the values, not two -----------------------------------------------
+
+
+class BNNet(nn.Module):
+    """A user's model: a row-split embedding (``algo.num_fragments=4``), a tied head, BatchNorm's
+    persistent statistics and a non-persistent buffer (not the syncer's: left as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.body = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(torch.tanh(self.body(self.embed(ids).mean(1)))) * self.scale)
+
+
+def server_for(model: nn.Module, run_dir: Path, *extra: str, **kwargs: Any) -> ddiloco.SyncerServer:
+    address = f"inproc://{run_dir.name}"
+    return ddiloco.SyncerServer(
+        model, address, run_dir, config=cfg("algo.num_fragments=4", *extra),
+        transport=InProcessNetwork().syncer(address), fsync=False, **kwargs,
+    )  # fmt: skip
+
+
+def storages(tensors: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_the_syncer_takes_the_models_values_and_the_model_keeps_its_structure_while_it_serves(tmp_path):
+    torch.manual_seed(0)
+    model = BNNet()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mine = storages(t for t in synced_tensors(model).values() if t.dtype == torch.float32)
+    weight, mean = model.embed.weight, model.norm.running_mean
+    server = server_for(model, tmp_path)
+    core = server.service.core
+    # version 0 is the model's memory (views), not a copy of it (an integer count is converted)
+    assert mine <= storages(t for p in range(core.layout.num_fragments) for t in core.values(p))
+    # the model: the same tensor objects, tied as before, on the meta device (no memory)
+    assert all(t.is_meta for t in synced_tensors(model).values())
+    assert model.embed.weight is weight and model.head.weight is weight and model.norm.running_mean is mean
+    assert not model.scale.is_meta and float(model.scale) == 2.0  # not synced: left as it is
+    server.stop()  # never started: the model gets its values back
+    assert model.embed.weight is weight and model.head.weight is model.embed.weight
+    assert set(model.state_dict()) == set(before)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_at_the_stop_the_model_is_the_final_global_model_shared_not_copied(tmp_path):
+    """A run with merges: the model given ends as the final model file says; a tensor the
+    syncer holds whole in the model's dtype is the syncer's final value itself (no copy), a
+    row-split one is written into new memory; the evaluate hook's copy is let go."""
+    torch.manual_seed(0)
+    model = Net()
+    calls: list[bool] = []
+
+    def evaluate(m: nn.Module) -> float:
+        calls.append(all(bool(torch.isfinite(t).all()) for t in m.state_dict().values()))
+        return 1.0
+
+    def while_serving(server: ddiloco.SyncerServer) -> None:
+        assert all(t.is_meta for t in synced_tensors(model).values())  # (the learners are joining)
+
+    server = run_fleet(tmp_path / "run", cfg(f"run.processed_tokens={BUDGET}", "algo.num_fragments=4"),
+                       serve=while_serving, model=model, evaluate=evaluate, eval_interval_s=0.05)  # fmt: skip
+    core = server.service.core
+    assert max(core.versions()) > 0 and calls and all(calls)  # merged; every evaluation saw a whole model
+    final = ddiloco.load_state_dict(tmp_path / "run")
+    state = model.state_dict()
+    assert set(state) == set(final) and all(torch.equal(state[k], final[k]) for k in final)
+    body = next(p for p in range(4) if core.layout.fragments[p][0].name == "body.weight")
+    assert model.body.weight.untyped_storage().data_ptr() == core.values(body)[0].untyped_storage().data_ptr()
+    assert model.embed.weight.untyped_storage().data_ptr() not in storages(core.values(0) + core.values(1))
+    assert server.evaluation is not None and server.evaluation.held_bytes() == 0
+    out = model(torch.randint(0, 32, (2, 6)))  # a usable module again
+    assert out.shape == (2, 4) and torch.isfinite(out).all()
+
+
+def test_a_bf16_model_keeps_its_dtype_and_a_shard_gives_back_the_fragments_it_does_not_own(tmp_path):
+    torch.manual_seed(0)
+    model = BNNet().to(torch.bfloat16)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    server = server_for(model, tmp_path, shard=0, num_shards=2)
+    assert all(t.is_meta for t in synced_tensors(model).values())
+    server.stop()
+    state = model.state_dict()
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in before.items())
+
+
+# -- the evaluate hook and the evaluator: built to receive, evaluated only whole -----------------
+
+
+def stingy(real: Any, on: list[bool]) -> Any:
+    """An ``AskShard`` whose answers carry no values of fragment 0 while ``on[0]``."""
+
+    def ask(shard: int, request: FetchGlobal, moved: Moved) -> GlobalState | None:
+        answer = real(shard, request, moved)
+        if answer is None or not on[0]:
+            return answer
+        kept = {k: v for k, v in answer.tensors.items() if not k.startswith("0.")}
+        return GlobalState(answer.versions, answer.merged_tokens, kept, answer.run_ended, answer.tokens_per_step)
+
+    return ask
+
+
+def exact(model: nn.Module, layout: Any, values: Any) -> bool:
+    """Whether every fragment of ``model`` holds ``values(p)``."""
+    params = synced_tensors(model)
+    pairs = [
+        (a, b) for p, pieces in enumerate(layout.fragments) for a, b in zip(read_fragment(params, pieces), values(p))
+    ]
+    return all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_the_hook_copies_no_values_and_never_evaluates_a_copy_not_every_fragment_was_written_into(tmp_path):
+    pair = SessionPair()
+    pair.tick()
+    merge_one_round(pair)  # merged tokens past the first mark
+    toy = Toy()  # (NaN values: a copy of them would show)
+    on = [True]
+    seen: list[bool] = []
+    core = pair.syncer.core
+    cadence = EvalCadence(1.0, 4, "fp32", "fp32")
+
+    def fn(m: nn.Module) -> float:
+        seen.append(exact(m, SESSION_LAYOUT, core.values))
+        return 0.5
+
+    hook = EvalHook(fn, toy, SESSION_LAYOUT, stingy(Observer(pair), on), tmp_path, 0.01, cadence, lambda: 1.0)
+    assert not storages(synced_tensors(hook.model).values()) & storages(synced_tensors(toy).values())
+    hook.start()
+    try:
+        time.sleep(0.3)  # polls and refreshes, fragment 0 never sent
+        assert seen == [] and hook.copy.versions() == {"1": 1} and not hook.copy.complete
+        on[0] = False
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        hook.stop()
+    assert seen and all(seen)  # evaluated once whole, on the exact global model
+    # the end-of-run path writes every fragment from the syncer's values itself, then lets the copy go
+    fresh = EvalHook(fn, toy, SESSION_LAYOUT, stingy(Observer(pair), [True]), tmp_path, 0.01, cadence, lambda: 1.0)
+    before = len(seen)
+
+    def load(m: nn.Module) -> None:
+        params = synced_tensors(m)
+        for p, pieces in enumerate(SESSION_LAYOUT.fragments):
+            write_fragment(params, pieces, core.values(p))
+
+    fresh.final(load, 16.0, ended=True)
+    assert len(seen) == before + 1 and seen[-1]
+    assert fresh.held_bytes() > 0
+    fresh.release()
+    assert fresh.held_bytes() == 0
+
+
+def test_the_evaluator_builds_its_model_empty_and_evaluates_only_a_whole_model(tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from ddiloco.config import load_config
+    from ddiloco.service.ops import evaluator
+    from ddiloco.training.layout import layout_for
+    from ddiloco.workloads.config import load_workload
+
+    cfg_ = load_config(None, [
+        "workload.factory=ddiloco.workloads.synthetic:make_workload", "algo.num_fragments=4",
+        "runtime.eval_interval_s=0.01", "runtime.eval_every_tokens=1000", "runtime.final_eval=false",
+    ])  # fmt: skip
+    wl = load_workload(cfg_.workload)
+    layout = layout_for(wl.build_model(cfg_.run.seed), wl, cfg_.algo).fragments
+    script = ScriptedSyncer(wl.build_model(cfg_.run.seed), layout, tokens=300.0, end_after=12)
+    on = [True]
+
+    def ask(shard: int, request: FetchGlobal, moved: Moved) -> GlobalState | None:
+        answer = stingy(script, on)(shard, request, moved)
+        if not request.versions_only:
+            on[0] = False  # one refresh without fragment 0's values, then whole answers
+        return answer
+
+    monkeypatch.setattr(evaluator, "shard_asker", lambda syncers, keys: ask)
+    seen: list[bool] = []
+
+    def evaluate(wl_: Any, model: nn.Module, batches: Any) -> float:
+        seen.append(exact(model, layout, lambda p: script.values[p]))
+        return 0.25
+
+    monkeypatch.setattr(evaluator, "evaluate", evaluate)
+    signals = SimpleNamespace(requested=False)
+    with caplog.at_level(logging.INFO, logger="ddiloco.service.ops.evaluator"):
+        assert evaluator._evaluate_until_the_end(cfg_, ["tcp://h:1"], str(tmp_path), False, None, signals) == 0  # type: ignore[arg-type]
+    assert "its model is given memory without initialisation" in caplog.text
+    assert "not every fragment has come from the syncer yet: no evaluation" in caplog.text
+    recs = [json.loads(line) for line in (tmp_path / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert seen and all(seen) and len(recs) == len(seen)
+    assert recs[0]["merged_tokens"] == 1500.0  # the 1,200 mark's refresh lacked fragment 0: the next poll's

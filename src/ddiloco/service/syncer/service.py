@@ -139,10 +139,12 @@ def restore_global(
     fsync: bool,
     model: nn.Module | None,
     embedding_like: Callable[[str], bool] | None,
+    take: bool = False,
 ) -> GlobalModel:
     """Open and restore the shard's store, then build its core from what it held (``model``:
     the initial global model; default the config's workload builds it, as its structure alone
-    when every value comes from the store)."""
+    when every value comes from the store). ``take``: ``model``'s values are the core's to keep
+    (its caller lets the model's tensors go: ``SyncerServer``), not copied."""
     wl = None
     if model is None:
         # The workload's model, first as its structure alone: a restart takes every value
@@ -166,8 +168,8 @@ def restore_global(
         else:
             model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
     params = synced_tensors(model)  # the parameters and the persistent buffers
-    # values this process built (not a model given in code) are the core's to keep
-    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=wl is not None)
+    # values this process built, or a model given in code that its caller lets go, are the core's to keep
+    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=take or wl is not None)
     return GlobalModel(layout, store, found, core, keys, spec, numel)
 
 
@@ -217,10 +219,12 @@ class SyncerService:
         keys: ServerKeys | None = None,
         model: nn.Module | None = None,
         embedding_like: Callable[[str], bool] | None = None,
+        take: bool = False,
     ) -> None:
         """``model``: the initial global model (default: the config's workload builds it);
         ``embedding_like(name)``: which of its tensors are merged by weighted mean (default: the
-        workload's choice, or for a given model its ``nn.Embedding`` parameters)."""
+        workload's choice, or for a given model its ``nn.Embedding`` parameters); ``take``: the
+        core keeps ``model``'s values as they are (views), since the caller lets them go."""
         check_shard(shard, num_shards)
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
@@ -229,7 +233,7 @@ class SyncerService:
         self.startup.run_dir = self.run_dir
         self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
-        g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like)
+        g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like, take)
         self.layout, self.store, self.restored, self._state_keys = g.layout, g.store, g.found is not None, g.state_keys
         self.startup.mark("restore")
         start = clock.monotonic()
@@ -687,6 +691,7 @@ def open_syncer(
     insecure: bool = False,
     transport: SyncerSocket | None = None,
     fsync: bool = True,
+    take: bool = False,
 ) -> tuple[SyncerService, str]:
     """A syncer shard serving at ``bind`` and the address it bound (``PORT`` may be ``*``): the
     one construction path of ``ddiloco syncer`` and ``ddiloco.SyncerServer``.
@@ -694,7 +699,8 @@ def open_syncer(
     Off this machine CURVE is on by default: without keys the syncer refuses to bind anything
     but loopback unless ``insecure`` is given, and then says so. ``model``: the initial global
     model (default: the config's workload builds it, and the syncer evaluates the final model
-    on it); ``transport``: an in-process socket instead of ZeroMQ (tests)."""
+    on it); ``transport``: an in-process socket instead of ZeroMQ (tests); ``take``: the core
+    keeps ``model``'s values without copying them (the caller lets the model's tensors go)."""
     import zmq
 
     # One core by default (the learners need the rest); a syncer with cores of its own may merge on all.
@@ -723,7 +729,7 @@ def open_syncer(
     try:
         service = SyncerService(
             cfg, transport, run_dir, shard, num_shards, fsync=fsync, keys=keys, model=model,
-            embedding_like=embedding_like,
+            embedding_like=embedding_like, take=take,
         )  # fmt: skip
     except BaseException:
         transport.close()
