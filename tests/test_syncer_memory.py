@@ -103,6 +103,7 @@ def test_the_syncer_takes_the_models_values_and_the_model_keeps_its_structure_wh
     assert all(t.is_meta for t in synced_tensors(model).values())
     assert model.embed.weight is weight and model.head.weight is weight and model.norm.running_mean is mean
     assert not model.scale.is_meta and float(model.scale) == 2.0  # not synced: left as it is
+    assert server.service.memory()["model"] == 0
     server.stop()  # never started: the model gets its values back
     assert model.embed.weight is weight and model.head.weight is model.embed.weight
     assert set(model.state_dict()) == set(before)
@@ -145,6 +146,7 @@ def test_a_bf16_model_keeps_its_dtype_and_a_shard_gives_back_the_fragments_it_do
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     server = server_for(model, tmp_path, shard=0, num_shards=2)
     assert all(t.is_meta for t in synced_tensors(model).values())
+    assert server.service.memory()["unowned"] > 0  # the other shard's fragments, as version 0
     server.stop()
     state = model.state_dict()
     assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in before.items())
@@ -257,3 +259,43 @@ def test_the_evaluator_builds_its_model_empty_and_evaluates_only_a_whole_model(t
     recs = [json.loads(line) for line in (tmp_path / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert seen and all(seen) and len(recs) == len(seen)
     assert recs[0]["merged_tokens"] == 1500.0  # the 1,200 mark's refresh lacked fragment 0: the next poll's
+
+
+# -- the status shows it ---------------------------------------------------------------------------
+
+PHASES = {"start", "serve", "final sync", "final model", "stop"}
+
+
+def test_the_status_shows_what_is_held_beside_the_core_and_the_peak_with_its_phase(tmp_path, capsys):
+    from ddiloco.cli import main
+    from ddiloco.training.empty_model import synced_bytes
+
+    torch.manual_seed(0)
+    server = server_for(BNNet(), tmp_path, evaluate=lambda m: 1.0)
+    mem = server.service.memory()
+    assert mem["model"] == 0 and mem["eval_copy"] == synced_bytes(BNNet()) > 0 and mem["unowned"] == 0
+    assert mem["rss_peak"] >= mem["rss"] > 0 and mem["rss_peak_in"] in PHASES
+    server.serve(max_seconds=0.3, handle_signals=False)
+    status = json.loads((tmp_path / "status" / "syncer-0.json").read_text())["memory"]
+    assert {"held_values", "held_momentum", "unowned", "model", "eval_copy", "send_queued", "rss", "rss_peak"} <= set(
+        status
+    )
+    assert status["eval_copy"] > 0 and status["model"] == 0 and status["rss_peak_in"] in PHASES
+    assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "memory (shard 0): values " in shown and "evaluation copy " in shown and "(reached in: " in shown
+    assert server.evaluation is not None and server.evaluation.held_bytes() == 0  # let go at the stop
+
+
+def test_each_shards_memory_is_shown_apart():
+    from ddiloco.service.ops.status_cmd import memory_line, merge_views
+
+    mem = {"held_values": 4_000_000, "held_momentum": 0, "unowned": 2_000_000, "rss": 9_000_000}
+    views = [{"shard": k, "memory": {**mem, "rss_peak": 10_000_000 + k, "rss_peak_in": "serve"}} for k in (0, 1)]
+    line = memory_line(merge_views(views))
+    assert line.splitlines() == [
+        f"memory (shard {k}): values 4.0 MB, other shards' fragments 2.0 MB; resident 9.0 MB, peak 10.0 MB "
+        "(reached in: serve)"
+        for k in (0, 1)
+    ]
+    assert memory_line({"shard": 0}) == "memory: not reported"

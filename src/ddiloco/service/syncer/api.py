@@ -44,7 +44,7 @@ from ddiloco.service.base.transport import InProcessNetwork, SyncerSocket
 from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
 from ddiloco.service.syncer.service import open_syncer
 from ddiloco.service.syncer.store import start_over as start_store_over
-from ddiloco.training.empty_model import LetGo, let_go, take_back
+from ddiloco.training.empty_model import LetGo, let_go, synced_bytes, take_back
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,9 @@ class SyncerServer:
         if evaluate is not None:
             hook_net = getattr(transport, "net", None)
             self.evaluation = self._eval_hook(evaluate, interval_s, cadence_of(cfg, every), hook_net, insecure)
+        self.service.beside["model"] = lambda: synced_bytes(self.model)
+        if self.evaluation is not None:
+            self.service.beside["eval_copy"] = self.evaluation.held_bytes
         # Last, once nothing can fail: the core holds the values, the model its structure alone.
         self._let_go: LetGo | None = let_go(model)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ddiloco.config import Config
 from ddiloco.core import robust
-from ddiloco.core.fragments import tensor_pieces, write_fragment
+from ddiloco.core.fragments import storage_bytes, tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import FragmentRecord, Syncer
 from ddiloco.core.tape import Rejection
@@ -46,7 +46,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.base.heap import release_free_memory, resident_bytes
+from ddiloco.service.base.heap import PeakWatch, release_free_memory, resident_bytes
 from ddiloco.service.base.keys import ServerKeys, is_local
 from ddiloco.service.base.ratelimit import RateLimits
 from ddiloco.service.base.startup import StartupTimes
@@ -240,6 +240,7 @@ class SyncerService:
         self.session, ended = open_session(cfg, g, self.run_dir, clock, start, shard, keys is not None)
         self._init_state(cfg.runtime, start, g.numel)
         self._start(ended)
+        self.peak.note("start")  # the process so far: imports, the model's build, the store's restore
 
     def _init_state(self, rt: RuntimeConfig, start: float, numel: int) -> None:
         """The counters, receipt-time limits and chore clocks, before any message."""
@@ -267,6 +268,13 @@ class SyncerService:
         self._traffic_params = numel  # N, for the data-parallel baseline
         self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
         self.load = RoundLoad(shard=self.shard)
+        self.peak = PeakWatch()
+        """The process's peak resident size and the phase it was reached in (status ``memory``)."""
+        self.phase = "serve"
+        """What the shard is doing: serve, final sync (the run's end), final model (writing it), stop."""
+        self.beside: dict[str, Callable[[], int]] = {}
+        """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
+        the evaluate hook's copy), shown in the status ``memory``."""
 
     def _start(self, ended: str | None) -> None:
         """The run folder's files: the flight recorder, the run log's start (or that the run
@@ -459,6 +467,8 @@ class SyncerService:
             out = self.session.tick(now)
             self.load.work(None, out.persist, self.work_clock() - started)
             self._emit(out)
+            if self.phase == "serve" and self.session.end_stage is not None:
+                self._enter("final sync")
             self._chores(rt)
 
     def stop(self) -> None:
@@ -526,14 +536,39 @@ class SyncerService:
 
         return self.store.snapshot(records(), self.session.meta())
 
-    def memory(self) -> dict[str, int]:
-        """Bytes the core holds by purpose (``Syncer.held_bytes``), what waits in the send
-        queues, and the process's resident size (docs/runtime.md's budget, live)."""
+    def _enter(self, phase: str) -> None:
+        """The shard's work moves on to ``phase``: the peak so far belongs to the one before."""
+        self.peak.note(self.phase)
+        self.phase = phase
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes the core holds by purpose (``Syncer.held_bytes``), the fragments other shards
+        own as this core keeps them (``unowned``), what the process holds beside the core
+        (``beside``), what waits in the send queues, and the process's resident size now and at
+        its peak, with the phase the peak was reached in (docs/runtime.md's budget, live)."""
         queues = getattr(self.sock, "queues", {})
-        out = {f"held_{k}": v for k, v in self.core.held_bytes().items()}
+        out: dict[str, Any] = {f"held_{k}": v for k, v in self.core.held_bytes().items()}
+        out["unowned"] = self.unowned_bytes()
+        out.update({name: held() for name, held in self.beside.items()})
         out["send_queued"] = sum(q.nbytes for q in queues.values())
         out["rss"] = resident_bytes()
+        self.peak.note(self.phase)
+        out["rss_peak"], out["rss_peak_in"] = self.peak.bytes, self.peak.phase
         return out
+
+    def unowned_bytes(self) -> int:
+        """Bytes of the fragments other shards own, as this shard's core keeps them (version 0:
+        views of the model it was built from, where they do not share a storage with its own)."""
+        core = self.core
+        mine = {t.untyped_storage().data_ptr() for p in core.owned for t in core.values(p)}
+        others = [
+            t
+            for p in range(core.layout.num_fragments)
+            if p not in core.owned
+            for t in core.values(p)
+            if t.untyped_storage().data_ptr() not in mine and not t.is_meta
+        ]
+        return storage_bytes(others)
 
     def status(self) -> dict[str, Any]:
         """This shard's figures: the fleet view (``fleet_status``) and the process's counters.
@@ -571,6 +606,7 @@ class SyncerService:
         Stopped before the run's end (a signal, a requeue), the run is marked interrupted and
         its summary partial; a later start on the folder resumes it."""
         ended = self.session.end_stage == "done"
+        self._enter("stop")
         try:
             self._emit(self.session.shutdown(self.clock.monotonic()))
             self.snapshot()
@@ -578,6 +614,7 @@ class SyncerService:
             self.write_learner_metrics()  # the learners' last figures, for the summary
             if self._model_written != tuple(self.core.versions()):  # not already written at the run's end
                 self.write_final_model()
+                self.write_status()  # again: its memory figures with the final model's writing
         finally:
             self.sock.close()
             self.store.close()
@@ -626,6 +663,15 @@ class SyncerService:
             write_fragment(params, self.core.layout.fragments[p], self.core.values(p))
 
     def write_final_model(self) -> Path:
+        """Write the final model file (``final/``) from the core's values, a piece at a time."""
+        before = self.phase
+        self._enter("final model")
+        try:
+            return self._write_final_model()
+        finally:
+            self._enter(before)
+
+    def _write_final_model(self) -> Path:
         # Every key of the model's state dict, in its dtype, written piece by piece from the
         # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
         # is written once, under its first key, and its other keys as aliases of that one
