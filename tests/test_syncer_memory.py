@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from helpers import SESSION_LAYOUT, SessionPair
 from test_library_run import BUDGET, Net, cfg, run_fleet
@@ -23,6 +24,7 @@ from torch import nn
 import ddiloco
 from ddiloco.core.fragments import read_fragment, write_fragment
 from ddiloco.core.syncer import FragmentRecord
+from ddiloco.errors import UsageError
 from ddiloco.protocol.config import EvalCadence
 from ddiloco.protocol.messages import FetchGlobal, GlobalState
 from ddiloco.service.base.observer import Moved
@@ -138,6 +140,16 @@ def test_at_the_stop_the_model_is_the_final_global_model_shared_not_copied(tmp_p
     assert server.evaluation is not None and server.evaluation.held_bytes() == 0
     out = model(torch.randint(0, 32, (2, 6)))  # a usable module again
     assert out.shape == (2, 4) and torch.isfinite(out).all()
+
+
+def test_a_model_another_syncer_server_holds_is_refused_in_one_line(tmp_path):
+    model = BNNet()
+    first = server_for(model, tmp_path / "a")
+    with pytest.raises(UsageError, match=r"^model holds no values \(embed.weight is on the meta device; another"):
+        server_for(model, tmp_path / "b", shard=1, num_shards=2)
+    first.stop()
+    second = server_for(model, tmp_path / "c")  # the first one stopped: the model holds values again
+    second.stop()
 
 
 def test_a_bf16_model_keeps_its_dtype_and_a_shard_gives_back_the_fragments_it_does_not_own(tmp_path):

@@ -45,6 +45,7 @@ from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_ho
 from ddiloco.service.syncer.service import open_syncer
 from ddiloco.service.syncer.store import start_over as start_store_over
 from ddiloco.training.empty_model import LetGo, let_go, synced_bytes, take_back
+from ddiloco.training.layout import synced_tensors
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,12 @@ def checked_config(
     config's), once the arguments are checked (UsageError)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
+    meta = next((name for name, t in synced_tensors(model).items() if t.is_meta), None)
+    if meta is not None:
+        raise UsageError(
+            f"model holds no values ({meta} is on the meta device; another SyncerServer's model while it serves?): "
+            "give each SyncerServer its own model (copy.deepcopy(model) before the first takes its values)"
+        )
     if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
     cfg = as_config(config)
