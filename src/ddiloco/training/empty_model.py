@@ -199,8 +199,8 @@ def _replace(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> 
         new = make(t)
         new = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
         try:
-            with torch.no_grad():
-                swap_tensors(t, new)  # the object stays: references to it (a tie, an optimizer) see the change
+            with torch.no_grad():  # the object stays: references to it (a tie, an optimizer) see the change
+                swap_tensors(t, new)  # type: ignore[no-untyped-call]
         except RuntimeError:  # (another reference to its tensor, an autograd graph: replace the entries)
             for module in model.modules():
                 for table in (module._parameters, module._buffers):
