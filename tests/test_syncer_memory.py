@@ -311,3 +311,28 @@ def test_each_shards_memory_is_shown_apart():
         for k in (0, 1)
     ]
     assert memory_line({"shard": 0}) == "memory: not reported"
+
+
+def test_the_syncers_final_evaluation_builds_its_model_without_initialising_it(tmp_path, monkeypatch):
+    from ddiloco.config import load_config
+    from ddiloco.service.syncer import service as service_module
+    from ddiloco.training.evaluate import evaluate
+    from ddiloco.workloads.config import load_workload
+
+    cfg_ = load_config(None, ["workload.factory=ddiloco.workloads.synthetic:make_workload", "algo.num_fragments=4"])
+    net = InProcessNetwork()
+    service, _ = service_module.open_syncer(
+        cfg_, "inproc://f", tmp_path, transport=net.syncer("inproc://f"), fsync=False
+    )
+    built: list[Any] = []
+    real = service_module.build_to_receive
+    monkeypatch.setattr(service_module, "build_to_receive", lambda *a: built.append(real(*a)) or built[-1])
+    try:
+        service._final_eval()
+    finally:
+        service.serve(0.0)  # (closes it)
+    assert len(built) == 1 and built[0].empty
+    rec = json.loads((tmp_path / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    wl = load_workload(cfg_.workload)
+    model = wl.build_model(cfg_.run.seed)  # version 0: the seed's build, as the syncer made it
+    assert rec["final"] and rec["loss"] == evaluate(wl, model, wl.eval_batches())

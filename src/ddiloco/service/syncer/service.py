@@ -58,6 +58,7 @@ from ddiloco.service.syncer.load import RoundLoad
 from ddiloco.service.syncer.recorder import FlightRecorder
 from ddiloco.service.syncer.store import Restored, StoreFull, SyncerStore
 from ddiloco.settings import run_settings
+from ddiloco.training.empty_model import build_to_receive
 from ddiloco.training.layout import ModelLayout, layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
@@ -639,7 +640,9 @@ class SyncerService:
         if any(e.get("final") for e in evals[-1:]):
             return  # already evaluated (a restarted syncer on a finished run)
         wl = load_workload(self.cfg.workload)
-        model = wl.build_model(self.cfg.run.seed)  # built for this one evaluation, then let go
+        # built for this one evaluation, then let go; not initialised where the workload allows,
+        # since one shard (final_eval needs num_shards == 1) writes every value into it
+        model = build_to_receive(wl, self.cfg.run.seed, "cpu").model
         self.load_into(model)
         loss = evaluate(wl, model, wl.eval_batches())
         rec = {
