@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -230,6 +231,27 @@ def test_the_hook_copies_no_values_and_never_evaluates_a_copy_not_every_fragment
     assert fresh.held_bytes() > 0
     fresh.release()
     assert fresh.held_bytes() == 0
+
+
+def test_an_evaluation_that_never_ends_does_not_hold_the_stop(tmp_path, monkeypatch):
+    from ddiloco.service.syncer import eval_hook
+
+    monkeypatch.setattr(eval_hook, "FINAL_WAIT_S", 0.2)
+    pair = SessionPair()
+    cadence = EvalCadence(1.0, 4, "fp32", "fp32")
+    go = threading.Event()
+    hook = EvalHook(lambda m: go.wait(10) and 1.0, Toy(), SESSION_LAYOUT, Observer(pair), tmp_path, 1.0, cadence, float)
+    stuck = threading.Thread(target=hook.final, args=(lambda m: None, 0.0, False))  # an evaluation under way
+    stuck.start()
+    try:
+        time.sleep(0.1)
+        started = time.monotonic()
+        hook.final(lambda m: None, 0.0, True)  # gives up after FINAL_WAIT_S
+        hook.release()  # and so does not wait again
+        assert time.monotonic() - started < 1.0 and hook.held_bytes() > 0  # (the evaluation keeps its copy)
+    finally:
+        go.set()
+        stuck.join(10)
 
 
 def test_the_evaluator_builds_its_model_empty_and_evaluates_only_a_whole_model(tmp_path, monkeypatch, caplog):

@@ -189,6 +189,7 @@ class EvalHook:
         self.path = run_dir / "metrics" / "eval.jsonl"
         self._stop = threading.Event()
         self._busy = threading.Lock()
+        self._gave_up = False  # the final evaluation found an evaluation that did not end in time
         """Held while the model copy is loaded and evaluated."""
         self._thread: threading.Thread | None = None
         self.evaluations = 0
@@ -228,10 +229,17 @@ class EvalHook:
         return synced_bytes(self.model)
 
     def release(self) -> None:
-        """Let the copy's values go (the syncer has stopped: nothing evaluates it again)."""
+        """Let the copy's values go (the syncer has stopped: nothing evaluates it again). An
+        evaluation still under way keeps them: waited for at most ``FINAL_WAIT_S``, not at all
+        when the final evaluation already gave up waiting for it."""
         self.stop()
-        with self._busy:
+        if not self._busy.acquire(timeout=0 if self._gave_up else FINAL_WAIT_S):
+            log.debug("evaluate hook: an evaluation still runs; its copy stays with it")
+            return
+        try:
             let_go(self.model)
+        finally:
+            self._busy.release()
 
     def final(self, load: Callable[[nn.Module], None], merged_tokens: float, ended: bool) -> None:
         """Evaluate the syncer's model as it stopped (after the final sync when the run ended;
@@ -240,6 +248,7 @@ class EvalHook:
         before this start (a restart on a finished run)."""
         self.stop()
         if not self._busy.acquire(timeout=FINAL_WAIT_S):
+            self._gave_up = True
             log.warning(
                 "evaluate hook: an evaluation still runs after %.0f s; no final evaluation (the syncer has stopped)",
                 FINAL_WAIT_S,
