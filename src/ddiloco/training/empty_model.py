@@ -20,7 +20,7 @@ The same holds for a model that is already built (``SyncerServer``'s, given in c
 ``receiving_copy`` copies its structure with memory for its synced tensors and no values (the
 evaluate hook's copy, which the global model fills), and ``let_go`` / ``take_back`` move a model's
 synced tensors to the meta device in place while another holder keeps their values, and give
-them memory again (unwritten) for the caller to fill.
+them values again (the holder's own tensors where they fit as they are, else written copies).
 """
 
 from __future__ import annotations
