@@ -189,8 +189,8 @@ class EvalHook:
         self.path = run_dir / "metrics" / "eval.jsonl"
         self._stop = threading.Event()
         self._busy = threading.Lock()
-        self._gave_up = False  # the final evaluation found an evaluation that did not end in time
         """Held while the model copy is loaded and evaluated."""
+        self._gave_up = False  # the final evaluation found an evaluation that did not end in time
         self._thread: threading.Thread | None = None
         self.evaluations = 0
         """Records written (at the cadence, and the final one)."""
