@@ -194,6 +194,7 @@ def test_fragments_a_join_did_not_deliver_take_the_initial_values(tmp_path):
     net = InProcessNetwork()
     torch.manual_seed(0)
     global_model = Tied()
+    version_0 = {k: v.detach().clone() for k, v in synced_tensors(global_model).items()}  # (the server takes them)
     server = ddiloco.SyncerServer(
         global_model, address, tmp_path, config=cfg, transport=net.syncer(address), fsync=False
     )
@@ -210,7 +211,7 @@ def test_fragments_a_join_did_not_deliver_take_the_initial_values(tmp_path):
             assert learner.session is not None and learner.session.received == {0}
             mine = synced_tensors(built.model)
             pieces = learner.pieces
-            received = zip(read_fragment(mine, pieces[0]), read_fragment(synced_tensors(global_model), pieces[0]))
+            received = zip(read_fragment(mine, pieces[0]), read_fragment(version_0, pieces[0]))
             assert all(torch.equal(got, want) for got, want in received)  # the global model's
             lacking = zip(read_fragment(mine, pieces[1]), read_fragment(synced_tensors(initial), pieces[1]))
             assert all(torch.equal(got, want) for got, want in lacking)  # the ordinary build's

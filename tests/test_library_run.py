@@ -103,16 +103,18 @@ def run_fleet(
     config: Any,
     learners: int = 2,
     serve: Callable[[ddiloco.SyncerServer], None] | None = None,
+    model: nn.Module | None = None,
     **server_args: Any,
 ) -> ddiloco.SyncerServer:
     """A SyncerServer on an in-process network and ``learners`` learners as threads, until the
-    run ends by itself (``serve`` may look at the server while it runs)."""
+    run ends by itself (``serve`` may look at the server while it runs; ``model``: the syncer's,
+    default a ``Net()``)."""
     torch.set_num_threads(1)
     net = InProcessNetwork()
     address = f"inproc://{run_dir.name}"
     torch.manual_seed(0)
     server = ddiloco.SyncerServer(
-        Net(), address, run_dir, config=config, transport=net.syncer(address), fsync=False, **server_args
+        model or Net(), address, run_dir, config=config, transport=net.syncer(address), fsync=False, **server_args
     ).start()
     errors: list[BaseException] = []
 

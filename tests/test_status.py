@@ -212,6 +212,8 @@ def test_status_of_a_live_fleet_then_of_its_run_folder(tmp_path, capsys):
         assert main(["status", server.address]) == 0
         shown = capsys.readouterr().out
         assert "learners: 2 up of 2" in shown and "fragments:" in shown and "docs/operations.md#terms" in shown
+        assert "memory (shard 0): values " in shown and "momentum " in shown and "(reached in: " in shown
+        assert view["memory"]["model"] == 0 and view["memory"]["rss_peak"] >= view["memory"]["rss"] > 0
         wait_for(lambda: len(_records(tmp_path)) >= 4, 30, "learner records in metrics/learners.jsonl")
     finally:
         stop.set()

@@ -44,3 +44,30 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started (``VmHWM``; 0 where not readable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class PeakWatch:
+    """The process's peak resident size and the phase of its work it was reached in: a phase
+    is noted as it ends (and at each status write), so a rise of the peak since the last note
+    belongs to the phase noted."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.phase = ""
+
+    def note(self, phase: str) -> None:
+        now = peak_resident_bytes()
+        if now > self.bytes:
+            self.bytes, self.phase = now, phase

@@ -210,6 +210,14 @@ class GlobalCopy:
         self.fetched = 0
         """Fragments fetched since the start."""
 
+    @property
+    def complete(self) -> bool:
+        """Whether the model holds every fragment of the layout (each at the version ``held``
+        lists). Until then part of it is what it was built with, unwritten memory for a model
+        built to receive (``training.empty_model``): nothing may evaluate it."""
+        held = {k for h in self.held for k in h}
+        return all(str(p) in held for p in range(self.layout.num_fragments))
+
     def versions(self) -> dict[str, int]:
         """The version of every fragment the model holds."""
         held = {k: v for h in self.held for k, v in h.items()}

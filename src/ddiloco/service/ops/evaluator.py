@@ -11,6 +11,11 @@ and evaluates it. Each record of ``metrics/eval.jsonl`` says where the evaluator
 fragments it fetched and the bytes it moved since the previous one (polls included); the syncer
 counts the same bytes as ``observer`` traffic, apart from the learners'. It may run anywhere the
 syncer can be reached, the syncer's machine included.
+
+Its model is built to receive (``training.empty_model.build_to_receive``: on the meta device,
+then given memory without initialising it, where the workload allows): every value comes from
+the syncer, and it evaluates only once every fragment has been written into the model (a shard
+that did not answer leaves it incomplete: it asks again at the next poll).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ddiloco.service.base import observer
 from ddiloco.service.base.heap import release_free_memory
 from ddiloco.service.base.keys import ClientKeys
 from ddiloco.service.base.observer import Evaluations, GlobalCopy, Moved, Seen, cadence_of, here
+from ddiloco.training.empty_model import build_to_receive
 from ddiloco.training.evaluate import evaluate
 from ddiloco.training.layout import layout_for
 from ddiloco.workloads.base import loss_unit
@@ -88,7 +94,8 @@ def _evaluate_until_the_end(
     """Poll every runtime.eval_interval_s, evaluate at the cadence, until the run ends (or a
     signal). ``once``: one fetch and evaluation now, whatever the cadence."""
     wl = load_workload(cfg.workload)
-    model = wl.build_model(cfg.run.seed)
+    built = build_to_receive(wl, cfg.run.seed, "cpu")  # every value comes from the syncer
+    model = built.model
     layout = layout_for(model, wl, cfg.algo).fragments
     batches = wl.eval_batches()
     folder = prepare_run_dir(run_dir, "ddiloco evaluator")
@@ -98,8 +105,9 @@ def _evaluate_until_the_end(
     copy = GlobalCopy(model, layout, len(syncers), shard_asker(syncers, keys), "evaluator")
     evals = Evaluations(copy, cadence_of(cfg), f"ddiloco evaluator on {here()}")
     log.info(
-        "%s follows %s: a poll every %g s (runtime.eval_interval_s), an evaluation %s",
+        "%s follows %s: a poll every %g s (runtime.eval_interval_s), an evaluation %s; its model %s",
         evals.where, ", ".join(syncers), cfg.runtime.eval_interval_s, evals.describe(),
+        "is given memory without initialisation" if built.empty else f"is initialised ({built.why})",
     )  # fmt: skip
     next_poll = next_look = time.monotonic()
     while not signals.requested:
@@ -118,6 +126,9 @@ def _evaluate_until_the_end(
                 return 0
             if seen is not None and (once or final or evals.due(seen)):
                 seen = copy.refresh()
+                if seen is not None and not copy.complete:
+                    log.info("not every fragment has come from the syncer yet: no evaluation; asking again")
+                    seen = None
                 if seen is not None:
                     rec = {**_evaluate(wl, model, batches, seen, time.time() - t0), "versions": copy.versions()}
                     rec.update(evals.made(seen))

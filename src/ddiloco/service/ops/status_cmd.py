@@ -79,6 +79,10 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         "learners": [learners[m] for m in sorted(learners)],
         "fragments": sorted((f for v in views for f in v.get("fragments", [])), key=lambda f: f["fragment"]),
         **_merged_traffic([v["traffic"] for v in views if isinstance(v.get("traffic"), dict)]),
+        # each shard is a process of its own: its memory apart
+        "memory_by_shard": {
+            str(v.get("shard", k)): v["memory"] for k, v in enumerate(views) if isinstance(v.get("memory"), dict)
+        },
     }
 
 
@@ -174,7 +178,7 @@ def render(view: dict[str, Any], source: str) -> Any:
             f"{f.get('grace_s', 0.0):.2f} s",
             f"{f.get('tokens_merged', 0):,}",
         )
-    return Group(lt, ft, traffic_line(view.get("traffic")), source)
+    return Group(lt, ft, traffic_line(view.get("traffic")), memory_line(view), source)
 
 
 def _opt_bytes(n: float | None) -> str:
@@ -198,6 +202,37 @@ def traffic_line(traffic: dict[str, Any] | None) -> str:
         f"down {_opt_bytes(traffic.get('down_bytes_per_step'))}{versus}; one-off up "
         f"{_opt_bytes(traffic.get('one_off_up_bytes'))}, down {_opt_bytes(traffic.get('one_off_down_bytes'))}"
     )
+
+
+MEMORY = (
+    ("held_values", "values"), ("held_momentum", "momentum"), ("held_chain", "served copy"),
+    ("held_past", "past versions"), ("held_pending", "open rounds"), ("held_scratch", "merge buffers"),
+    ("unowned", "other shards' fragments"), ("model", "model given"), ("eval_copy", "evaluation copy"),
+    ("send_queued", "send queues"),
+)  # fmt: skip
+"""The status ``memory`` figures a status shows, in order, with their names there (a zero is left out)."""
+
+
+def memory_line(view: dict[str, Any]) -> str:
+    """Each shard's memory in one line: what it holds by purpose (the core's, then beside it),
+    its resident size now and its peak, with the phase the peak was reached in."""
+    per = view.get("memory_by_shard")
+    if not isinstance(per, dict):
+        per = {str(view.get("shard", 0)): view["memory"]} if isinstance(view.get("memory"), dict) else {}
+    if not per:
+        return "memory: not reported"
+    lines = []
+    for shard, mem in sorted(per.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+        held = ", ".join(
+            f"{name} {_bytes(mem[k])}" for k, name in MEMORY if isinstance(mem.get(k), (int, float)) and mem[k]
+        )
+        peak = (
+            f", peak {_bytes(mem['rss_peak'])} (reached in: {mem.get('rss_peak_in') or '-'})"
+            if mem.get("rss_peak")
+            else ""
+        )
+        lines.append(f"memory (shard {shard}): {held or 'nothing held'}; resident {_bytes(mem.get('rss', 0))}{peak}")
+    return "\n".join(lines)
 
 
 def _clock(wall: float) -> str:

@@ -3,7 +3,11 @@ a config's workload), in the foreground or on a background thread.
 
 The syncer holds the global model: it starts from the model it is given (learners overwrite
 their own initialisation with it when they join), so build it the way the learners build
-theirs. It is CPU-only and never computes a forward pass.
+theirs. It is CPU-only and never computes a forward pass. It takes the model's values as its
+version 0 without copying them, and the model keeps its structure alone while the syncer serves
+(its parameters and persistent buffers on the meta device: the same tensor objects, no memory);
+when the syncer stops, they get memory again and hold the final global model. One copy of the
+model's values in the process, not two.
 
 It uses CURVE keys by default, also on loopback: without ``keys`` it makes the run's own in
 ``run_dir/keys`` (learners 0 .. ``run.num_learners`` - 1 and an observer); learners in other
@@ -28,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from ddiloco.config import Config, ConfigLike, as_config
+from ddiloco.core.fragments import tensor_pieces
 from ddiloco.errors import DDiLoCoError, UsageError
 from ddiloco.lifecycle import StopSignals
 from ddiloco.protocol.config import EvalCadence
@@ -39,6 +44,8 @@ from ddiloco.service.base.transport import InProcessNetwork, SyncerSocket
 from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
 from ddiloco.service.syncer.service import open_syncer
 from ddiloco.service.syncer.store import start_over as start_store_over
+from ddiloco.training.empty_model import LetGo, let_go, synced_bytes, take_back
+from ddiloco.training.layout import synced_tensors
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,10 @@ class SyncerServer:
 
     ``with SyncerServer(model, "tcp://127.0.0.1:*", "runs/x") as s: ... s.address ...`` runs it
     on a thread; ``serve()`` runs it in the foreground until SIGTERM/SIGINT or ``stop()``.
-    Either way it writes ``run_dir/final/model.safetensors`` when it stops.
+    Either way it writes ``run_dir/final/model.safetensors`` when it stops, and ``model`` ends
+    as the final global model. Between construction and the stop, ``model`` holds no values
+    (the syncer has them): build another model for a learner in the same process, and read the
+    live global model with ``ddiloco.fetch_state``.
     """
 
     def __init__(
@@ -72,7 +82,9 @@ class SyncerServer:
     ) -> None:
         """
         Args:
-            model: the initial global model (the same architecture the learners train).
+            model: the initial global model (the same architecture the learners train). Its
+                values become the syncer's (not copied); it holds its structure alone until the
+                syncer stops, then the final global model.
             bind: ``tcp://HOST:PORT`` (``PORT`` may be ``*``: any free port; see ``address``).
             run_dir: the syncer's folder: durable versions, tape, status, final model. A restart
                 on the same folder resumes from the last durable version.
@@ -95,8 +107,9 @@ class SyncerServer:
                 stops; each result is a ``metrics/eval.jsonl`` record. The copy follows the
                 global model by what changed (only fragments whose version moved are fetched):
                 ``fn`` must not modify it. A ``fn`` that raises costs one log line; the syncer
-                serves on. Memory: one copy of the model, plus a transient copy of what moved
-                per evaluation.
+                serves on. Memory: one copy of the model (given memory, not initialised: ``fn``
+                sees it once every fragment has been written into it; let go when the syncer
+                stops), plus a transient copy of what moved per evaluation.
             eval_interval_s: seconds between the hook's polls of the syncer (versions only), so
                 the least time between two evaluations (default ``runtime.eval_interval_s``).
             eval_every_tokens: merged tokens between evaluations (default
@@ -110,22 +123,30 @@ class SyncerServer:
         prepare_folder(run_dir, cfg, shard, num_shards, start_over, by)
         self.keys: Path | None = keys_folder(keys, insecure, transport, bind, run_dir, cfg.run.num_learners)
         """The keys folder this syncer uses (None: insecure, or an in-process transport)."""
+        # The core takes the model's values as version 0 (views, not copies): the model lets them go below.
         self.service, self.address = open_syncer(
             cfg, bind, run_dir, model=model, embedding_like=embedding_like, shard=shard, num_shards=num_shards,
-            keys_dir=self.keys, insecure=insecure, transport=transport, fsync=fsync,
+            keys_dir=self.keys, insecure=insecure, transport=transport, fsync=fsync, take=True,
         )  # fmt: skip
         if self.keys is not None:
             remember_local_keys(self.address, self.keys)
         if shard == 0:
             write_model_info(run_dir, model, by)  # what `ddiloco export` rebuilds instead of workload.*
         self.model = model
+        """The model given: its structure alone while the syncer serves, the final global model once it stopped."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._serving = False
         self.evaluation: EvalHook | None = None
         """The evaluation hook (``evaluate=``); ``evaluation.evaluations`` counts its records."""
         if evaluate is not None:
             hook_net = getattr(transport, "net", None)
             self.evaluation = self._eval_hook(evaluate, interval_s, cadence_of(cfg, every), hook_net, insecure)
+        self.service.beside["model"] = lambda: synced_bytes(self.model)
+        if self.evaluation is not None:
+            self.service.beside["eval_copy"] = self.evaluation.held_bytes
+        # Last, once nothing can fail: the core holds the values, the model its structure alone.
+        self._let_go: LetGo | None = let_go(model)
 
     def _eval_hook(
         self, evaluate: EvalFn, interval_s: float, cadence: EvalCadence, network: Any, insecure: bool
@@ -160,23 +181,47 @@ class SyncerServer:
         return self.final_model_path
 
     def _serve(self, max_seconds: float | None = None) -> None:
-        """Serve, then (shard 0) evaluate the final model and say how the run ended."""
+        """Serve, then (shard 0) evaluate the final model, give the model given the final global
+        model and say how the run ended."""
+        self._serving = True
         if self.evaluation is not None:
             self.evaluation.start()
+        served, evaluated = False, False
         try:
             self.service.serve(max_seconds)
+            served = True
         finally:
-            if self.evaluation is not None:
-                self.evaluation.stop()
-            self.service.load_into(self.model)  # the model given ends as the final global model
+            try:
+                if self.evaluation is not None:
+                    self.evaluation.stop()
+                    if served and self.service.shard == 0:
+                        before = self.evaluation.evaluations
+                        ended = self.service.end_stage == "done"
+                        self.evaluation.final(self.service.load_into, self.service.core.merged_tokens, ended)
+                        evaluated = self.evaluation.evaluations > before
+                    self.evaluation.release()  # (before the model given takes its memory back)
+            finally:
+                self._give_back()
+                self._serving = False
         if self.service.shard != 0:
             return
-        if self.evaluation is not None:
-            before = self.evaluation.evaluations
-            self.evaluation.final(self.model, self.service.core.merged_tokens, self.service.end_stage == "done")
-            if self.evaluation.evaluations > before:
-                write_summary(self.service.run_dir)  # again: now with the final evaluation
+        if evaluated:
+            write_summary(self.service.run_dir)  # again: now with the final evaluation
         log_time_budget_short(self.service.run_dir)
+
+    def _give_back(self) -> None:
+        """The model given ends as the final global model: its tensors take the syncer's values
+        back (every fragment: a shard's own final values, the others' as this shard holds them,
+        the initial ones). A tensor the syncer holds whole, in its dtype, becomes the syncer's
+        value (no copy: the syncer has stopped and never touches it again); a tensor split over
+        fragments, or of another dtype, is written into new memory."""
+        core = self.service.core
+        if self._let_go is not None:
+            every = {p: core.values(p) for p in range(core.layout.num_fragments)}
+            take_back(self._let_go, tensor_pieces(core.layout, every))
+            self._let_go = None
+        else:
+            self.service.load_into(self.model)  # (a second serve() of the same server)
 
     def start(self) -> SyncerServer:
         """Serve on a background thread (the learners may be threads of this process too)."""
@@ -194,9 +239,12 @@ class SyncerServer:
         return self
 
     def stop(self, timeout_s: float = 60.0) -> Path:
-        """Ask it to stop; when it runs on a thread, wait for the final model to be written."""
+        """Ask it to stop; when it runs on a thread, wait for the final model to be written.
+        Never started: the model given gets its values back (version 0, or the restored ones)."""
         self.service.stop()
         forget_local_keys(self.address)
+        if self._thread is None and not self._serving and self._let_go is not None:
+            self._give_back()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -228,6 +276,12 @@ def checked_config(
     config's), once the arguments are checked (UsageError)."""
     if not isinstance(model, nn.Module):
         raise UsageError(f"model must be a torch.nn.Module, not a {type(model).__name__}")
+    meta = next((name for name, t in synced_tensors(model).items() if t.is_meta), None)
+    if meta is not None:
+        raise UsageError(
+            f"model holds no values ({meta} is on the meta device; another SyncerServer's model while it serves?): "
+            "give each SyncerServer its own model (copy.deepcopy(model) before the first takes its values)"
+        )
     if not isinstance(bind, str) or not bind.startswith(("tcp://", "ipc://", "inproc://")):
         raise UsageError(f"bind = {bind!r} is not a ZeroMQ address; write it as 'tcp://HOST:PORT'")
     cfg = as_config(config)

@@ -18,14 +18,16 @@ and any other numeric metrics (``{"loss": 0.29, "accuracy": 0.90}``: the others 
 record's ``"metrics"``). A ``fn`` that raises, or returns anything else, costs one log line and
 no record; the syncer serves on.
 
-Memory: one copy of the model (parameters and buffers, made when the hook is set up), plus,
-for each evaluation, the fetched fragments that moved (at most one more copy of the parameters,
-transient; the syncer encodes one for the reply too) and whatever ``fn`` allocates.
+Memory: one copy of the model (parameters and persistent buffers given memory when the hook is
+set up, without initialising them or copying the model's values: the first fetch writes every
+fragment, and ``fn`` is called only once every fragment has been written), plus, for each
+evaluation, the fetched fragments that moved (at most one more copy of the parameters,
+transient; the syncer encodes one for the reply too) and whatever ``fn`` allocates. The final
+evaluation writes the syncer's final values into the same copy, which is then let go.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -49,6 +51,7 @@ from ddiloco.service.base import observer
 from ddiloco.service.base.keys import ClientKeys
 from ddiloco.service.base.transport import InProcessNetwork
 from ddiloco.service.base.wire import WireError, decode, encode
+from ddiloco.training.empty_model import let_go, receiving_copy, synced_bytes
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,9 @@ class EvalHook:
         run_age: Callable[[], float],
     ) -> None:
         self.fn, self.interval_s, self.run_age = fn, interval_s, run_age
-        self.model = copy.deepcopy(model)  # the hook's own copy: the syncer's model is never touched
+        # The hook's own copy, of the model's structure: memory for its values, unwritten until
+        # the first fetch writes every fragment (the model's values are neither read nor copied).
+        self.model = receiving_copy(model, "cpu")
         self.copy = observer.GlobalCopy(self.model, layout, 1, ask, _REQUESTER)
         """What the copy holds, and the bytes the hook moved (``copy.moved``)."""
         self.evals = observer.Evaluations(
@@ -185,6 +190,7 @@ class EvalHook:
         self._stop = threading.Event()
         self._busy = threading.Lock()
         """Held while the model copy is loaded and evaluated."""
+        self._gave_up = False  # the final evaluation found an evaluation that did not end in time
         self._thread: threading.Thread | None = None
         self.evaluations = 0
         """Records written (at the cadence, and the final one)."""
@@ -211,17 +217,38 @@ class EvalHook:
                     if self._stop.is_set():
                         return
                     seen = self.copy.refresh()
-                    if seen is not None:
+                    if seen is not None and not self.copy.complete:
+                        log.debug("evaluate hook: not every fragment has come yet; asking again at the next poll")
+                    elif seen is not None:
                         fields = self.evals.made(seen)
                         self._evaluate(False, seen.merged_tokens, self.copy.versions(), fields, seen)
             self._stop.wait(self.interval_s)
 
-    def final(self, model: nn.Module, merged_tokens: float, ended: bool) -> None:
+    def held_bytes(self) -> int:
+        """Bytes of the copy's parameters and persistent buffers (0 once let go)."""
+        return synced_bytes(self.model)
+
+    def release(self) -> None:
+        """Let the copy's values go (the syncer has stopped: nothing evaluates it again). An
+        evaluation still under way keeps them: waited for at most ``FINAL_WAIT_S``, not at all
+        when the final evaluation already gave up waiting for it."""
+        self.stop()
+        if not self._busy.acquire(timeout=0 if self._gave_up else FINAL_WAIT_S):
+            log.debug("evaluate hook: an evaluation still runs; its copy stays with it")
+            return
+        try:
+            let_go(self.model)
+        finally:
+            self._busy.release()
+
+    def final(self, load: Callable[[nn.Module], None], merged_tokens: float, ended: bool) -> None:
         """Evaluate the syncer's model as it stopped (after the final sync when the run ended;
-        the record is ``final`` then). Skipped when the run had already ended and been
-        evaluated before this start (a restart on a finished run)."""
+        the record is ``final`` then): ``load(model)`` writes every synced tensor of the copy
+        from the syncer's values. Skipped when the run had already ended and been evaluated
+        before this start (a restart on a finished run)."""
         self.stop()
         if not self._busy.acquire(timeout=FINAL_WAIT_S):
+            self._gave_up = True
             log.warning(
                 "evaluate hook: an evaluation still runs after %.0f s; no final evaluation (the syncer has stopped)",
                 FINAL_WAIT_S,
@@ -232,7 +259,7 @@ class EvalHook:
             if ended and any(e.get("final") for e in evals[-1:]):
                 return
             with torch.no_grad():
-                self.model.load_state_dict(model.state_dict())
+                load(self.model)  # every fragment: the copy is whole whatever the fetches brought
             self._evaluate(final=ended, merged_tokens=merged_tokens, versions=None)
         finally:
             self._busy.release()

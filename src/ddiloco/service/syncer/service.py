@@ -20,7 +20,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -30,9 +30,9 @@ from torch import nn
 
 from ddiloco.config import Config
 from ddiloco.core import robust
-from ddiloco.core.fragments import tensor_pieces, write_fragment
+from ddiloco.core.fragments import storage_bytes, tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
-from ddiloco.core.syncer import Syncer
+from ddiloco.core.syncer import FragmentRecord, Syncer
 from ddiloco.core.tape import Rejection
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
@@ -46,7 +46,7 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.base.heap import release_free_memory, resident_bytes
+from ddiloco.service.base.heap import PeakWatch, release_free_memory, resident_bytes
 from ddiloco.service.base.keys import ServerKeys, is_local
 from ddiloco.service.base.ratelimit import RateLimits
 from ddiloco.service.base.startup import StartupTimes
@@ -58,6 +58,7 @@ from ddiloco.service.syncer.load import RoundLoad
 from ddiloco.service.syncer.recorder import FlightRecorder
 from ddiloco.service.syncer.store import Restored, StoreFull, SyncerStore
 from ddiloco.settings import run_settings
+from ddiloco.training.empty_model import build_to_receive
 from ddiloco.training.layout import ModelLayout, layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
@@ -139,10 +140,12 @@ def restore_global(
     fsync: bool,
     model: nn.Module | None,
     embedding_like: Callable[[str], bool] | None,
+    take: bool = False,
 ) -> GlobalModel:
     """Open and restore the shard's store, then build its core from what it held (``model``:
     the initial global model; default the config's workload builds it, as its structure alone
-    when every value comes from the store)."""
+    when every value comes from the store). ``take``: ``model``'s values are the core's to keep
+    (its caller lets the model's tensors go: ``SyncerServer``), not copied."""
     wl = None
     if model is None:
         # The workload's model, first as its structure alone: a restart takes every value
@@ -166,8 +169,8 @@ def restore_global(
         else:
             model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
     params = synced_tensors(model)  # the parameters and the persistent buffers
-    # values this process built (not a model given in code) are the core's to keep
-    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=wl is not None)
+    # values this process built, or a model given in code that its caller lets go, are the core's to keep
+    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=take or wl is not None)
     return GlobalModel(layout, store, found, core, keys, spec, numel)
 
 
@@ -218,10 +221,12 @@ class SyncerService:
         keys: ServerKeys | None = None,
         model: nn.Module | None = None,
         embedding_like: Callable[[str], bool] | None = None,
+        take: bool = False,
     ) -> None:
         """``model``: the initial global model (default: the config's workload builds it);
         ``embedding_like(name)``: which of its tensors are merged by weighted mean (default: the
-        workload's choice, or for a given model its ``nn.Embedding`` parameters)."""
+        workload's choice, or for a given model its ``nn.Embedding`` parameters); ``take``: the
+        core keeps ``model``'s values as they are (views), since the caller lets them go."""
         check_shard(shard, num_shards)
         self.cfg, self.shard, self.num_shards = cfg, shard, num_shards
         self.run_dir = prepare_run_dir(run_dir, f"ddiloco syncer (shard {shard})")
@@ -230,13 +235,14 @@ class SyncerService:
         self.startup.run_dir = self.run_dir
         self.startup.mark("imports")
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
-        g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like)
+        g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like, take)
         self.layout, self.store, self.restored, self._state_keys = g.layout, g.store, g.found is not None, g.state_keys
         self.startup.mark("restore")
         start = clock.monotonic()
         self.session, ended = open_session(cfg, g, self.run_dir, clock, start, shard, keys is not None)
         self._init_state(cfg.runtime, start, g.numel)
         self._start(ended)
+        self.peak.note("start")  # the process so far: imports, the model's build, the store's restore
 
     def _init_state(self, rt: RuntimeConfig, start: float, numel: int) -> None:
         """The counters, receipt-time limits and chore clocks, before any message."""
@@ -264,6 +270,13 @@ class SyncerService:
         self._traffic_params = numel  # N, for the data-parallel baseline
         self._peers: dict[Any, int] = {}  # connection -> the learner bound to it (a cache of the session's)
         self.load = RoundLoad(shard=self.shard)
+        self.peak = PeakWatch()
+        """The process's peak resident size and the phase it was reached in (status ``memory``)."""
+        self.phase = "serve"
+        """What the shard is doing: serve, final sync (the run's end), final model (writing it), stop."""
+        self.beside: dict[str, Callable[[], int]] = {}
+        """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
+        the evaluate hook's copy), shown in the status ``memory``."""
 
     def _start(self, ended: str | None) -> None:
         """The run folder's files: the flight recorder, the run log's start (or that the run
@@ -456,6 +469,8 @@ class SyncerService:
             out = self.session.tick(now)
             self.load.work(None, out.persist, self.work_clock() - started)
             self._emit(out)
+            if self.phase == "serve" and self.session.end_stage is not None:
+                self._enter("final sync")
             self._chores(rt)
 
     def stop(self) -> None:
@@ -512,17 +527,50 @@ class SyncerService:
         self._progress.maybe(self._progress_line)
 
     def snapshot(self) -> Path:
-        """Write every owned fragment and the meta state as one snapshot."""
-        return self.store.snapshot(self.session.records(self.core.owned), self.session.meta())
+        """Write every owned fragment and the meta state as one snapshot (the records made one
+        at a time: each copies its fragment's momentum, let go before the next is made)."""
 
-    def memory(self) -> dict[str, int]:
-        """Bytes the core holds by purpose (``Syncer.held_bytes``), what waits in the send
-        queues, and the process's resident size (docs/runtime.md's budget, live)."""
+        def records() -> Iterator[FragmentRecord]:
+            for p in self.core.owned:
+                [rec] = self.session.records([p])
+                yield rec
+                del rec
+
+        return self.store.snapshot(records(), self.session.meta())
+
+    def _enter(self, phase: str) -> None:
+        """The shard's work moves on to ``phase``: the peak so far belongs to the one before."""
+        self.peak.note(self.phase)
+        self.phase = phase
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes the core holds by purpose (``Syncer.held_bytes``), the fragments other shards
+        own as this core keeps them (``unowned``), what the process holds beside the core
+        (``beside``), what waits in the send queues, and the process's resident size now and at
+        its peak, with the phase the peak was reached in (docs/runtime.md's budget, live)."""
         queues = getattr(self.sock, "queues", {})
-        out = {f"held_{k}": v for k, v in self.core.held_bytes().items()}
+        out: dict[str, Any] = {f"held_{k}": v for k, v in self.core.held_bytes().items()}
+        out["unowned"] = self.unowned_bytes()
+        out.update({name: held() for name, held in self.beside.items()})
         out["send_queued"] = sum(q.nbytes for q in queues.values())
         out["rss"] = resident_bytes()
+        self.peak.note(self.phase)
+        out["rss_peak"], out["rss_peak_in"] = self.peak.bytes, self.peak.phase
         return out
+
+    def unowned_bytes(self) -> int:
+        """Bytes of the fragments other shards own, as this shard's core keeps them (version 0:
+        views of the model it was built from, where they do not share a storage with its own)."""
+        core = self.core
+        mine = {t.untyped_storage().data_ptr() for p in core.owned for t in core.values(p)}
+        others = [
+            t
+            for p in range(core.layout.num_fragments)
+            if p not in core.owned
+            for t in core.values(p)
+            if t.untyped_storage().data_ptr() not in mine and not t.is_meta
+        ]
+        return storage_bytes(others)
 
     def status(self) -> dict[str, Any]:
         """This shard's figures: the fleet view (``fleet_status``) and the process's counters.
@@ -560,6 +608,7 @@ class SyncerService:
         Stopped before the run's end (a signal, a requeue), the run is marked interrupted and
         its summary partial; a later start on the folder resumes it."""
         ended = self.session.end_stage == "done"
+        self._enter("stop")
         try:
             self._emit(self.session.shutdown(self.clock.monotonic()))
             self.snapshot()
@@ -567,6 +616,7 @@ class SyncerService:
             self.write_learner_metrics()  # the learners' last figures, for the summary
             if self._model_written != tuple(self.core.versions()):  # not already written at the run's end
                 self.write_final_model()
+                self.write_status()  # again: its memory figures with the final model's writing
         finally:
             self.sock.close()
             self.store.close()
@@ -591,7 +641,9 @@ class SyncerService:
         if any(e.get("final") for e in evals[-1:]):
             return  # already evaluated (a restarted syncer on a finished run)
         wl = load_workload(self.cfg.workload)
-        model = wl.build_model(self.cfg.run.seed)  # built for this one evaluation, then let go
+        # built for this one evaluation, then let go; not initialised where the workload allows,
+        # since one shard (final_eval needs num_shards == 1) writes every value into it
+        model = build_to_receive(wl, self.cfg.run.seed, "cpu").model
         self.load_into(model)
         loss = evaluate(wl, model, wl.eval_batches())
         rec = {
@@ -615,6 +667,15 @@ class SyncerService:
             write_fragment(params, self.core.layout.fragments[p], self.core.values(p))
 
     def write_final_model(self) -> Path:
+        """Write the final model file (``final/``) from the core's values, a piece at a time."""
+        before = self.phase
+        self._enter("final model")
+        try:
+            return self._write_final_model()
+        finally:
+            self._enter(before)
+
+    def _write_final_model(self) -> Path:
         # Every key of the model's state dict, in its dtype, written piece by piece from the
         # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
         # is written once, under its first key, and its other keys as aliases of that one
@@ -680,6 +741,7 @@ def open_syncer(
     insecure: bool = False,
     transport: SyncerSocket | None = None,
     fsync: bool = True,
+    take: bool = False,
 ) -> tuple[SyncerService, str]:
     """A syncer shard serving at ``bind`` and the address it bound (``PORT`` may be ``*``): the
     one construction path of ``ddiloco syncer`` and ``ddiloco.SyncerServer``.
@@ -687,7 +749,8 @@ def open_syncer(
     Off this machine CURVE is on by default: without keys the syncer refuses to bind anything
     but loopback unless ``insecure`` is given, and then says so. ``model``: the initial global
     model (default: the config's workload builds it, and the syncer evaluates the final model
-    on it); ``transport``: an in-process socket instead of ZeroMQ (tests)."""
+    on it); ``transport``: an in-process socket instead of ZeroMQ (tests); ``take``: the core
+    keeps ``model``'s values without copying them (the caller lets the model's tensors go)."""
     import zmq
 
     # One core by default (the learners need the rest); a syncer with cores of its own may merge on all.
@@ -716,7 +779,7 @@ def open_syncer(
     try:
         service = SyncerService(
             cfg, transport, run_dir, shard, num_shards, fsync=fsync, keys=keys, model=model,
-            embedding_like=embedding_like,
+            embedding_like=embedding_like, take=take,
         )  # fmt: skip
     except BaseException:
         transport.close()

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,19 +158,26 @@ class SyncerStore(FragmentLogs):
         """The tape as written so far (a torn last line is skipped)."""
         return read_tape(self.dir / "tape.jsonl")
 
-    def snapshot(self, records: list[FragmentRecord], syncer_meta: dict[str, Any]) -> Path:
+    def snapshot(self, records: Iterable[FragmentRecord], syncer_meta: dict[str, Any]) -> Path:
         """Write the meta state and every owned fragment's version atomically to snapshot.bin
         (no tensors: a record newer than its log's is appended first, so the logs hold every
         fragment), rewrite the mark files to one mark per fragment, and have each fragment's next
         append rotate its log. A full disk raises StoreFull; the previous snapshot and every
-        durable version stay as they were."""
+        durable version stay as they were.
+
+        ``records`` (every owned fragment's) is read one at a time: given as a generator, each
+        record (a copy of its fragment's momentum) is let go before the next is made, so a
+        snapshot costs one fragment's copy at most, not the model's."""
         self._need_restore()
-        if sorted(r.fragment for r in records) != self.owned:
-            raise ValueError(f"a snapshot needs every owned fragment {self.owned}")
+        seen = []
         for rec in records:  # the syncer appends every version first: this is for other callers, and
             # for a version that only an older store's snapshot.bin held, which this one replaces
+            seen.append(rec.fragment)
             if rec.version > self._logged.get(rec.fragment, 0):
                 self._write_record(rec, syncer_meta)
+            del rec
+        if sorted(seen) != self.owned:
+            raise ValueError(f"a snapshot needs every owned fragment {self.owned}")
         header = {
             "snapshot": self._snap_no + 1,
             "seq": self._seq + 1,
