@@ -484,3 +484,14 @@ def test_a_library_learner_says_join_hand_off_rejoin_and_run_end_at_info(tmp_pat
     for what, pattern in patterns.items():
         found = [line for line in lines if re.fullmatch(pattern, line)]
         assert len(found) == 1, (what, [line for line in lines if line.startswith(pattern[:12])])
+
+
+def test_a_learner_given_a_model_that_holds_no_values_is_told_so() -> None:
+    """A model on the meta device (the one a SyncerServer in this process serves holds its
+    structure alone): one line, not a meta-device error at the first forward pass."""
+    from ddiloco.errors import UsageError
+
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    with pytest.raises(UsageError, match="holds no values"):
+        ddiloco.Learner(model)

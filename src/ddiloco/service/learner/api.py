@@ -238,6 +238,8 @@ class Learner:
         params = synced_tensors(self.model)
         if not params:
             raise UsageError("the model has no parameters to synchronise")
+        if any(t.is_meta for t in params.values()):  # e.g. the model a SyncerServer in this process serves
+            raise UsageError("the model holds no values (its tensors are on the meta device): give the learner its own")
         self.params = params
         self.sharded = fsdp_rows(params)  # name -> this rank's rows, for FSDP2 parameters
         self._watch = ModelWatch(self.model, params)
