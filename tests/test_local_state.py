@@ -312,13 +312,13 @@ def test_a_save_in_pieces_smaller_than_a_parameter_comes_back_bit_for_bit(tmp_pa
     m, opt = model()
     params = {"w": m.w, "b": m.b}
     saver = LocalStateSaver(tmp_path, 0, SESSION_LAYOUT.digest(), params, opt, 0.0, chunk_bytes=8)
-    for _ in range(200):
-        if saver.saves:
+    for _ in range(600):  # save after save (each starts once the last one is on disk)
+        if saver.saves >= 3:
             break
         saver.boundary(session, 5)
         time.sleep(0.01)
     saver.close()
-    assert saver.saves == 1
+    assert saver.saves >= 3
     from safetensors.torch import load_file
 
     names = [k for f in sorted((tmp_path / "current").glob("optimizer-*")) for k in load_file(str(f))]

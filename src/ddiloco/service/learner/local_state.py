@@ -121,10 +121,12 @@ class LocalStateSaver:
         t0 = time.perf_counter()
         piece = next(self._pieces, None)
         self.copy_s += time.perf_counter() - t0
-        self._submit(("finish", None) if piece is None else ("piece", piece))
         if piece is None:
             self._pieces = None
-            self._next_at = math.inf  # from the end of this save (``_write_all``)
+            self._next_at = math.inf  # before the writer can finish: it sets the next from this save's end
+            self._submit(("finish", None))
+        else:
+            self._submit(("piece", piece))
 
     def _begin(self, session: LearnerSession, data_position: int) -> None:
         """The save's consistent part, taken now: the session's state (its tensors are never
