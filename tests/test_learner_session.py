@@ -115,3 +115,20 @@ def test_the_boundary_executor_writes_in_order_and_serves_a_state_a_piece_per_bo
     out = ex.run(BoundaryPlan(), session())
     assert [x.msg.param_groups for x in out.send] == [[]] and ex.serving == []  # the last piece: done
     assert ex.run(BoundaryPlan(), None) is None  # a rank without a session sends nothing
+
+
+def test_a_join_whose_fragment_was_lost_ends_although_other_fragments_keep_coming():
+    """Fragment 1 of the join was lost (a dropped message); fragment 0 keeps coming (later
+    merges). Only a fragment it did not have is progress: the wait ends join_timeout_s after
+    the last one, and the learner trains on from what it has (a lost fragment's answer is
+    rebased by the syncer). Counting every arrival kept a learner joining for ever."""
+    s = session()
+    s.tick(0.0)
+    s.receive(0, JoinReply(True, "", 1, 0, [0, 1]), 0.1)
+    s.receive(0, FragmentUpdate(0, 0, 1, values(0), 0.0, 1, 0, "join"), 0.2)
+    s.boundary(0.2)
+    for k in range(1, 20):  # fragment 0's merges, every half second
+        now = 0.2 + 0.5 * k
+        s.receive(0, FragmentUpdate(0, 0, 1 + k, values(0), 0.0, 1, 0, "merged"), now)
+        s.boundary(now)
+    assert s.received == {0} and s.ready(3.2 + 1e-9)  # 3 s after fragment 0 first came

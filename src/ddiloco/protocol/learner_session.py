@@ -350,9 +350,9 @@ class LearnerSession:
         """A fragment of the global state arrived while joining: progress, and now and then a line."""
         if now >= self._join_deadline or len(self.received) == self.layout.num_fragments:
             return
-        self._join_progress(now)
         if msg.fragment in self._join_got:
-            return
+            return  # a fragment it has again (a later merge) is no progress: one lost for good would never end the wait
+        self._join_progress(now)
         self._join_got.add(msg.fragment)
         self._join_bytes += sum(v.numel() * v.element_size() for v in msg.values)
         total, said = self.layout.num_fragments, self._join_said > self.started_at
