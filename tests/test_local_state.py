@@ -332,3 +332,16 @@ def test_a_save_in_pieces_smaller_than_a_parameter_comes_back_bit_for_bit(tmp_pa
     for p, q in ((m.w, m2.w), (m.b, m2.b)):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+
+
+def test_a_run_identity_read_back_from_the_store_is_taken_only_when_plausible():
+    """The store's meta is a file on disk: its ``run`` is taken back only as a short alphanumeric
+    string; anything else keeps the identity this start made (learners' claims then miss, and
+    they are sent every fragment: the safe side)."""
+    from helpers import SessionPair
+
+    for stored, taken in (("a1b2c3d4", True), ("../../x", False), ("x" * 65, False), (7, False), ("", False)):
+        s = SessionPair((0,)).syncer
+        s.run = "fresh0"
+        s.restore({}, {**s.meta(), "run": stored})
+        assert s.run == (stored if taken else "fresh0"), stored
