@@ -73,6 +73,8 @@ MESSAGES = [
     Register(1, 5, [["w", [2]]], "abc", [], 1, "cpu", {"run.processed_tokens": 10**6, "algo.num_fragments": "auto"}),
     JoinReply(False, "model does not match", 15, 10, [0, 2]),
     JoinReply(False, "learner 1 was superseded", 15, 0, [0], superseded=True),
+    JoinReply(True, "", 15, 3, [0, 1], run="9f2c4e1a7b3d5f60"),
+    Register(2, 6, [["w", [2]]], "abc", [3, 4], 1, "cpu", {}, "9f2c4e1a7b3d5f60"),
     SettingsRequest(3, 7),
     RunSettings({"run.processed_tokens": 600_000, "algo.alpha": 0.5, "algo.fragment_strategy": "balanced"}),
     Leave(3, 5),
