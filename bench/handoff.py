@@ -103,12 +103,18 @@ def role_syncer(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
-def role_serve(args: argparse.Namespace) -> None:
+def join(args: argparse.Namespace, m: int) -> tuple[Any, nn.Module, torch.optim.Optimizer]:
+    """Learner m of the bench: its model (seed 0, as the syncer's), AdamW, joined to the syncer."""
     import ddiloco
 
     model = make_model(args.mb, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    learner = ddiloco.Learner(model, args.address, learner_id=0, config=config(args), optimizer=opt, insecure=True)
+    learner = ddiloco.Learner(model, args.address, learner_id=m, config=config(args), optimizer=opt, insecure=True)
+    return learner, model, opt
+
+
+def role_serve(args: argparse.Namespace) -> None:
+    learner, model, opt = join(args, 0)
     g = torch.Generator().manual_seed(10)
     ends: list[float] = []
     pieces: list[tuple[float, int, int, float]] = []  # (when, budget, bytes copied, copy seconds)
@@ -157,11 +163,7 @@ def role_serve(args: argparse.Namespace) -> None:
 
 
 def role_leave(args: argparse.Namespace) -> None:
-    import ddiloco
-
-    model = make_model(args.mb, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    learner = ddiloco.Learner(model, args.address, learner_id=1, config=config(args), optimizer=opt, insecure=True)
+    learner, model, opt = join(args, 1)
     g = torch.Generator().manual_seed(11)
     deadline = time.monotonic() + args.seconds
     while max(learner.versions) == 0 and time.monotonic() < deadline:  # until a merge: a run under way
