@@ -522,6 +522,21 @@ def test_a_flood_from_one_key_over_many_connections_is_cut_by_its_keys_work_shar
     assert len(decoded) == n + 1
 
 
+def test_registrations_are_not_charged_to_the_keys_work_share(keyed_service):
+    """A registration is bounded by the join rate, not the work share: a restarted learner's
+    catch-up (sent as its registration is answered) must not cost it the answers that follow."""
+    from ddiloco.protocol.messages import SettingsRequest
+    from ddiloco.service.base.wire import encode
+
+    service, pub, decoded = keyed_service
+    for i in range(10):  # the join rate's burst, each "taking" the syncer's time
+        service.handle(b"learner-0", encode(SettingsRequest(0, i + 1)), pub["learner-0"])
+    assert len(decoded) == 10  # (charged, 10 x 0.15 s would have passed the 1 s burst already)
+    for _ in range(15):  # then 0.75 s of its other messages: within the work share's burst
+        service.handle(b"learner-0", [b"x"], pub["learner-0"])
+    assert len(decoded) == 25 and service.counts["malformed"] == 15 and service.counts["rate_limited"] == 0
+
+
 def test_the_message_rate_is_per_key_and_a_fetch_burst_is_refused_with_a_reason(keyed_service):
     from ddiloco.service.base.wire import encode
 

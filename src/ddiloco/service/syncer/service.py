@@ -371,14 +371,18 @@ class SyncerService:
             return
         started = self.work_clock()
         merges = self.counts["merges"]
+        charged = True
         try:
-            self._handle(identity, frames, key, who)
+            charged = self._handle(identity, frames, key, who)
         finally:
             # A merge is the fleet's work, not the sender's: the call that closed a round is free.
-            if self._busy is not None and self.counts["merges"] == merges:
+            if self._busy is not None and charged and self.counts["merges"] == merges:
                 self._busy.charge(who, self.clock.monotonic(), self.work_clock() - started)
 
-    def _handle(self, identity: bytes, frames: Frames, key: bytes | None, who: bytes) -> None:
+    def _handle(self, identity: bytes, frames: Frames, key: bytes | None, who: bytes) -> bool:
+        """Handle one message; whether its work counts toward its key's share of the syncer's time
+        (a registration does not: ``max_joins_per_s`` bounds those, and a restarted learner's
+        catch-up, sent as its registration is answered, must not cost it its next answers)."""
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
@@ -386,11 +390,12 @@ class SyncerService:
         except WireError as e:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             self._count_traffic("up", identity, None, frames)
-            return
+            return True
         now = self.clock.monotonic()
-        if isinstance(msg, (Register, SettingsRequest)) and not self._join_rate.allow(who, now):
+        joining = isinstance(msg, (Register, SettingsRequest))
+        if joining and not self._join_rate.allow(who, now):
             self.counts["rate_limited"] += 1
-            return
+            return True
         principal = None
         if self.keys is not None:
             peer = self.keys.allowed.get(key or b"")
@@ -402,6 +407,7 @@ class SyncerService:
         self.load.work(fed, out.persist, self.work_clock() - started)
         self._emit(out)
         self._count_traffic("up", identity, msg, frames)  # after: a Register binds its connection
+        return not joining
 
     def _count_traffic(self, direction: Direction, identity: bytes, msg: Any, frames: Any) -> None:
         """Count one message's frames on ``identity``'s link, for the learner bound to it (none:
