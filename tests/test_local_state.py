@@ -7,6 +7,7 @@ over the in-process network; bounded in time, asserting progress and bytes, neve
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 import time
@@ -119,7 +120,7 @@ def restarted(tmp_path_factory):
             if saver._pieces is None:
                 break
             train(a, model_a, opt_a, 1, seed=1000 + k)
-        saves, saver._next_at = saver.saves, 0.0
+        saves, saver._ended_at = saver.saves, -math.inf
         for k in range(400):
             if saver.saves > saves:
                 break
@@ -319,6 +320,10 @@ def test_a_save_in_pieces_smaller_than_a_parameter_comes_back_bit_for_bit(tmp_pa
         time.sleep(0.01)
     saver.close()
     assert saver.saves >= 3
+    stats = saver.stats()  # what the learner's status reports of its saves
+    assert stats["saves"] == saver.saves and stats["boundaries"] > stats["saves"]
+    assert 0 <= stats["longest_copy_s"] <= stats["copy_s"]
+    assert stats["last"]["began"] <= stats["last"]["done"]
     from safetensors.torch import load_file
 
     names = [k for f in sorted((tmp_path / "current").glob("optimizer-*")) for k in load_file(str(f))]
@@ -345,3 +350,85 @@ def test_a_run_identity_read_back_from_the_store_is_taken_only_when_plausible():
         s.run = "fresh0"
         s.restore({}, {**s.meta(), "run": stored})
         assert s.run == (stored if taken else "fresh0"), stored
+
+
+def _small_saver(tmp_path, **kw):
+    """A saver of a 3-parameter model with AdamW state, beside a session of the test layout."""
+    from helpers import SESSION_LAYOUT, SessionPair
+
+    from ddiloco.service.learner.local_state import LocalStateSaver
+
+    m = nn.Module()
+    m.a, m.b, m.c = (nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    sum(p.sum() for p in m.parameters()).backward()
+    opt.step()
+    pair = SessionPair((0,))
+    pair.advance(1.0)
+    params = {"a": m.a, "b": m.b, "c": m.c}
+    return LocalStateSaver(tmp_path, 0, SESSION_LAYOUT.digest(), params, opt, **kw), pair.sessions[0]
+
+
+def _wait_saved(saver, session, saves: int) -> None:
+    for _ in range(500):
+        if saver.saves >= saves:
+            return
+        saver.boundary(session, 0)
+        time.sleep(0.01)
+    raise AssertionError(f"no save {saves} in 500 boundaries")
+
+
+def test_a_save_is_due_once_a_fragment_moved_past_what_the_chain_can_catch_up(tmp_path):
+    """With a lossy down-link a save starts before the interval once a fragment moved
+    chain_history - 1 versions past the last save (a restart then catches up by the chain),
+    but not within a quarter of the interval after the last one, and not while one is written."""
+    saver, session = _small_saver(tmp_path, interval_s=1000.0, chunk_bytes=64, versions_behind=2)
+    saver._ended_at = -math.inf  # the first save: due by the interval
+    _wait_saved(saver, session, 1)
+    now = time.monotonic()
+    assert not saver.due(session, now)  # just saved, nothing moved
+    versions = session.core.base_version
+    versions[1] += 1
+    saver._ended_at = now - 300.0  # past a quarter of the interval
+    assert not saver.due(session, now)  # one version: the chain still covers it
+    versions[1] += 1
+    assert saver.due(session, now)  # two: the next would pass chain_history - 1
+    saver._ended_at = now - 100.0
+    assert not saver.due(session, now)  # too soon after the last save
+    off, _ = _small_saver(tmp_path / "fp32", interval_s=1000.0, chunk_bytes=64, versions_behind=0)
+    off._saved_versions, off._ended_at = [0] * len(versions), now - 300.0
+    assert not off.due(session, now)  # no chain (fp32 down-link): the interval alone
+    saver.close()
+    off.close()
+
+
+def test_a_boundary_copies_for_its_share_of_the_step_within_the_buffer(tmp_path, monkeypatch):
+    """A long step lets one boundary copy every piece (the share of its time is large); a
+    buffer smaller than two pieces holds the copies to one per boundary while the writer is
+    behind; either way the save completes and reads back."""
+    from helpers import SESSION_LAYOUT
+
+    import ddiloco.service.learner.local_state as local_state
+
+    fast, session = _small_saver(tmp_path / "fast", interval_s=0.0, chunk_bytes=64, copy_share=1.0)
+    fast.boundary(session, 0)  # begins the save (and times the boundary)
+    fast._last_boundary = time.monotonic() - 10.0  # a 10 s step: a 10 s copy budget
+    fast.boundary(session, 0)
+    assert fast._pieces is None  # every piece copied at that one boundary
+    _wait_saved(fast, session, 1)
+    fast.close()
+    gate, write = threading.Event(), local_state._save_file
+    monkeypatch.setattr(local_state, "_save_file", lambda t, path: (gate.wait(30), write(t, path)))
+    slow, session = _small_saver(tmp_path / "slow", interval_s=0.0, chunk_bytes=64, copy_share=1.0, buffer_bytes=1)
+    slow.boundary(session, 0)
+    slow._last_boundary = time.monotonic() - 10.0
+    slow.boundary(session, 0)
+    held = slow._pending
+    assert slow._pieces is not None and held > 0  # one piece copied, held: the writer is behind
+    slow.boundary(session, 0)
+    assert slow._pending == held  # nor does the next boundary copy anything
+    gate.set()
+    _wait_saved(slow, session, 1)
+    slow.close()
+    for folder in (tmp_path / "fast", tmp_path / "slow"):
+        assert isinstance(read_local_state(folder, 0, SESSION_LAYOUT.digest(), 3600.0), Saved)

@@ -175,10 +175,14 @@ class Config:
             "runtime.eval_every_tokens", rt.eval_every_tokens, ">= 0 merged tokens (0: automatic), finite",
         )  # fmt: skip
         require(rt.local_state_max_age_s > 0, "runtime.local_state_max_age_s", rt.local_state_max_age_s, "> 0")
-        for name in ("send_queue_mb", "peer_state_chunk_mb", "peer_state_buffer_mb", "local_state_chunk_mb"):
+        for name in (
+            "send_queue_mb", "peer_state_chunk_mb", "peer_state_buffer_mb", "local_state_chunk_mb",
+            "local_state_buffer_mb",
+        ):  # fmt: skip
             require(0 < getattr(rt, name) < 1 << 30, f"runtime.{name}", getattr(rt, name), "> 0 MiB, finite")
-        share = rt.peer_state_copy_share
-        require(0 < share <= 1, "runtime.peer_state_copy_share", share, "in (0, 1]: a share of a step")
+        for name in ("peer_state_copy_share", "local_state_copy_share"):
+            share = getattr(rt, name)
+            require(0 < share <= 1, f"runtime.{name}", share, "in (0, 1]: a share of a step")
         for name in (
             "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
             "give_up_after_s", "local_state_s",

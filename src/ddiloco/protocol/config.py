@@ -158,14 +158,23 @@ class RuntimeConfig:
     """How often a learner saves its own state for a restart on the same machine: its model and
     optimizer, the versions it holds with what its deltas are measured against and its
     error-feedback residual, its counters, data position and RNG (seconds from the end of one
-    save to the start of the next; 0: never). Restarted with it, a learner catches up by what
-    changed since (``algo.chain_history``) instead of taking the whole model and a peer's
-    optimizer state. ``ddiloco learner`` saves in RUN_DIR/learners/learner-ID; a library
-    learner where ``Learner(local_state=...)`` says (docs/runtime.md, "Restarts")."""
+    save to the start of the next; 0: never). With a lossy ``algo.down_encoding`` a save also
+    starts sooner, once a fragment has moved ``algo.chain_history`` - 1 versions past the last
+    save (so a restart still catches up by the syncer's chain), but not sooner than a quarter of
+    this after the last one ended. Restarted with it, a learner catches up by what changed since
+    instead of taking the whole model and a peer's optimizer state. ``ddiloco learner`` saves in
+    RUN_DIR/learners/learner-ID; a library learner where ``Learner(local_state=...)`` says
+    (docs/runtime.md, "Restarts")."""
     local_state_chunk_mb: float = 64.0
-    """What a save copies at one step boundary (MiB; a larger tensor alone): the copy is on the
-    step, the write to disk on a thread of its own, and the next piece is copied only once the
-    last one is written, so a save holds at most one piece in memory."""
+    """The pieces a save is written in (MiB; a larger tensor alone): each is copied at a step
+    boundary and written to disk by a thread of its own."""
+    local_state_copy_share: float = 0.02
+    """The share of the last step's time a step boundary may spend copying a save's pieces (at
+    least one piece per boundary while a save is under way): a save of the model and AdamW's
+    state (3 N) takes about 3 N / (this x the copy rate) of training time."""
+    local_state_buffer_mb: float = 256.0
+    """The most a save holds in memory, copied and not yet on disk (MiB; at least one piece):
+    a boundary copies nothing more while the writer is this far behind."""
     local_state_max_age_s: float = 3600.0
     """A saved state older than this is not taken back (the restart joins afresh and says why):
     its versions would be further behind than the syncer keeps changes for."""

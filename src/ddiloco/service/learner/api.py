@@ -264,7 +264,9 @@ class Learner:
             if self._local_dir is not None and self.session is not None and self.world == 1:
                 # (before the comm thread registers: it claims the versions it took back)
                 local = self._local_dir, self.session, self.params, self.optimizer, self.cfg.runtime
-                self._saver = open_local_state(*local)
+                algo = self.cfg.algo
+                chain = algo.chain_history if algo.down_encoding != "fp32" else 0  # no chain: no versions rule
+                self._saver = open_local_state(*local, chain_history=chain)
             if sock is not None and self.session is not None:
                 self.comm = LearnerComm(self.session, link.addresses, sock, self.clock)
         except BaseException:
@@ -482,6 +484,11 @@ class Learner:
             self.stats.bytes_sent = self.session.bytes_sent
         self._raise_if_comm_stopped()
         self._told_end = self.run_ended
+
+    def local_state_stats(self) -> dict[str, Any] | None:
+        """What saving its own state has cost so far (saves, copy seconds on the step path, the
+        last save's span); None when it saves none (``runtime.local_state_s`` = 0, no folder)."""
+        return self._saver.stats() if self._saver is not None else None
 
     def close(self) -> None:
         """Leave the fleet (the syncer stops waiting for this learner at once) and stop the comm

@@ -78,9 +78,13 @@ def _save_file(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 
 class LocalStateSaver:
-    """Saves a learner's state every ``interval_s`` (from the end of one save), a piece per step
-    boundary (``boundary``, on the training thread: it copies), written by a thread of its own.
-    A failed write costs one log line and that save; training never waits for the disk."""
+    """Saves a learner's state: a save starts ``interval_s`` after the last one ended, or sooner
+    once a fragment has moved ``versions_behind`` versions past the last save (a restart then
+    still catches up by the syncer's chain), but not sooner than a quarter of ``interval_s``
+    after it. Its pieces are copied at step boundaries (``boundary``, on the training thread),
+    each boundary spending about ``copy_share`` of the last step on copies and holding at most
+    ``buffer_bytes`` copied and not yet written; a thread of its own writes them. A failed write
+    costs one log line and that save; training never waits for the disk."""
 
     def __init__(
         self,
@@ -91,47 +95,93 @@ class LocalStateSaver:
         optimizer: torch.optim.Optimizer | None,
         interval_s: float,
         chunk_bytes: int,
+        copy_share: float = 0.02,
+        buffer_bytes: int = 256 << 20,
+        versions_behind: int = 0,
     ) -> None:
         self.folder, self.learner, self.layout = folder, learner, layout
         self.params, self.optimizer = params, optimizer
         self.interval_s, self.chunk_bytes = interval_s, max(1, chunk_bytes)
+        self.copy_share, self.buffer_bytes = copy_share, max(1, buffer_bytes)
+        self.versions_behind = versions_behind
+        """0: only the interval starts a save (no chain: an fp32 down-link)."""
         self.saves = 0
         """Complete saves written by this process."""
         self.copy_s = 0.0
         """Seconds the boundaries spent copying pieces (the save's cost on the step path)."""
-        self._next_at = time.monotonic() + interval_s
+        self.longest_copy_s = 0.0
+        """The longest one boundary spent copying."""
+        self.boundaries = 0
+        """Step boundaries that had a save under way to copy (after the one that began it)."""
+        self.last_save: dict[str, float] = {}
+        """The last complete save: ``began`` and ``done`` (wall clock), the state's age when it was
+        complete (``done - began``: what a restart right then would have lost at most)."""
+        self._began_wall = 0.0
+        self._ended_at = time.monotonic()
+        self._saved_versions: list[int] | None = None
+        """The versions of the last save begun (None: none yet)."""
+        self._last_boundary: float | None = None
         self._pieces: Iterator[tuple[str, dict[str, torch.Tensor]]] | None = None
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._pending = 0
+        """Bytes copied and not yet written (the writer lowers it)."""
+        self._pending_lock = threading.Lock()
+        self._writing = threading.Event()
+        """Set while a save's jobs are queued or being written (cleared once its last is done)."""
         self._failed = False
         self._thread = threading.Thread(target=self._write_all, name=f"ddiloco-save-{learner}", daemon=True)
         self._thread.start()
 
+    def due(self, session: LearnerSession, now: float) -> bool:
+        """Whether a save should start at this boundary."""
+        if self._writing.is_set() or not session.joined_once:
+            return False
+        since = now - self._ended_at
+        if since >= self.interval_s:
+            return True
+        if self.versions_behind <= 0 or self._saved_versions is None or since < self.interval_s / 4:
+            return False
+        moved = max(v - s for v, s in zip(session.core.base_version, self._saved_versions))
+        return moved >= self.versions_behind
+
     def boundary(self, session: LearnerSession, data_position: int) -> None:
-        """At a step boundary: start a save when one is due, or copy its next piece once the
-        last one is written."""
-        if not self._idle.is_set():
-            return  # the disk is behind: copy nothing more (one piece in memory at most)
+        """At a step boundary: start a save when one is due, or copy its next pieces (about
+        ``copy_share`` of the last step, at least one, while the unwritten ones fit the buffer)."""
+        now = time.monotonic()
+        step_s, self._last_boundary = (now - self._last_boundary if self._last_boundary else 0.0), now
         if self._pieces is None:
-            if time.monotonic() < self._next_at or not session.joined_once:
-                return
-            self._begin(session, data_position)
+            if self.due(session, now):
+                self._begin(session, data_position)
             return
         t0 = time.perf_counter()
-        piece = next(self._pieces, None)
-        self.copy_s += time.perf_counter() - t0
-        if piece is None:
+        copied = 0
+        if self._failed:  # the writer gave this save up: copy nothing more of it
             self._pieces = None
-            self._next_at = math.inf  # before the writer can finish: it sets the next from this save's end
-            self._submit(("finish", None))
-        else:
-            self._submit(("piece", piece))
+            self._submit(("finish", None), 0)
+        budget_s = self.copy_share * step_s
+        while self._pieces is not None and self._pending < self.buffer_bytes:
+            if copied and time.perf_counter() - t0 >= budget_s:
+                break
+            piece = next(self._pieces, None)
+            if piece is None:
+                self._pieces = None
+                self._submit(("finish", None), 0)
+                break
+            n = sum(t.numel() * t.element_size() for t in piece[1].values())
+            self._submit(("piece", piece), n)
+            copied += 1
+        took = time.perf_counter() - t0
+        self.copy_s += took
+        self.longest_copy_s = max(self.longest_copy_s, took)
+        self.boundaries += 1
 
     def _begin(self, session: LearnerSession, data_position: int) -> None:
         """The save's consistent part, taken now: the session's state (its tensors are never
         written in place: no copy) and the counters."""
         state = capture(session)
+        self._began_wall = time.time()
+        self._saved_versions = list(state.versions)
+        self._writing.set()
         meta = {
             "format": FORMAT, "learner": self.learner, "layout": self.layout, "saved_at": time.time(),
             "data_position": data_position, "versions": list(state.versions), "steps": list(state.steps),
@@ -143,7 +193,7 @@ class LocalStateSaver:
         session_tensors["rng"] = torch.get_rng_state()
         self._failed = False
         self._pieces = self._copies()
-        self._submit(("begin", (meta, session_tensors)))
+        self._submit(("begin", (meta, session_tensors)), 0)
 
     def _copies(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """The model's synced tensors, then the optimizer's state, about ``chunk_bytes`` at a
@@ -166,16 +216,17 @@ class LocalStateSaver:
             if ps.tensors:
                 yield "optimizer", dict(ps.tensors)
 
-    def _submit(self, job: tuple[str, Any]) -> None:
-        self._idle.clear()
-        self._jobs.put(job)
+    def _submit(self, job: tuple[str, Any], nbytes: int) -> None:
+        with self._pending_lock:
+            self._pending += nbytes
+        self._jobs.put((job[0], (job[1], nbytes)))
 
     def _write_all(self) -> None:
         """The writer thread: one job at a time, until ``close``."""
         meta: dict[str, Any] = {}
         saving = self.folder / "saving"
         while (job := self._jobs.get()) is not None:
-            kind, what = job
+            kind, (what, nbytes) = job
             try:
                 if self._failed:
                     pass  # this save is abandoned: skip its pieces until the next one begins
@@ -196,9 +247,12 @@ class LocalStateSaver:
                 log.warning("learner %d: saving its state in %s failed (%s); it trains on, next try in %.0f s",
                             self.learner, self.folder, e, self.interval_s)  # fmt: skip
             finally:
-                if kind in ("finish",) or (self._failed and kind == "begin"):
-                    self._next_at = time.monotonic() + self.interval_s
-                self._idle.set()
+                job = what = None  # the piece's copies go now, not with the next job
+                with self._pending_lock:
+                    self._pending -= nbytes
+                if kind == "finish":
+                    self._ended_at = time.monotonic()
+                    self._writing.clear()
 
     def _finish(self, saving: Path, meta: dict[str, Any]) -> None:
         """The save is complete: its meta last, then it replaces the previous one."""
@@ -212,6 +266,14 @@ class LocalStateSaver:
         fsync_dir(self.folder)
         shutil.rmtree(previous, ignore_errors=True)
         self.saves += 1
+        self.last_save = {"began": self._began_wall, "done": time.time()}
+
+    def stats(self) -> dict[str, Any]:
+        """What the saves cost so far (the learner's status ``local_state``)."""
+        return {
+            "saves": self.saves, "copy_s": round(self.copy_s, 4), "longest_copy_s": round(self.longest_copy_s, 4),
+            "boundaries": self.boundaries, **({"last": self.last_save} if self.last_save else {}),
+        }  # fmt: skip
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the writer (a save under way is left unfinished: the last complete one stays)."""
@@ -391,10 +453,12 @@ def open_local_state(
     params: Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     rt: RuntimeConfig,
+    chain_history: int = 0,
 ) -> LocalStateSaver | None:
     """At a learner's start, before it registers: take back the last save in ``folder`` when
     there is one that fits (one line either way), then save every ``rt.local_state_s`` from now
-    on (None: saving is off)."""
+    on (None: saving is off). ``chain_history``: the changes the syncer keeps per fragment (0:
+    none, an fp32 down-link); a save is due once a fragment moved that many less one."""
     learner, layout = session.learner, session.registration.layout
     saved = read_local_state(folder, learner, layout, rt.local_state_max_age_s)
     problem = take_back(saved, session, params, optimizer) if isinstance(saved, Saved) else saved
@@ -408,8 +472,10 @@ def open_local_state(
         log.info("learner %d: its saved state in %s is not taken back: %s; joining afresh", learner, folder, problem)
     if rt.local_state_s <= 0:
         return None
-    chunk = int(rt.local_state_chunk_mb * (1 << 20))
-    return LocalStateSaver(folder, learner, layout, params, optimizer, rt.local_state_s, chunk)
+    chunk, buffer = int(rt.local_state_chunk_mb * (1 << 20)), int(rt.local_state_buffer_mb * (1 << 20))
+    behind = max(1, chain_history - 1) if chain_history > 0 else 0
+    return LocalStateSaver(folder, learner, layout, params, optimizer, rt.local_state_s, chunk,
+                           rt.local_state_copy_share, buffer, behind)  # fmt: skip
 
 
 def _span(versions: tuple[int, ...]) -> str:

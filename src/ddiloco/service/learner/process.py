@@ -285,6 +285,7 @@ class LearnerProcess:
                 "pending_steps": _pending_steps(learner),
                 "answered": learner.session.answered if learner is not None and learner.session else 0,
                 "comm_cpu_s": 0.0 if comm is None else comm.cpu_s,
+                "local_state": learner.local_state_stats() if learner is not None else None,
                 **self.stats,
             },
         )
