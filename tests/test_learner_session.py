@@ -46,6 +46,20 @@ def test_an_accepted_learner_past_its_join_timeout_trains_and_its_next_deadline_
         assert s.next_deadline(now) > now  # never a deadline in the past: the comm thread would spin
 
 
+def test_the_join_waits_from_when_the_driver_starts_talking_not_from_the_sessions_creation():
+    """A restarted learner reads its saved state (seconds for a large model) between making its
+    session and starting its comm thread, and then holds every fragment already: its join's
+    silence counts from ``join_begins``, or it would give up before its first registration."""
+    s = session()  # made at 0.0
+    s.received = {0, 1}  # (as a saved state taken back leaves it)
+    s.join_begins(12.0)  # the driver starts talking 12 s later (join_timeout_s = 3)
+    assert s.join_deadline == 15.0 and not s.ready(12.5)
+    s.receive(0, JoinReply(True, "", 1, 0, [0, 1]), 12.6)
+    assert s.ready(12.6)  # accepted holding every fragment: it trains at once
+    s.join_begins(20.0)  # (a later call changes nothing once it has joined)
+    assert s.join_deadline == 15.0
+
+
 def test_fragments_without_the_accepting_reply_are_not_a_join():
     s = session()
     s.tick(0.0)

@@ -340,6 +340,13 @@ class LearnerSession:
         ``ready`` or this; never accepted by then, the learner was not answered at all."""
         return self._join_deadline
 
+    def join_begins(self, now: float) -> None:
+        """The driver starts talking to the syncer now: the join's silence is counted from here,
+        not from the session's creation (what the driver did in between, such as reading back a
+        saved state of several GB, is not the syncer's silence)."""
+        if not self.joined_once:
+            self._join_deadline = now + self.rt.join_timeout_s
+
     def _join_progress(self, now: float) -> None:
         """The join moved on: its silence is counted from now. Once past, the deadline stays
         past (``ready`` said yes; a late fragment must not take it back)."""

@@ -563,6 +563,8 @@ class Learner:
         """Take the global state before training (bounded: a dead syncer must not stall us)."""
         comm, session = self.comm, self.session
         if comm is not None and session is not None:
+            with self._lock():
+                session.join_begins(self.clock.monotonic())
             comm.start()
             self._wait_for_fragments(comm, session, timeout_s)
             if session.refused:
