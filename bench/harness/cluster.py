@@ -168,11 +168,13 @@ class Launch:
     evaluator and relays itself; the bench watches it and stops it (in its own session, so a
     signal to the bench's terminal does not reach the run's processes)."""
 
-    def __init__(self, args: Sequence[str], log: Path) -> None:
+    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: the run's environment (default ``ENV``: this tree's sources; a bench that runs
+        other sources, such as an older commit's, puts those on ``PYTHONPATH``)."""
         self.argv = [sys.executable, "-m", "ddiloco", "train", *args]
         self.started = time.time()
         self._log = open(log, "wb")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=ENV,
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env or ENV,
                                      start_new_session=True)  # fmt: skip
 
     @property
