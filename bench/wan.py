@@ -83,7 +83,8 @@ COMMON = [
     "chaos.downtime_fraction=0",
     "chaos.failures_per_learner=0",
     "runtime.step_log=true",
-    "runtime.eval_interval_s=8",
+    "runtime.eval_interval_s=2",
+    "runtime.eval_every_tokens=40000",  # about every 8 s here (the automatic cadence is sized for long runs)
     "runtime.status_interval_s=0.5",
 ]
 ENCODINGS: dict[str, list[str]] = {
