@@ -32,7 +32,7 @@ from helpers import (
 )
 from test_faults import SMALL  # the fault harness's small synthetic run
 
-from ddiloco.core.messages import Heartbeat
+from ddiloco.core.messages import FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
 from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.messages import (
@@ -68,6 +68,20 @@ def replies(out, peer) -> list:
 
 
 # -- (2) a key routes as itself -------------------------------------------------------------
+
+
+def test_a_registration_retried_on_the_same_connection_is_answered_without_the_join_again():
+    """A learner retries its Register after 0.1 s; a loaded syncer answers later. The retry on
+    the same connection gets its acceptance again, not the join's fragments a second time
+    (they are on their way); a new connection (the learner reconnected) gets them again."""
+    s = syncer()
+    first = register(s, 0, "conn-a")
+    joined = [m for m in replies(first, "conn-a") if isinstance(m, FragmentUpdate)]
+    assert len(joined) == LAYOUT.num_fragments
+    again = replies(register(s, 0, "conn-a", now=0.2), "conn-a")
+    assert [type(m) for m in again] == [JoinReply] and again[0].accepted
+    anew = replies(register(s, 0, "conn-b", now=0.4), "conn-b")
+    assert sum(isinstance(m, FragmentUpdate) for m in anew) == LAYOUT.num_fragments
 
 
 def test_another_key_claiming_a_learner_neither_registers_nor_takes_its_route():

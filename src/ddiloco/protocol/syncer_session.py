@@ -452,6 +452,17 @@ class SyncerSession:
             out.send.append((peer, JoinReply(False, reason, self.epoch, 0, self.core.owned)))
             return
         before = self.core.registered(msg.learner)
+        if before == msg.incarnation and self.identities.get(msg.learner) == peer:
+            # The same process again on the same connection: a retry sent while the first answer
+            # was on its way (a learner retries after 0.1 s; a loaded syncer, or one stalled on its
+            # disk, answers later). What that answer sent is still in flight on this connection:
+            # sending the join's fragments again would multiply the largest transfer of all. (A
+            # learner that lost its connection registers on a new one, and gets them again.)
+            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned, run=self.run)
+            out.send.append((peer, reply))
+            if self.end_stage is not None:
+                out.send.append((peer, RunEnd("stop", self.end_reason)))
+            return
         bases = msg.base_versions
         if bases and msg.run and self.run and msg.run != self.run:
             # Saved in another run (a folder reused): its versions are not this run's.
