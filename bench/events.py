@@ -149,7 +149,8 @@ class Watch:
                 continue
             rec = self.procs.get(pid)
             if rec is None or rec["role"] != role:
-                rec = self.procs[pid] = {"pid": pid, "role": role, "started": started_at(pid), "peak": 0}
+                rec = self.procs[pid] = {"pid": pid, "role": role, "started": started_at(pid), "peak": 0,
+                                         "first_seen": now}  # fmt: skip
             rec["peak"] = max(rec["peak"], mem.get("VmHWM", 0))
             rec["last_seen"] = now
         by = read_json_dict(self.run_dir / "metrics" / "traffic.json").get("by_learner")
@@ -467,6 +468,8 @@ def raw_figures(plan: Plan, watch: Watch, run_dir: Path, t0: float) -> dict[str,
     peaks: dict[str, list[int]] = {}
     learner_peaks = []
     for rec in sorted(watch.procs.values(), key=lambda r: r["started"] or 0):
+        if rec.get("last_seen", 0.0) - (rec.get("first_seen") or rec["started"] or 0.0) < 1.0:
+            continue  # a child between fork and exec (its parent's command line and pages): not a role
         role = "learner" if rec["role"].startswith("learner-") else rec["role"]
         peaks.setdefault(role, []).append(rec["peak"])
         if role == "learner":
@@ -660,6 +663,17 @@ def write_report(cells: dict[str, dict[str, Any]], server: dict[str, Any] | None
         f"sources of {base_label} (`python bench/events.py --baseline {base_label[3:]}`).",
         "",
         *table(["event", "measure", "now", base_label, "target", "met"], [row(*spec) for spec in rows]),
+        "",
+    ]
+    merged = raw.get("summary", {}).get("tokens_merged")
+    bev = braw.get("evaluator", {}) if braw else {}
+    lines += [
+        f"The evaluator (on the launcher's machine, straight to the syncer: not behind a link) made "
+        f"{ev.get('evaluations')} evaluations and moved {_mb(ev.get('observer_bytes'))} "
+        f"({base_label}: {bev.get('evaluations', '-')} evaluations, {_mb(bev.get('observer_bytes'))}): its "
+        f"default cadence is one evaluation per 40 H B / (u + d) merged tokens, here 40 x 24 x 8 / 1 = 7,680, and "
+        f"the run merged {merged if merged is None else f'{merged:,.0f}'} (4 learners at about 4 s a step on "
+        "2 cores); a longer run evaluates once per that many tokens, fetching only the fragments that moved.",
         "",
     ]
     lines += [

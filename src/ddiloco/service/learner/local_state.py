@@ -397,15 +397,20 @@ def _model_problem(saved: Mapping[str, torch.Tensor], params: Mapping[str, torch
 
 
 def _optimizer_state(
-    pieces: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, me: int
+    pieces: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, me: int
 ) -> tuple[PeerState | None, str | None]:
     """The saved optimizer pieces put together (the hand-off's rules and bound) and checked as a
-    peer's state would be; or why not."""
+    peer's state would be; or why not. ``pieces`` is emptied as they are put together: each row
+    range goes as soon as it is copied into its tensor, so the state is not held twice."""
     from ddiloco.protocol.handoff import Reassembly
     from ddiloco.training.peer_state import check_state
 
     whole = Reassembly(4 * sum(p.numel() for p in params.values()) + (1 << 20))
-    problem = whole.add(pieces)
+    problem = None
+    for key in list(pieces):
+        problem = whole.add({key: pieces.pop(key)})
+        if problem is not None:
+            break
     tensors, problem = whole.finish() if problem is None else ({}, problem)
     if problem is not None:
         return None, f"its optimizer state: {problem}"
@@ -421,7 +426,9 @@ def take_back(
     optimizer: torch.optim.Optimizer | None,
 ) -> str | None:
     """Write a save back into the model, the optimizer, the session and the RNG, or say why not
-    (then nothing was changed). Everything is checked before anything is written."""
+    (then nothing was changed). Everything is checked before anything is written. ``saved`` is
+    used up (its model and optimizer pieces are let go as they are taken: a restart holds the
+    saved state about once, not twice)."""
     from ddiloco.protocol.local_state import check, restore
     from ddiloco.training.peer_state import load_state
 
@@ -432,8 +439,8 @@ def take_back(
     if problem is not None:
         return problem
     with torch.no_grad():
-        for name, t in saved.model.items():
-            params[name].copy_(t)
+        for name in list(saved.model):  # each saved tensor goes once it is written (a restart's peak)
+            params[name].copy_(saved.model.pop(name))
     if optimizer is not None and state is not None:
         device = next(iter(params.values())).device
         problem = load_state(optimizer, state, device)
