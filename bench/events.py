@@ -682,6 +682,19 @@ def write_report(cells: dict[str, dict[str, Any]], server: dict[str, Any] | None
         f"that served nothing over the same span: {serving.get('controls')}.",
         "",
     ]
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in rs.get("phases", {}).items())
+    lines += [
+        f"The restarted process's start-up (seconds from its start, `metrics/startup.jsonl`): {phases}. From its "
+        "start, its first merged contribution includes the interpreter's imports and the read of its save, which "
+        "the target (bytes over the link rate + 10 s) does not; from its registration it is the catch-up, one step "
+        "and the round that merges it.",
+        "",
+        "Memory, against the targets: with error feedback a learner holds its base copy and its residual (2 N "
+        "over a plain loop by design: bench/scale.py's 1.5x target is for fp32 payloads), and the syncer the "
+        "served copy of a lossy down-link (N) and the chain's history (`algo.chain_history` x N / 8); the "
+        "baseline column is the same configuration on the older code.",
+        "",
+    ]
     per = ", ".join(f"{r['role']} {r['peak'] / 2**20:,.0f}" for r in raw.get("learner_peaks", []))
     base_mem = now["memory_baselines"]
     lines += [
