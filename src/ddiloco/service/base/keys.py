@@ -217,3 +217,29 @@ def client_keys(
     if remote:
         log.warning("INSECURE: talking to %s without authentication or encryption", remote[0])
     return None
+
+
+def handshake_problem(learner: int, address: str, why: str, keyed: bool) -> str:
+    """The line a learner raises when the syncer at ``address`` refused its connection at the
+    CURVE handshake (``why``: ``transport.HandshakeFailure``; ``keyed``: the learner has keys):
+    a key problem, not a network one, and what to pass instead."""
+    fix = "pass the run's keys folder: key=RUN_DIR/keys (--keys RUN_DIR/keys)"
+    if why == "mechanism" and not keyed:
+        return (
+            f"learner {learner}: the syncer at {address} requires CURVE keys and this learner has none: pass "
+            "key=RUN_DIR/keys (--keys RUN_DIR/keys)"
+        )
+    if why == "mechanism":
+        return (
+            f"learner {learner}: the syncer at {address} runs without keys (insecure) and this learner has keys: "
+            "pass insecure=True and no key (--insecure, no --keys), or start the syncer with its keys"
+        )
+    if why == "auth":
+        return (
+            f"learner {learner}: the syncer at {address} does not admit this learner's key (learner-{learner}.key "
+            f"is not one of the run's keys): {fix}"
+        )
+    return (
+        f"learner {learner}: the CURVE handshake with the syncer at {address} failed: the syncer.key this learner "
+        f"was given is not that syncer's public key: {fix}"
+    )

@@ -38,9 +38,9 @@ from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Regis
 from ddiloco.protocol.messages import PeerState
 from ddiloco.protocol.settings import SettingsQuery
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
-from ddiloco.service.base.keys import ClientKeys, client_keys
+from ddiloco.service.base.keys import ClientKeys, client_keys, handshake_problem
 from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
-from ddiloco.service.base.transport import HandshakeFailure, LearnerSocket, ZmqLearnerSocket, learner_identity
+from ddiloco.service.base.transport import LearnerSocket, ZmqLearnerSocket, learner_identity
 from ddiloco.service.base.wire import WireError, decode, encode
 from ddiloco.service.learner.comm import LearnerComm
 from ddiloco.service.learner.local_state import open_local_state
@@ -643,29 +643,7 @@ class Learner:
         probe = getattr(sock, "handshake_failure", None)  # a test's transport may have no handshake
         failure = probe() if probe is not None else None
         if failure is not None:
-            raise CommError(self._handshake_line(addresses[failure[0]], failure[1]))
-
-    def _handshake_line(self, address: str, why: HandshakeFailure) -> str:
-        fix = "pass the run's keys folder: key=RUN_DIR/keys (--keys RUN_DIR/keys)"
-        if why == "mechanism" and not self._keyed:
-            return (
-                f"learner {self.id}: the syncer at {address} requires CURVE keys and this learner has none: pass "
-                "key=RUN_DIR/keys (--keys RUN_DIR/keys)"
-            )
-        if why == "mechanism":
-            return (
-                f"learner {self.id}: the syncer at {address} runs without keys (insecure) and this learner has keys: "
-                "pass insecure=True and no key (--insecure, no --keys), or start the syncer with its keys"
-            )
-        if why == "auth":
-            return (
-                f"learner {self.id}: the syncer at {address} does not admit this learner's key (learner-{self.id}.key "
-                f"is not one of the run's keys): {fix}"
-            )
-        return (
-            f"learner {self.id}: the CURVE handshake with the syncer at {address} failed: the syncer.key this learner "
-            f"was given is not that syncer's public key: {fix}"
-        )
+            raise CommError(handshake_problem(self.id, addresses[failure[0]], failure[1], self._keyed))
 
     def _ask_settings(
         self, sock: LearnerSocket, addresses: list[str], rt: RuntimeConfig, timeout_s: float
