@@ -458,10 +458,7 @@ class SyncerSession:
             # disk, answers later). What that answer sent is still in flight on this connection:
             # sending the join's fragments again would multiply the largest transfer of all. (A
             # learner that lost its connection registers on a new one, and gets them again.)
-            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned, run=self.run)
-            out.send.append((peer, reply))
-            if self.end_stage is not None:
-                out.send.append((peer, RunEnd("stop", self.end_reason)))
+            self._accept(peer, msg.learner, out)
             return
         bases = msg.base_versions
         if bases and msg.run and self.run and msg.run != self.run:
@@ -489,11 +486,16 @@ class SyncerSession:
                 out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned, superseded=True)))
             self.identities[msg.learner] = peer
             self.fleet.restarted(msg.learner, msg.incarnation)
-            reply = JoinReply(True, "", self.epoch, self.core.data_position(msg.learner), self.core.owned, run=self.run)
-            out.send.append((peer, reply))  # before the fragments it announces
-            if self.end_stage is not None:  # ending: it stops training and hands in what it has
-                out.send.append((peer, RunEnd("stop", self.end_reason)))
+            self._accept(peer, msg.learner, out)  # before the fragments it announces
         out.core(core_out, self.identities)
+
+    def _accept(self, peer: Peer, learner: int, out: SyncerOutput) -> None:
+        """Tell ``peer`` that ``learner`` is accepted (where its data resumes, the run's identity)
+        and, while the run is ending, that it stops training and hands in what it has."""
+        reply = JoinReply(True, "", self.epoch, self.core.data_position(learner), self.core.owned, run=self.run)
+        out.send.append((peer, reply))
+        if self.end_stage is not None:
+            out.send.append((peer, RunEnd("stop", self.end_reason)))
 
     def _heard(self, learner: int, now: float, out: SyncerOutput) -> None:
         """A message from learner m's bound connection says m is alive, whatever it is (an ack, an

@@ -114,9 +114,8 @@ class LocalStateSaver:
         self.boundaries = 0
         """Step boundaries that had a save under way to copy (after the one that began it)."""
         self.last_save: dict[str, float] = {}
-        """The last complete save: ``began`` and ``done`` (wall clock), the state's age when it was
-        complete (``done - began``: what a restart right then would have lost at most)."""
-        self._began_wall = 0.0
+        """The last complete save: when it ``began`` (its state's time) and when it was ``done``
+        (wall clock; between them, what a restart would have taken back is the one before)."""
         self._ended_at = time.monotonic()
         self._saved_versions: list[int] | None = None
         """The versions of the last save begun (None: none yet)."""
@@ -179,7 +178,6 @@ class LocalStateSaver:
         """The save's consistent part, taken now: the session's state (its tensors are never
         written in place: no copy) and the counters."""
         state = capture(session)
-        self._began_wall = time.time()
         self._saved_versions = list(state.versions)
         self._writing.set()
         meta = {
@@ -266,7 +264,7 @@ class LocalStateSaver:
         fsync_dir(self.folder)
         shutil.rmtree(previous, ignore_errors=True)
         self.saves += 1
-        self.last_save = {"began": self._began_wall, "done": time.time()}
+        self.last_save = {"began": float(meta["saved_at"]), "done": time.time()}
 
     def stats(self) -> dict[str, Any]:
         """What the saves cost so far (the learner's status ``local_state``)."""
