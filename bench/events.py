@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -327,17 +328,19 @@ def successor(watch: Watch, m: int, killed: dict[str, Any]) -> dict[str, Any] | 
     return min(later, key=lambda r: r["started"]) if later else None
 
 
-def grew_until(traffic: list[tuple[float, dict[str, Any]]], m: int, direction: str, cat: str, a: float) -> float | None:
-    """The last sample after ``a`` at which learner ``m``'s ``cat`` bytes one way grew (a hand-off's end)."""
-    last, prev = None, _bytes(at(traffic, a), str(m), direction, (cat,))
+def grew_at(
+    traffic: list[tuple[float, dict[str, Any]]], m: int, direction: str, cat: str, a: float, b: float = math.inf
+) -> list[float]:
+    """The samples in (a, b] at which learner ``m``'s ``cat`` bytes one way grew."""
+    out, prev = [], _bytes(at(traffic, a), str(m), direction, (cat,))
     for when, by in traffic:
-        if when <= a:
+        if when <= a or when > b:
             continue
         now = _bytes(by, str(m), direction, (cat,))
         if now > prev:
-            last = when
+            out.append(when)
         prev = now
-    return last
+    return out
 
 
 def event_figures(plan: Plan, watch: Watch, run_dir: Path, m: int, what: str) -> dict[str, Any]:
@@ -352,7 +355,7 @@ def event_figures(plan: Plan, watch: Watch, run_dir: Path, m: int, what: str) ->
     phases = startup_of(run_dir, m, later[0]) if later else {}
     at_phase = lambda k: started + phases[k] if started is not None and k in phases else None  # noqa: E731
     merged = at_phase("first_merged") or first_merged(run_dir / "state" / "tape.jsonl", m, ev["incarnation"])
-    handoff = at_phase("handoff") or grew_until(watch.traffic, m, "down", "handoff", ev["at"])
+    handoff = at_phase("handoff") or max(grew_at(watch.traffic, m, "down", "handoff", ev["at"]), default=None)
     first_step = at_phase("first_step")
     end = max(t for t in (merged, handoff, first_step, ev["at"] + 1) if t is not None)
     moved = window(watch.traffic, m, ev["at"], end + 2.0)
@@ -420,15 +423,8 @@ def serving_figures(watch: Watch, run_dir: Path, a: float, b: float) -> dict[str
     """The peer that served the replaced learner's optimizer state: when its hand-off bytes went
     up (first and last sample that grew), its longest step gap then against its median step, and
     the same for a learner that served nothing over the same span (the machine's own noise)."""
-    grew: dict[int, list[float]] = {}
-    prev: dict[str, Any] = at(watch.traffic, a)
-    for when, by in watch.traffic:
-        if when <= a or when > b + 60:
-            continue
-        for m in range(LEARNERS):
-            if m != REPLACED and _bytes(by, str(m), "up", ("handoff",)) > _bytes(prev, str(m), "up", ("handoff",)):
-                grew.setdefault(m, []).append(when)
-        prev = by
+    peers = [m for m in range(LEARNERS) if m != REPLACED]
+    grew = {m: t for m in peers if (t := grew_at(watch.traffic, m, "up", "handoff", a, b + 60))}
     if not grew:
         return {"served_by": None}
     m = max(grew, key=lambda k: len(grew[k]))
