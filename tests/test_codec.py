@@ -20,6 +20,7 @@ from ddiloco.core.fragments import TensorSpec, balanced_layout
 from ddiloco.core.learner import LearnerCore
 from ddiloco.core.messages import Ack, Contribution, FragmentUpdate, Join
 from ddiloco.core.syncer import Syncer
+from ddiloco.protocol.inbox import Inbox
 from ddiloco.service.base import wire
 
 torch.set_num_threads(1)
@@ -290,6 +291,44 @@ def test_a_learner_restarted_from_its_saved_state_catches_up_by_the_chains_chang
     _held_equals_served(s, saved)
     (u,) = [u for u in _round(s, saved, 7.0) if u.learner == 0]
     assert u.kind == "delta"  # on the chain
+
+
+def test_catch_up_changes_fold_as_they_arrive_into_one_full_version_with_the_same_bits() -> None:
+    """The learner session's inbox expands each chained change onto the one before while it
+    waits for the boundary: one full version of the fragment is held, not three decoded
+    changes and three full versions, and applying it leaves the learner on the chain. What
+    does not chain, or is not in the layout, waits as it came (the boundary says why)."""
+    s, ln, other = _syncer(), Learner(CFG, 0), Learner(CFG, 1)
+    _join(s, ln, 0.0)
+    _join(s, other, 0.0)
+    (u, *_) = _round(s, ln, 1.0)
+    s.handle(ln.receive(u), 1.1)  # type: ignore[arg-type]
+    saved = _restarted(ln)
+    for k in (2, 3, 4):
+        for u in _round(s, other, float(k)):
+            if u.learner == 1:
+                s.handle(other.receive(u), k + 0.1)  # type: ignore[arg-type]
+    updates = s.handle(Join(0, 1, [1]), 5.0).messages
+    assert [(u.kind, u.version) for u in updates] == [("delta", 2), ("delta", 3), ("delta", 4)]
+    base_before = [t.clone() for t in saved.codec.base[0][1]]
+    inbox = Inbox(saved.codec)
+    for u in updates:
+        inbox.keep(u)  # type: ignore[arg-type]
+    (folded,) = list(inbox)
+    assert folded.kind == "values" and folded.version == 4 and not folded.encoded
+    assert all(torch.equal(a, b) for a, b in zip(saved.codec.base[0][1], base_before))  # the base is untouched
+    s.handle(saved.receive(folded), 5.1)  # type: ignore[arg-type]
+    _held_equals_served(s, saved)
+    (u,) = [u for u in _round(s, saved, 6.0) if u.learner == 0]
+    assert u.kind == "delta"  # on the chain
+    # Off the chain, outside the layout, or behind another update of the fragment: as it came.
+    inbox.clear()
+    late = dataclasses.replace(updates[-1], base_version=9, version=10)
+    stray = dataclasses.replace(updates[0], fragment=7)
+    merged = dataclasses.replace(updates[0], reason="merged")
+    for u in (late, stray, merged, updates[1]):
+        inbox.keep(u)  # type: ignore[arg-type]
+    assert list(inbox) == [late, stray, merged, updates[1]]
 
 
 def test_a_catch_up_beyond_the_kept_history_or_not_cheaper_is_the_full_version() -> None:

@@ -69,19 +69,27 @@ class LearnerCodec:
     def active(self) -> bool:
         return self.cfg.compressed
 
-    def expand(self, u: FragmentUpdate) -> FragmentUpdate | str:
+    def expand(self, u: FragmentUpdate, onto: FragmentUpdate | None = None) -> FragmentUpdate | str:
         """``u`` as the full version it stands for, or why it cannot be applied (a delta that
-        does not chain from the version this learner holds). Full versions pass unchanged."""
+        does not chain from the version this learner holds). Full versions pass unchanged.
+
+        ``onto``: a full version of the fragment not yet applied, made by this method (a join's
+        earlier catch-up change), to chain from instead of the held base; its values are its
+        own, so they are added to in place and reused (a learner catching up by
+        dozens of changes then holds one full copy per fragment, not one per change)."""
         if u.kind != "delta":
             return u
-        held = self.base.get(u.fragment)
+        held = self.base.get(u.fragment) if onto is None else (onto.version, onto.values)
         if held is None or held[0] != u.base_version:
             have = "none" if held is None else f"version {held[0]}"
             return f"a delta from version {u.base_version}, holding {have}: waiting for the full version"
         pieces = self.pieces[u.fragment]
         if len(u.values) != len(pieces) or any(d.shape != b.shape for d, b in zip(u.values, held[1])):
             return "a delta that does not fit the fragment's pieces"
-        full = [b + d if pc.kind == "param" else d.clone() for b, d, pc in zip(held[1], u.values, pieces)]
+        if onto is not None:  # the same sums, in the same order, as applying each change in turn
+            full = [b.add_(d) if pc.kind == "param" else d.clone() for b, d, pc in zip(held[1], u.values, pieces)]
+        else:
+            full = [b + d if pc.kind == "param" else d.clone() for b, d, pc in zip(held[1], u.values, pieces)]
         return dataclasses.replace(u, values=full, kind="values", encoded=[])
 
     def received(self, u: FragmentUpdate) -> None:

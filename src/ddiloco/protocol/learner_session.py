@@ -94,6 +94,7 @@ from ddiloco.core.messages import (
 from ddiloco.core.overlap import OverlapKeeper
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.handoff import HandoffPace, Reassembly, handoff_nbytes, is_piece, peer_state_chunks
+from ddiloco.protocol.inbox import Inbox
 from ddiloco.protocol.limits import RateLimits
 from ddiloco.protocol.messages import (
     JoinReply,
@@ -292,7 +293,7 @@ class LearnerSession:
         self._hb_at: float | None = None
         self._hb_mark = (0, 0.0)  # (steps, busy_s) at the last heartbeat
         # between boundaries
-        self._inbox: list[FragmentUpdate] = []
+        self._inbox = Inbox(self.codec)
         self._peer_state: PeerState | None = None
         self._awaiting_peer_state = False
         # The optimizer hand-off arrives in pieces (``peer_state_chunks``), put together as they come.
@@ -483,7 +484,7 @@ class LearnerSession:
                     f"from shard {shard}"
                 )
             else:
-                self._inbox.append(msg)
+                self._inbox.keep(msg)
                 self._join_fragment(msg, now, out)
         elif isinstance(msg, PeerState):
             self._on_peer_state(msg, shard, now, out)
