@@ -34,6 +34,7 @@ from test_faults import SMALL  # the fault harness's small synthetic run
 
 from ddiloco.core.messages import FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
+from ddiloco.protocol.fleet import FleetBook
 from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.messages import (
     FetchGlobal,
@@ -607,3 +608,89 @@ def test_without_keys_a_restarted_learner_connects_beside_its_predecessor_and_re
         service.stop()
         for t in threads:
             t.join(timeout=30)
+
+
+# -- (issue 34, item 2) no counter an insider can inflate to end or skew the run -----------------
+
+
+def honest_heartbeats(s: SyncerSession, peers, t: float, claims) -> list:
+    notes = []
+    for m, peer in enumerate(peers):
+        hb = Heartbeat(m, 1, step=int(t * 10), step_time_s=0.1, tokens=int(claims[m]))
+        notes += s.receive(peer, hb, t).notes
+    return notes
+
+
+def test_a_heartbeat_claiming_the_counters_maximum_is_refused_counted_and_the_run_goes_on():
+    """Three learners at 1,000 tokens a second against a budget of 1,000,000; at 10 s learner 2
+    claims 2^53 tokens (what ended a run for good before). The claim is believed only within
+    its bucket (the spread x the others' median rate, one liveness window of it), one
+    "implausible" note says so, the run goes on, and the honest learners count in full."""
+    s = syncer()
+    s.budget = Budget(processed_tokens=1_000_000)
+    peers = ("a", "b", "c")
+    for m, peer in enumerate(peers):
+        register(s, m, peer)
+    notes = []
+    for k in range(1, 41):
+        t = 0.5 * k
+        claims = [1000.0 * t] * 3
+        if k == 20:
+            claims[2] = 2**53
+        notes += honest_heartbeats(s, peers, t, claims)
+    assert s.end_stage is None
+    implausible = [n for n in notes if n.kind == "implausible"]
+    assert len(implausible) == 1 and "learner 2" in implausible[0].text, implausible
+    assert s.fleet.progress[0].tokens == s.fleet.progress[1].tokens == 20_000
+    window = RT.token_rate_spread * 1000.0 * (CFG.liveness_timeout_s + 0.5)
+    assert 20_000 <= s.fleet.progress[2].tokens <= 20_000 + window
+    assert s.fleet.refused_tokens >= 2**53 - 30_000
+    assert s.fleet.processed_tokens() <= 60_000 + window
+
+
+def test_heartbeats_held_by_a_slow_link_count_in_full_when_they_arrive_together():
+    """A partition holds learner 0's heartbeats for 5 s (within the liveness window), then ten
+    arrive at once: every token counts, nothing is refused."""
+    book = FleetBook(token_rate_spread=4.0, lone_tokens_per_s=1e6, window_s=10.0)
+    live = {0, 1}
+    for m in live:
+        book.restarted(m, 1, 0.0)
+    t = 0.0
+    for k in range(1, 21):  # 10 s of steady heartbeats from both
+        t = 0.5 * k
+        for m in live:
+            book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=1000 * k), t, book.rate_cap(m, live))
+    for k in range(21, 31):  # learner 1 on time; learner 0's are held until 15 s, then all land
+        book.heartbeat(Heartbeat(1, 1, k, 0.1, tokens=1000 * k), 0.5 * k, book.rate_cap(1, live))
+    for k in range(21, 31):
+        book.heartbeat(Heartbeat(0, 1, k, 0.1, tokens=1000 * k), 15.0, book.rate_cap(0, live))
+    assert book.refused_tokens == 0
+    assert book.processed_tokens() == 2 * 30_000
+
+
+def test_a_restarted_syncer_counts_on_from_the_tokens_it_took_back():
+    before = FleetBook()
+    before.restarted(0, 3, 0.0)
+    before.heartbeat(Heartbeat(0, 3, 100, 0.1, tokens=500_000), 1.0, 1e6)
+    after = FleetBook(lone_tokens_per_s=1000.0, window_s=2.0)
+    after.load_state(before.state())
+    # Its first heartbeat to the new process is cumulative: only what grew is new, and it fits.
+    assert after.heartbeat(Heartbeat(0, 3, 101, 0.1, tokens=500_900), 50.0, after.rate_cap(0, {0})) == 0
+    assert after.processed_tokens() == 500_900
+
+
+def test_a_learner_far_faster_than_the_spread_allows_is_undercounted_and_said_so():
+    """The documented cost of the cap: a learner 8x the others' median rate (spread 4) is
+    counted at about 4x, its claims beyond refused (raise runtime.token_rate_spread for such a
+    fleet)."""
+    book = FleetBook(token_rate_spread=4.0, window_s=2.0)
+    live = {0, 1, 2}
+    for m in live:
+        book.restarted(m, 1, 0.0)
+    refused = 0.0
+    for k in range(1, 81):
+        t = 0.5 * k
+        for m, rate in ((0, 1000), (1, 1000), (2, 8000)):
+            refused += book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=rate * k // 2), t, book.rate_cap(m, live))
+    counted = book.progress[2].tokens
+    assert refused > 0 and 3.5 * 1000 * 40 <= counted <= 4.5 * 1000 * 40 + 8000, counted

@@ -174,6 +174,8 @@ class Config:
             0 <= rt.eval_every_tokens < 1e18,
             "runtime.eval_every_tokens", rt.eval_every_tokens, ">= 0 merged tokens (0: automatic), finite",
         )  # fmt: skip
+        require(1 <= rt.token_rate_spread < 1e9, "runtime.token_rate_spread", rt.token_rate_spread, ">= 1, finite")
+        require(0 < rt.lone_tokens_per_s < 1e18, "runtime.lone_tokens_per_s", rt.lone_tokens_per_s, "> 0, finite")
         require(rt.local_state_max_age_s > 0, "runtime.local_state_max_age_s", rt.local_state_max_age_s, "> 0")
         for name in (
             "send_queue_mb", "peer_state_chunk_mb", "peer_state_buffer_mb", "local_state_chunk_mb",

@@ -106,6 +106,10 @@ class IncarnationCounters:
         self._last_time[m] = t if previous is None else max(previous, t)
         return Increment(m, inc, min(start, t), t, amount)
 
+    def best(self, learner: int, incarnation: int) -> float:
+        """The largest reading taken of ``learner``'s ``incarnation`` (0.0: none)."""
+        return self._best.get((learner, incarnation, 0), 0.0)
+
     def total(self) -> float:
         """The sum over learners and their incarnations."""
         return sum(self._totals.values())

@@ -122,6 +122,16 @@ class RuntimeConfig:
     max_fetches_per_s: float = 2.0
     """``FetchGlobal`` and ``StatusRequest`` the syncer answers per key per second (bursts of
     10; per connection without keys): each answer costs a copy of the model or of the fleet view."""
+    token_rate_spread: float = 4.0
+    """A learner's heartbeats are believed to process tokens at most this many times as fast as
+    the median training rate the other live learners claim (over a token bucket of one liveness
+    window, ``algo.liveness_timeout_s``): one insider's claim cannot end the run, move the LR
+    schedule or the goodput. A learner this much faster than that median is undercounted (its
+    claims beyond are refused, counted as "implausible", and counted later only if the cap
+    allows): raise it for a fleet that uneven."""
+    lone_tokens_per_s: float = 1e6
+    """The cap while no other live learner has claimed a training rate (a fleet of one, the run's
+    first steps): tokens a second one learner is believed to process."""
     peer_state_interval_s: float = 5.0
     """The optimizer hand-off's pace: a learner serves its optimizer state at most once per this
     many seconds (others are refused at once, cheaply), and the syncer relays at most one request

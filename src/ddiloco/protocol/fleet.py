@@ -7,10 +7,25 @@ feed ``ddiloco status``, metrics/learners.jsonl and the processed-token budget. 
 every incarnation are kept (``core.counters.IncarnationCounters``), so a learner that restarts
 does not take back the tokens its earlier processes processed, and a restarted syncer can take
 the totals back from its durable state.
+
+A heartbeat's tokens are a claim, and one claim must not end or skew the run (the budget, the
+inner LR schedule's position and goodput all come from this count). So a learner's tokens are
+believed only as fast as the syncer can vouch for, by a token bucket per learner: it fills at
+the rate cap for the wall time the syncer saw pass, up to one liveness window's worth (a held
+link delivers a window of heartbeats at once), and each heartbeat's growth is believed up to what
+it holds. The cap is ``token_rate_spread`` times the median training rate the *other* live
+learners claim (a minority cannot move it; each one's rate is over the span of its own claims,
+so joining takes no part), or ``lone_tokens_per_s`` while none has claimed growth. What a
+heartbeat claims beyond that is refused (``refused_tokens``, one "implausible" note each); its
+next heartbeat, cumulative, claims it again, so a learner refused by a cap that was too low
+counts it later.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,34 +42,80 @@ class Progress:
     step: int = 0
     """Its inner steps."""
     tokens: int = 0
-    """Tokens it processed."""
+    """Tokens it processed, as far as believed (its claims, within the rate cap)."""
     busy_s: float = 0.0
     """Seconds it spent in inner steps."""
     loss: float | None = None
     """Its last training loss (None: none reported)."""
     bytes_sent: int = 0
     """Contribution bytes it sent."""
+    claimed: int = 0
+    """Tokens it claims to have processed (its last heartbeat's count)."""
+    first: tuple[float, int] | None = None
+    """(the syncer's time, its claim) of its first claim of tokens: its training rate is over
+    the span of its claims since (None: none yet)."""
+    heard: float = 0.0
+    """The syncer's time of its last heartbeat (or registration)."""
+    credit: float = math.inf
+    """Tokens its next heartbeat may still grow by (the bucket; full at registration)."""
+
+    def rate(self) -> float | None:
+        """Tokens a second it claims to train at, over the span of its claims (None: no growth
+        claimed over a span yet)."""
+        if self.first is None or self.heard <= self.first[0] or self.claimed <= self.first[1]:
+            return None
+        return (self.claimed - self.first[1]) / (self.heard - self.first[0])
 
 
 class FleetBook:
     """Every learner's last reported progress, and the tokens of all their incarnations."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_rate_spread: float = 4.0, lone_tokens_per_s: float = 1e6, window_s: float = 10.0) -> None:
         self.progress: dict[int, Progress] = {}
         self._tokens = IncarnationCounters()
+        self.spread, self.lone_rate, self.window_s = token_rate_spread, lone_tokens_per_s, window_s
+        self.refused_tokens = 0.0
+        """Tokens claimed beyond the bucket when they were claimed (a claim repeated by later
+        heartbeats is counted again each time it is refused)."""
 
-    def heartbeat(self, hb: Heartbeat, now: float) -> None:
-        """A heartbeat of the learner's registered incarnation (the caller checked it)."""
+    def rate_cap(self, learner: int, live: Collection[int]) -> float:
+        """Tokens a second ``learner``'s heartbeats are believed up to: the spread times the
+        (upper) median training rate the other live learners claim, of those that claim one (a
+        stalled learner does not pull it to 0), or the lone rate while none does."""
+        rates = [r for m, p in self.progress.items() if m != learner and m in live and (r := p.rate()) is not None]
+        return self.spread * statistics.median_high(rates) if rates else self.lone_rate
+
+    def heartbeat(self, hb: Heartbeat, now: float, cap_per_s: float = math.inf) -> float:
+        """A heartbeat of the learner's registered incarnation (the caller checked it), its
+        tokens believed within the learner's bucket at ``cap_per_s``. Returns the tokens refused."""
         loss = hb.loss if hb.loss >= 0 else None
-        self.progress[hb.learner] = Progress(hb.incarnation, hb.step, hb.tokens, hb.busy_s, loss, hb.bytes_sent)
-        self._tokens.add(hb.learner, hb.incarnation, hb.tokens, now)
+        old = self.progress.get(hb.learner)
+        if old is None or old.incarnation != hb.incarnation:  # not seen registering (a restarted syncer)
+            old = self._fresh(hb.learner, hb.incarnation, now)
+        burst = cap_per_s * self.window_s
+        credit = min(burst, old.credit + cap_per_s * max(0.0, now - old.heard)) if burst < math.inf else math.inf
+        grown = max(0, hb.tokens - old.tokens)
+        allowed = min(grown, int(credit)) if credit < math.inf else grown
+        first = old.first if old.first is not None or hb.tokens <= 0 else (now, hb.tokens)
+        self.progress[hb.learner] = Progress(
+            hb.incarnation, hb.step, old.tokens + allowed, hb.busy_s, loss, hb.bytes_sent, hb.tokens, first, now,
+            credit - allowed,
+        )  # fmt: skip
+        self._tokens.add(hb.learner, hb.incarnation, old.tokens + allowed, now)
+        self.refused_tokens += grown - allowed
+        return float(grown - allowed)
 
-    def restarted(self, learner: int, incarnation: int) -> None:
+    def restarted(self, learner: int, incarnation: int, now: float = 0.0) -> None:
         """A new incarnation registered: its counters start again from 0 (its predecessors'
         tokens stay counted)."""
         current = self.progress.get(learner)
         if current is None or current.incarnation != incarnation:
-            self.progress[learner] = Progress(incarnation)
+            self.progress[learner] = self._fresh(learner, incarnation, now)
+
+    def _fresh(self, learner: int, incarnation: int, now: float) -> Progress:
+        """An incarnation heard of from ``now``, believed as far as the tokens already counted
+        for it (a restarted syncer took them back from its store; a new process has none)."""
+        return Progress(incarnation, tokens=int(self._tokens.best(learner, incarnation)), heard=now)
 
     def processed_tokens(self) -> float:
         """Tokens the fleet processed, over every learner and incarnation (as reported)."""

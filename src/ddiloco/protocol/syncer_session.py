@@ -95,13 +95,17 @@ Peer = Hashable
 EndStage = Literal["stop", "final", "done"]
 CORE_MESSAGES = (Heartbeat, Contribution, Ack, Leave)
 RELAYED = (PeerStateRequest, PeerState)
-NOTE_KINDS = ("malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded", "foreign_state")
+NOTE_KINDS = (
+    "malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded", "foreign_state",
+    "implausible",
+)  # fmt: skip
 """What a ``Note`` counts (the driver counts decoding failures as "malformed" too, and its own
 receipt-time limits as "rate_limited"): a message from a key that may not say it; one for a
 learner from a peer not bound to it; reads over ``max_fetches_per_s``; an optimizer hand-off
 message outside the rules (a repeated or too early request, a state nobody asked that peer
 for); a registration of a process that a newer one has replaced; a registration that claims
-versions saved in another run."""
+versions saved in another run; a heartbeat that claims more tokens than its rate cap allows
+(``fleet.FleetBook``)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,7 @@ class SyncerSession:
         self.num_learners = num_learners
         self.pids: dict[int, int] = {}
         """Learner id -> the process id its registered incarnation gave (for a superseded one's line)."""
-        self.fleet = FleetBook()
+        self.fleet = FleetBook(rt.token_rate_spread, rt.lone_tokens_per_s, core.cfg.liveness_timeout_s)
         self.identities: dict[int, Peer] = {}
         """Learner id -> the peer that registered it (messages for the id come only from there)."""
         self.handoffs: dict[int, Handoff] = {}
@@ -360,7 +364,7 @@ class SyncerSession:
                 self._relay(msg, now, out)
             else:
                 if isinstance(msg, Heartbeat) and self.core.registered(msg.learner) == msg.incarnation:
-                    self.fleet.heartbeat(msg, now)
+                    self._progress(msg, now, out)
                 out.core(self.core.handle(msg, now), self.identities)
         else:
             out.notes.append(Note("malformed", f"unexpected {type(msg).__name__} from {peer!r}"))
@@ -485,7 +489,7 @@ class SyncerSession:
                 reason = self._superseded(msg.learner, msg.incarnation)
                 out.send.append((old, JoinReply(False, reason, self.epoch, 0, self.core.owned, superseded=True)))
             self.identities[msg.learner] = peer
-            self.fleet.restarted(msg.learner, msg.incarnation)
+            self.fleet.restarted(msg.learner, msg.incarnation, now)
             self._accept(peer, msg.learner, out)  # before the fragments it announces
         out.core(core_out, self.identities)
 
@@ -496,6 +500,19 @@ class SyncerSession:
         out.send.append((peer, reply))
         if self.end_stage is not None:
             out.send.append((peer, RunEnd("stop", self.end_reason)))
+
+    def _progress(self, hb: Heartbeat, now: float, out: SyncerOutput) -> None:
+        """A registered learner's progress, its tokens believed within its rate cap."""
+        cap = self.fleet.rate_cap(hb.learner, set(self.core.live(now)))
+        refused = self.fleet.heartbeat(hb, now, cap)
+        if refused > 0:
+            out.notes.append(
+                Note(
+                    "implausible",
+                    f"learner {hb.learner} claims {refused:,.0f} tokens more than {cap:,.0f} a second "
+                    f"(runtime.token_rate_spread x the other learners' median rate) allows: not counted",
+                )
+            )
 
     def _heard(self, learner: int, now: float, out: SyncerOutput) -> None:
         """A message from learner m's bound connection says m is alive, whatever it is (an ack, an

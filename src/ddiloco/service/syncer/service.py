@@ -248,7 +248,8 @@ class SyncerService:
         """The counters, receipt-time limits and chore clocks, before any message."""
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "refused_relay": 0,
-            "superseded": 0, "rejections_unlogged": 0, "merges": 0, "messages": 0, "bytes_in": 0,
+            "superseded": 0, "foreign_state": 0, "implausible": 0, "rejections_unlogged": 0, "merges": 0,
+            "messages": 0, "bytes_in": 0,
         }  # fmt: skip
         # Receipt-time limits, per key (per connection without keys): counted before decoding.
         self._join_rate: RateLimits[bytes] = RateLimits(rt.max_joins_per_s, 10.0)
