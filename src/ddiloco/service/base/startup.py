@@ -6,8 +6,11 @@ line), ``model`` (the model and optimizer built), ``join`` (the syncer accepted 
 none), ``first_step`` and ``first_merged`` (a version that merged its own contribution arrived).
 A syncer's: ``imports``, ``restore`` (its durable state read back) and ``first_merge``. Each is
 the seconds from the process's start (as the kernel counts it, so the interpreter's own start
-is in ``imports``) to the phase's end; a phase that did not happen is missing. The record is
-written once, when the last phases are reached or the process stops, whichever comes first.
+is in ``imports``) to the phase's end; a phase that did not happen is missing. A learner that
+takes back its own saved state has a ``restore`` phase (after ``model``). Beside each phase's
+time, ``peak_mib`` has the process's peak resident size when the phase ended (it only grows:
+the phase where it jumps is the one that needed the memory). The record is written once, when
+the last phases are reached or the process stops, whichever comes first.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from ddiloco.service.base.heap import peak_resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ class StartupTimes:
         self.role, self.last, self.who = role, last, who
         self.started = time.monotonic() - process_age_s()
         self.phases: dict[str, float] = {}
+        self.peak_mib: dict[str, float] = {}
         self.run_dir: Path | None = None
         self.written = False
 
@@ -53,11 +59,12 @@ class StartupTimes:
         if phase in self.phases:
             return
         self.phases[phase] = round(time.monotonic() - self.started, 4)
+        self.peak_mib[phase] = round(peak_resident_bytes() / (1 << 20), 1)
         if all(p in self.phases for p in self.last):
             self.write()
 
     def record(self) -> dict[str, Any]:
-        return {"role": self.role, **self.who, "phases": dict(self.phases)}
+        return {"role": self.role, **self.who, "phases": dict(self.phases), "peak_mib": dict(self.peak_mib)}
 
     def write(self) -> None:
         """Append the record to ``RUN/metrics/startup.jsonl`` once (no run folder: log it only)."""

@@ -267,6 +267,8 @@ class Learner:
                 algo = self.cfg.algo
                 chain = algo.chain_history if algo.down_encoding != "fp32" else 0  # no chain: no versions rule
                 self._saver = open_local_state(*local, chain_history=chain)
+                if self.session.restored_runs is not None:
+                    self.startup.mark("restore")
             if sock is not None and self.session is not None:
                 self.comm = LearnerComm(self.session, link.addresses, sock, self.clock)
         except BaseException:
