@@ -756,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
         CellCache(CELLS / "server").get_or_run("gpt2-124m", syncer_server_figures)
     cells = {}
     for _, cell in sorted(cache.cells(), key=lambda pc: pc[1].get("date", "")):
-        cells[cell.get("label", "?")] = cell  # the newest of each label
+        if "raw" in cell:  # (a cell of an older cache version has none: not reported)
+            cells[cell.get("label", "?")] = cell  # the newest of each label
     server = CellCache(CELLS / "server").get("gpt2-124m")
     if args.quick:
         out = CELLS / "quick" / "events.md"

@@ -233,28 +233,47 @@ def test_damaged_files_are_refused_not_raised(restarted, tmp_path):
     assert read_local_state(tmp_path / "none", 0, restarted["layout"], 3600.0) == "no complete save"
 
 
-def test_a_save_whose_tensors_do_not_fit_is_refused_by_the_session_and_changes_nothing(restarted, tmp_path):
-    """Form checked on reading; fit (shapes, finite values, the optimizer's moments) checked
-    before anything is written: a refused save leaves the model, optimizer and session as they were."""
+def test_a_save_whose_tensors_do_not_fit_is_refused_by_the_session_and_changes_nothing(restarted, monkeypatch):
+    """Form checked on reading; fit (names, shapes and dtypes from the files' headers, the
+    session's copies, the optimizer's moments) checked before anything is written: such a
+    refused save leaves the model, optimizer and session as they were. Values are read and
+    checked as they are written, one tensor at a time: a non-finite one stops the write there
+    and the session is not restored, so the learner joins afresh and the syncer overwrites
+    every fragment."""
+    import dataclasses
+
     from ddiloco.service.learner.local_state import take_back
+    from ddiloco.service.learner.saved_files import SavedTensors
 
     saved = read_local_state(restarted["folder"], 0, restarted["layout"], 3600.0)
-    assert isinstance(saved, Saved)
+    assert isinstance(saved, Saved) and isinstance(saved.model, SavedTensors)  # nothing read but headers
     back = restarted["back"]
     model_before = {k: v.clone() for k, v in back.params.items()}
-    name = next(iter(saved.model))
-    bad = dict(saved.model)
-    bad[name] = torch.full_like(bad[name], float("nan"))
-    assert "non-finite" in take_back(Saved(saved.state, bad, {}, None, 0, 0.0), back.session, back.params, None)
+    names = list(saved.model)
+    wrong = dict(saved.model)
+    wrong[names[-1]] = wrong[names[-1]][:1]
+    assert "the model's" in take_back(Saved(saved.state, wrong, {}, None, 0, 0.0), back.session, back.params, None)
     p0 = next(iter(saved.state.base))
     base = dict(saved.state.base)
     base[p0] = [v[:1] for v in base[p0]]
-    import dataclasses
-
     state = dataclasses.replace(saved.state, base=base)
     assert "base copy" in take_back(Saved(state, saved.model, {}, None, 0, 0.0), back.session, back.params, None)
     for k, v in back.params.items():
         assert torch.equal(v, model_before[k])
+    # A non-finite value in the last tensor (the session's own checks passed, as for a learner not
+    # yet registered): the ones before it are written, the session is not restored.
+    import ddiloco.protocol.local_state as session_state
+
+    restored = []
+    monkeypatch.setattr(session_state, "check", lambda session, state: None)
+    monkeypatch.setattr(session_state, "restore", lambda session, state: restored.append(state))
+    params = {k: v.clone() for k, v in back.params.items()}
+    bad = dict(saved.model)
+    bad[names[-1]] = torch.full_like(bad[names[-1]], float("nan"))
+    first = bad[names[0]].clone()
+    problem = take_back(Saved(saved.state, bad, {}, None, 0, 0.0), back.session, params, None)
+    assert "non-finite" in problem and "left to the join" in problem, problem
+    assert torch.equal(params[names[0]], first) and not restored
 
 
 def test_the_session_claims_saved_versions_in_their_run_and_forgets_them_in_another():

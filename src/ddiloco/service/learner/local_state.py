@@ -37,6 +37,8 @@ from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.local_state import MAX_COUNT, LocalState, capture
 from ddiloco.protocol.messages import RUN_ID_LEN, PeerState
 from ddiloco.service.base.durable import fsync_dir
+from ddiloco.service.base.heap import release_free_memory
+from ddiloco.service.learner.saved_files import SavedTensors, Tensors, spec_of
 from ddiloco.training.peer_state import StateServer
 
 log = logging.getLogger(__name__)
@@ -56,9 +58,9 @@ class Saved:
 
     state: LocalState
     """The session's part."""
-    model: dict[str, torch.Tensor]
-    """The model's synced tensors by name (CPU)."""
-    optimizer: dict[str, torch.Tensor]
+    model: Tensors
+    """The model's synced tensors by name (CPU; read from their files as they are taken)."""
+    optimizer: Tensors
     """The optimizer's state as the hand-off's pieces name it (a large tensor by ranges of rows,
     put together by ``take_back``); empty: the learner saved none."""
     rng: torch.Tensor | None
@@ -361,12 +363,10 @@ def read_local_state(folder: Path, learner: int, layout: str, max_age_s: float) 
         return "its counters are damaged"
     if not isinstance(runs, list) or any(not isinstance(r, str) or len(r) > RUN_ID_LEN for r in runs):
         return "its run identities are damaged"
-    try:
-        from safetensors.torch import load_file
-
-        session = load_file(str(where / "session.safetensors"))
-        model = {k: v for f in model_files for k, v in load_file(str(f)).items()}
-        optimizer = {k: v for f in optim_files for k, v in load_file(str(f)).items()}
+    try:  # the headers now; the model's and optimizer's bytes as take_back takes them
+        files = SavedTensors([where / "session.safetensors"])
+        session = {k: files.pop(k) for k in list(files)}  # (one tensor's file mapping at a time)
+        model, optimizer = SavedTensors(model_files), SavedTensors(optim_files)
     except Exception as e:  # safetensors raises its own error type on a damaged file
         return f"a file of it is unreadable ({type(e).__name__}: {str(e)[:200]})"
     tables = _fragment_tensors(session, n)
@@ -379,23 +379,22 @@ def read_local_state(folder: Path, learner: int, layout: str, max_age_s: float) 
     return Saved(state, model, optimizer, session.get("rng"), scalars[2], age)
 
 
-def _model_problem(saved: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> str | None:
+def _model_problem(saved: Tensors, params: Mapping[str, torch.Tensor]) -> str | None:
     """Why the saved model tensors cannot be written into ``params`` (None: every one is there,
-    of its shape and dtype, finite)."""
+    of its shape and dtype; from the headers: the values are checked as they are written)."""
     if set(saved) != set(params):
         missing = sorted(set(params) - set(saved)) or sorted(set(saved) - set(params))
         return f"its model tensors do not match this model's (first: {missing[0][:80]!r})"
-    for name, t in saved.items():
+    for name in saved:
         p = params[name]
-        if tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype:
-            return f"its {name} is {tuple(t.shape)} {t.dtype}, the model's {tuple(p.shape)} {p.dtype}"
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return f"its {name} holds non-finite values"
+        shape, dtype = spec_of(saved, name)
+        if shape != tuple(p.shape) or dtype != p.dtype:
+            return f"its {name} is {shape} {dtype}, the model's {tuple(p.shape)} {p.dtype}"
     return None
 
 
 def _optimizer_state(
-    pieces: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, me: int
+    pieces: Tensors, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, me: int
 ) -> tuple[PeerState | None, str | None]:
     """The saved optimizer pieces put together (the hand-off's rules and bound) and checked as a
     peer's state would be; or why not. ``pieces`` is emptied as they are put together: each row
@@ -423,10 +422,15 @@ def take_back(
     params: Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
 ) -> str | None:
-    """Write a save back into the model, the optimizer, the session and the RNG, or say why not
-    (then nothing was changed). Everything is checked before anything is written. ``saved`` is
-    used up (its model and optimizer pieces are let go as they are taken: a restart holds the
-    saved state about once, not twice)."""
+    """Write a save back into the model, the optimizer, the session and the RNG, or say why not.
+
+    Its fit (names, shapes and dtypes of the model's tensors, the session's counters and copies,
+    the optimizer's moments) is checked before anything is written, so such a refusal changes
+    nothing. The model's values are read and checked as they are written, one tensor at a time
+    (holding them all first was most of a restart's peak): a non-finite or unreadable one stops
+    it there, with the model partly written and the session not restored, so the learner joins
+    afresh and every fragment of its model is overwritten by the syncer's. ``saved`` is used up
+    (its pieces are let go as they are taken: a restart holds the saved state about once)."""
     from ddiloco.protocol.local_state import check, restore
     from ddiloco.training.peer_state import load_state
 
@@ -438,7 +442,14 @@ def take_back(
         return problem
     with torch.no_grad():
         for name in list(saved.model):  # each saved tensor goes once it is written (a restart's peak)
-            params[name].copy_(saved.model.pop(name))
+            try:
+                t = saved.model.pop(name)
+            except Exception as e:  # safetensors raises its own error type on a damaged file
+                return f"its {name[:80]} is unreadable ({type(e).__name__}); its model is left to the join"
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"its {name[:80]} holds non-finite values; its model is left to the join"
+            params[name].copy_(t)
+            del t
     if optimizer is not None and state is not None:
         device = next(iter(params.values())).device
         problem = load_state(optimizer, state, device)
@@ -475,6 +486,8 @@ def open_local_state(
         )  # fmt: skip
     elif isinstance(saved, Saved) or (folder / "current").exists() or (folder / "previous").exists():
         log.info("learner %d: its saved state in %s is not taken back: %s; joining afresh", learner, folder, problem)
+    del saved  # (what it read is in the model, the optimizer and the session now, or let go)
+    release_free_memory()  # before the first steps allocate: the heap kept the read's freed pieces
     if rt.local_state_s <= 0:
         return None
     chunk, buffer = int(rt.local_state_chunk_mb * (1 << 20)), int(rt.local_state_buffer_mb * (1 << 20))
