@@ -32,7 +32,7 @@ from helpers import (
 )
 from test_faults import SMALL  # the fault harness's small synthetic run
 
-from ddiloco.core.messages import FragmentUpdate, Heartbeat
+from ddiloco.core.messages import Contribution, FragmentUpdate, Heartbeat
 from ddiloco.core.syncer import Syncer
 from ddiloco.protocol.fleet import FleetBook
 from ddiloco.protocol.learner_session import LearnerSession
@@ -674,6 +674,7 @@ def test_a_restarted_syncer_counts_on_from_the_tokens_it_took_back():
     before.heartbeat(Heartbeat(0, 3, 100, 0.1, tokens=500_000), 1.0, 1e6)
     after = FleetBook(lone_tokens_per_s=1000.0, window_s=2.0)
     after.load_state(before.state())
+    after.restarted(0, 3, 49.0)  # it registers again with the new process
     # Its first heartbeat to the new process is cumulative: only what grew is new, and it fits.
     assert after.heartbeat(Heartbeat(0, 3, 101, 0.1, tokens=500_900), 50.0, after.rate_cap(0, {0})) == 0
     assert after.processed_tokens() == 500_900
@@ -694,3 +695,28 @@ def test_a_learner_far_faster_than_the_spread_allows_is_undercounted_and_said_so
             refused += book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=rate * k // 2), t, book.rate_cap(m, live))
     counted = book.progress[2].tokens
     assert refused > 0 and 3.5 * 1000 * 40 <= counted <= 4.5 * 1000 * 40 + 8000, counted
+
+
+@pytest.mark.parametrize("what", ["contribution", "registration"])
+def test_a_contribution_or_registration_with_its_counters_at_their_maximum_leaves_the_run_going(what):
+    """Every counter a keyed learner sends at the wire's maximum: the claim is refused (and
+    counted) or only concerns the sender; the run's budget, clock and merged count do not move."""
+    s = syncer()
+    s.budget = Budget(processed_tokens=1_000_000, merged_tokens=1_000_000)
+    for m, peer in enumerate(("a", "b", "c")):
+        register(s, m, peer)
+        s.receive(peer, Heartbeat(m, 1, 0, 0.1), 0.5)
+    if what == "contribution":
+        top = 2**53
+        values = [torch.zeros(pc.shape) for pc in LAYOUT.fragments[0]]
+        c = Contribution(0, 1, 0, 0, 2**63 - 1, values, top, top, top, top)
+        tape = s.receive("a", c, 1.0).tape + s.tick(30.0).tape
+        (entry,) = [e for r in tape for e in getattr(r, "merged", []) if e.learner == 0]
+        assert entry.clipped and entry.tokens == 0 and entry.weight == 0.0  # its claim counts nothing
+    else:
+        out = s.receive("d", Register(3, 2**63 - 1, PARAMS, REGISTRATION.layout, pid=2**31 - 1), 1.0)
+        assert any(isinstance(m, JoinReply) and m.accepted for _, m in out.send)  # its own id, nobody else's
+        s.receive("d", Heartbeat(3, 2**63 - 1, 2**53, 86400.0, tokens=2**53, busy_s=1e10), 1.5)
+    s.tick(31.0)
+    assert s.end_stage is None
+    assert s.fleet.processed_tokens() < 1_000_000 and s.core.merged_tokens < 1_000_000

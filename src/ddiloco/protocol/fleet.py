@@ -11,9 +11,10 @@ the totals back from its durable state.
 A heartbeat's tokens are a claim, and one claim must not end or skew the run (the budget, the
 inner LR schedule's position and goodput all come from this count). So a learner's tokens are
 believed only as fast as the syncer can vouch for, by a token bucket per learner: it fills at
-the rate cap for the wall time the syncer saw pass, up to one liveness window's worth (a held
-link delivers a window of heartbeats at once), and each heartbeat's growth is believed up to what
-it holds. The cap is ``token_rate_spread`` times the median training rate the *other* live
+the rate cap for the wall time the syncer saw pass since the learner's first registration (a
+new incarnation does not refill it), up to one liveness window's worth (a held link delivers a
+window of heartbeats at once), and each heartbeat's growth is believed up to what it holds.
+The cap is ``token_rate_spread`` times the (upper) median training rate the *other* live
 learners claim (a minority cannot move it; each one's rate is over the span of its own claims,
 so joining takes no part), or ``lone_tokens_per_s`` while none has claimed growth. What a
 heartbeat claims beyond that is refused (``refused_tokens``, one "implausible" note each); its
@@ -56,8 +57,10 @@ class Progress:
     the span of its claims since (None: none yet)."""
     heard: float = 0.0
     """The syncer's time of its last heartbeat (or registration)."""
-    credit: float = math.inf
-    """Tokens its next heartbeat may still grow by (the bucket; full at registration)."""
+    credit: float = 0.0
+    """Tokens its next heartbeat may still grow by (the bucket: it fills from its registration,
+    and a new incarnation of the learner goes on with its predecessor's, so registering again
+    does not refill it)."""
 
     def rate(self) -> float | None:
         """Tokens a second it claims to train at, over the span of its claims (None: no growth
@@ -92,10 +95,12 @@ class FleetBook:
         old = self.progress.get(hb.learner)
         if old is None or old.incarnation != hb.incarnation:  # not seen registering (a restarted syncer)
             old = self._fresh(hb.learner, hb.incarnation, now)
-        burst = cap_per_s * self.window_s
-        credit = min(burst, old.credit + cap_per_s * max(0.0, now - old.heard)) if burst < math.inf else math.inf
         grown = max(0, hb.tokens - old.tokens)
-        allowed = min(grown, int(credit)) if credit < math.inf else grown
+        if cap_per_s == math.inf:
+            credit, allowed = math.inf, grown
+        else:
+            credit = min(cap_per_s * self.window_s, old.credit + cap_per_s * max(0.0, now - old.heard))
+            allowed = min(grown, int(credit))
         first = old.first if old.first is not None or hb.tokens <= 0 else (now, hb.tokens)
         self.progress[hb.learner] = Progress(
             hb.incarnation, hb.step, old.tokens + allowed, hb.busy_s, loss, hb.bytes_sent, hb.tokens, first, now,
@@ -114,8 +119,13 @@ class FleetBook:
 
     def _fresh(self, learner: int, incarnation: int, now: float) -> Progress:
         """An incarnation heard of from ``now``, believed as far as the tokens already counted
-        for it (a restarted syncer took them back from its store; a new process has none)."""
-        return Progress(incarnation, tokens=int(self._tokens.best(learner, incarnation)), heard=now)
+        for it (a restarted syncer took them back from its store; a new process has none), its
+        bucket the learner's so far (a first one's fills from ``now``)."""
+        tokens = int(self._tokens.best(learner, incarnation))
+        old = self.progress.get(learner)
+        if old is None:
+            return Progress(incarnation, tokens=tokens, heard=now)
+        return Progress(incarnation, tokens=tokens, heard=min(old.heard, now), credit=old.credit)
 
     def processed_tokens(self) -> float:
         """Tokens the fleet processed, over every learner and incarnation (as reported)."""
