@@ -495,3 +495,27 @@ def test_a_learner_given_a_model_that_holds_no_values_is_told_so() -> None:
         model = nn.Linear(4, 4)
     with pytest.raises(UsageError, match="holds no values"):
         ddiloco.Learner(model)
+
+
+def test_an_id_without_a_key_in_a_keys_folder_is_told_the_folders_ids_not_to_make_keys(tmp_path):
+    keys = tmp_path / "keys"
+    make_keys(keys, learners=2)
+    with pytest.raises(ddiloco.DDiLoCoError) as e:
+        ddiloco.Learner(Net(), "tcp://127.0.0.1:9", learner_id=5, key=keys, config=cfg())
+    assert str(e.value) == (
+        f"learner-5 has no key in {keys}, which holds the keys of learners 0..1: give one of those ids "
+        f"(run.num_learners), or make keys for more learners with `ddiloco keys {keys} --learners N`"
+    )
+
+
+def test_names_of_earlier_versions_say_what_they_became(fleet):
+    with pytest.raises(AttributeError, match=r"run\.tokens is now run\.processed_tokens .* Read that field"):
+        cfg().run.tokens  # noqa: B018
+    with pytest.raises(AttributeError, match="'RunSection' object has no attribute 'nope'"):
+        cfg().run.nope  # noqa: B018
+    net, _, _ = fleet
+    with (
+        ddiloco.Learner(Net(), ADDRESS, learner_id=0, transport=net.learner) as learner,
+        pytest.warns(DeprecationWarning, match="fleet_tokens"),
+    ):
+        assert learner.global_tokens == learner.fleet_tokens

@@ -67,6 +67,17 @@ class RunSection:
     threads: int = 1
     """torch.set_num_threads for this process."""
 
+    if not typing.TYPE_CHECKING:  # (type checkers still flag a name the section lacks)
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for a name the section lacks: one of an earlier version says what it became.
+            said = RENAMED.get(f"run.{name}")
+            raise AttributeError(
+                said.replace("Rename the key", "Read that field")
+                if said
+                else f"'RunSection' object has no attribute {name!r}"
+            )
+
 
 @dataclass(frozen=True)
 class VirtualTimeConfig:

@@ -87,6 +87,7 @@ class ClientKeys:
     @classmethod
     def load(cls, folder: str | Path, name: str) -> ClientKeys:
         d = Path(folder)
+        _known(d, name)
         public, secret = _pair(d / f"{name}.key_secret")
         server_file = d / "syncer.key"
         if not server_file.is_file():
@@ -98,6 +99,23 @@ class ClientKeys:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_serverkey = self.server
+
+
+def _known(folder: Path, name: str) -> None:
+    """A learner's key missing from a folder that holds other learners' keys: the id is not one
+    of the run's (the likelier mistake than keys never made), said as such."""
+    if not name.startswith("learner-") or (folder / f"{name}.key_secret").is_file():
+        return
+    try:
+        ids = sorted(int(n) for f in folder.glob("learner-*.key_secret") if (n := f.name[8:-11]).isdigit())
+    except OSError:
+        return
+    if ids:
+        have = f"{ids[0]}..{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ", ".join(map(str, ids[:8]))
+        raise DDiLoCoError(
+            f"{name} has no key in {folder}, which holds the keys of learners {have}: give one of those ids "
+            f"(run.num_learners), or make keys for more learners with `ddiloco keys {folder} --learners N`"
+        )
 
 
 def _pair(secret_file: Path) -> tuple[bytes, bytes]:

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -356,6 +357,12 @@ class Learner:
         them (the syncer's merged count plus what the fleet trained since). Drive an LR schedule
         with it, over ``cfg.run.processed_tokens``."""
         return self.session.core.fleet_tokens() if self.session is not None else self._facts[0]
+
+    @property
+    def global_tokens(self) -> float:
+        """``fleet_tokens``'s earlier name, kept for loops written against it (warns)."""
+        warnings.warn("Learner.global_tokens is now Learner.fleet_tokens", DeprecationWarning, stacklevel=2)
+        return self.fleet_tokens
 
     @property
     def data_position(self) -> int:
