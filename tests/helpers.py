@@ -4,9 +4,11 @@ puts this folder on the path of the test modules)."""
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +318,17 @@ class SessionPair:
     def said(self, direction: str, m: int) -> list[str]:
         """The types of the messages delivered in ``direction`` for learner m, in order."""
         return [kind for d, who, kind in self.transcript if d == direction and who == m]
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each (bounded), killing what stays."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=timeout)

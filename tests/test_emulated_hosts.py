@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from helpers import stop_processes, wait_for
 
 from ddiloco.link.hosts import PREFIX, EmulatedHosts, remove_stale, unavailable
 from ddiloco.report.tape import read_jsonl, rounds_of
@@ -137,11 +136,4 @@ def test_a_run_across_emulated_hosts_with_keys_ends_with_every_learner_merged(tm
             assert "the budget is 3,000 (run.processed_tokens)" in (tmp_path / "syncer.log").read_text()
             # (a learner's host has no other route: what reached the syncer crossed the bridge to its address)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            stop_processes(procs)

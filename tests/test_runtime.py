@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from helpers import wait_for
+from helpers import stop_processes, wait_for
 
 from ddiloco.report.tape import read_jsonl, rounds_of
 from ddiloco.service.ops.launcher import free_port
@@ -120,14 +120,7 @@ class Cluster:
         p.wait()
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs.values(), timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -487,13 +480,7 @@ def test_across_network_namespaces(tmp_path):
             "merged versions to come back",
         )
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         _ip("netns", "del", ns_s)
         _ip("netns", "del", ns_l)
 
