@@ -659,11 +659,11 @@ def test_heartbeats_held_by_a_slow_link_count_in_full_when_they_arrive_together(
     for k in range(1, 21):  # 10 s of steady heartbeats from both
         t = 0.5 * k
         for m in live:
-            book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=1000 * k), t, book.rate_cap(m, live))
+            book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=1000 * k), t, book.rate_cap(m, lambda: live, t))
     for k in range(21, 31):  # learner 1 on time; learner 0's are held until 15 s, then all land
-        book.heartbeat(Heartbeat(1, 1, k, 0.1, tokens=1000 * k), 0.5 * k, book.rate_cap(1, live))
+        book.heartbeat(Heartbeat(1, 1, k, 0.1, tokens=1000 * k), 0.5 * k, book.rate_cap(1, lambda: live, 0.5 * k))
     for k in range(21, 31):
-        book.heartbeat(Heartbeat(0, 1, k, 0.1, tokens=1000 * k), 15.0, book.rate_cap(0, live))
+        book.heartbeat(Heartbeat(0, 1, k, 0.1, tokens=1000 * k), 15.0, book.rate_cap(0, lambda: live, 15.0))
     assert book.refused_tokens == 0
     assert book.processed_tokens() == 2 * 30_000
 
@@ -676,7 +676,7 @@ def test_a_restarted_syncer_counts_on_from_the_tokens_it_took_back():
     after.load_state(before.state())
     after.restarted(0, 3, 49.0)  # it registers again with the new process
     # Its first heartbeat to the new process is cumulative: only what grew is new, and it fits.
-    assert after.heartbeat(Heartbeat(0, 3, 101, 0.1, tokens=500_900), 50.0, after.rate_cap(0, {0})) == 0
+    assert after.heartbeat(Heartbeat(0, 3, 101, 0.1, tokens=500_900), 50.0, after.rate_cap(0, lambda: {0}, 50.0)) == 0
     assert after.processed_tokens() == 500_900
 
 
@@ -692,7 +692,8 @@ def test_a_learner_far_faster_than_the_spread_allows_is_undercounted_and_said_so
     for k in range(1, 81):
         t = 0.5 * k
         for m, rate in ((0, 1000), (1, 1000), (2, 8000)):
-            refused += book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=rate * k // 2), t, book.rate_cap(m, live))
+            cap = book.rate_cap(m, lambda: live, t)
+            refused += book.heartbeat(Heartbeat(m, 1, k, 0.1, tokens=rate * k // 2), t, cap)
     counted = book.progress[2].tokens
     assert refused > 0 and 3.5 * 1000 * 40 <= counted <= 4.5 * 1000 * 40 + 8000, counted
 
@@ -720,3 +721,27 @@ def test_a_contribution_or_registration_with_its_counters_at_their_maximum_leave
     s.tick(31.0)
     assert s.end_stage is None
     assert s.fleet.processed_tokens() < 1_000_000 and s.core.merged_tokens < 1_000_000
+
+
+RATE_SETS = [[5.0], [1.0, 9.0], [3.0, 3.0, 3.0], [1.0, 2.0, 3.0, 400.0], [7.0, 1.0, 7.0, 2.0, 9.0]]
+
+
+@pytest.mark.parametrize("rates", RATE_SETS)
+def test_the_cap_is_the_upper_median_of_the_other_live_learners_rates(rates):
+    """The cap a heartbeat is judged by (sorted once per refresh, a bisection per heartbeat) is
+    the spread times the upper median of the *other* live learners' claimed rates; a learner
+    that is not live does not count."""
+    import statistics
+
+    book = FleetBook(token_rate_spread=2.0, lone_tokens_per_s=77.0)
+    n = len(rates)
+    for m in range(n + 1):  # learner n is registered and reports, but is not live
+        book.restarted(m, 1, 0.0)
+        book.heartbeat(Heartbeat(m, 1, 1, 0.1, tokens=1), 1.0)
+    for m in range(n + 1):
+        book.heartbeat(Heartbeat(m, 1, 2, 0.1, tokens=1 + int(10 * (rates + [1e6])[m])), 11.0)
+    live = set(range(n))
+    for m in range(n + 1):
+        others = [r for i, r in enumerate(rates) if i != m]
+        want = 2.0 * statistics.median_high(others) if others else 77.0
+        assert book.rate_cap(m, lambda: live, 11.0) == pytest.approx(want), (m, rates)

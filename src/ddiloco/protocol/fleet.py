@@ -24,14 +24,17 @@ counts it later.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from ddiloco.core.counters import IncarnationCounters
 from ddiloco.core.messages import MAX_TOKENS_F, Heartbeat
+
+RATES_REFRESH_S = 0.25
+"""How stale the sorted rates of the fleet may be (seconds of the syncer's clock)."""
 
 
 @dataclass
@@ -77,16 +80,32 @@ class FleetBook:
         self.progress: dict[int, Progress] = {}
         self._tokens = IncarnationCounters()
         self.spread, self.lone_rate, self.window_s = token_rate_spread, lone_tokens_per_s, window_s
+        self._rates_at: float | None = None
+        self._rate_of: dict[int, float] = {}
+        self._sorted: list[float] = []
         self.refused_tokens = 0.0
         """Tokens claimed beyond the bucket when they were claimed (a claim repeated by later
         heartbeats is counted again each time it is refused)."""
 
-    def rate_cap(self, learner: int, live: Collection[int]) -> float:
+    def rate_cap(self, learner: int, live: Callable[[], Collection[int]], now: float) -> float:
         """Tokens a second ``learner``'s heartbeats are believed up to: the spread times the
         (upper) median training rate the other live learners claim, of those that claim one (a
-        stalled learner does not pull it to 0), or the lone rate while none does."""
-        rates = [r for m, p in self.progress.items() if m != learner and m in live and (r := p.rate()) is not None]
-        return self.spread * statistics.median_high(rates) if rates else self.lone_rate
+        stalled learner does not pull it to 0), or the lone rate while none does. ``live`` gives
+        the live learners' ids; the rates are sorted at most every ``RATES_REFRESH_S``, so a
+        heartbeat costs a bisection, not a pass over the fleet."""
+        if self._rates_at is None or not 0 <= now - self._rates_at < RATES_REFRESH_S:
+            ids = set(live())
+            self._rate_of = {m: r for m, p in self.progress.items() if m in ids and (r := p.rate()) is not None}
+            self._sorted = sorted(self._rate_of.values())
+            self._rates_at = now
+        rates, own = self._sorted, self._rate_of.get(learner)
+        n = len(rates) - (own is not None)  # the others
+        if n == 0:
+            return self.lone_rate
+        k = n // 2  # the upper median of the others: rates without one copy of its own
+        if own is not None and k >= bisect.bisect_left(rates, own):
+            k += 1
+        return self.spread * rates[k]
 
     def heartbeat(self, hb: Heartbeat, now: float, cap_per_s: float = math.inf) -> float:
         """A heartbeat of the learner's registered incarnation (the caller checked it), its

@@ -36,10 +36,11 @@ class Inbox:
             u = self.codec.expand(msg, None if onto is None else self._updates[onto])
             if not isinstance(u, str):
                 if onto is None:
-                    onto = len(self._updates)
+                    self._folded[p] = len(self._updates)
                     self._updates.append(u)
-                self._updates[onto] = u
-                self._folded[p] = onto
+                else:
+                    self._updates[onto] = u
+                    self._folded[p] = onto
                 return
         self._updates.append(msg)
 

@@ -503,7 +503,7 @@ class SyncerSession:
 
     def _progress(self, hb: Heartbeat, now: float, out: SyncerOutput) -> None:
         """A registered learner's progress, its tokens believed within its rate cap."""
-        cap = self.fleet.rate_cap(hb.learner, set(self.core.live(now)))
+        cap = self.fleet.rate_cap(hb.learner, lambda: self.core.live(now), now)
         refused = self.fleet.heartbeat(hb, now, cap)
         if refused > 0:
             out.notes.append(
