@@ -36,6 +36,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -219,7 +220,8 @@ class Runner:
             return
         _, method, over = job
         p = self.path(method, over)
-        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        # (per thread: the done-callback and the waiting main thread may store the same run at once)
+        tmp = p.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({**future.result(), "code": self.code}, indent=1))
         os.replace(tmp, p)
 
