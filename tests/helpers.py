@@ -194,10 +194,14 @@ class SessionPair:
         self.layout = SESSION_LAYOUT
         initial = {s.name: torch.zeros(s.shape) for s in SESSION_SPECS}
         core = Syncer(cfg, self.layout, initial, [False] * sum(len(f) for f in self.layout.fragments))
-        self.syncer = SyncerSession(core, rt, budget or Budget(), SESSION_REGISTRATION, self.now)
+        budget = budget or Budget()
+        self.syncer = SyncerSession(core, rt, budget, SESSION_REGISTRATION, self.now)
         opts = optimizers or {}
         self.sessions = {
-            m: LearnerSession(cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now, wants_peer_state=m in opts)
+            m: LearnerSession(
+                cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now, wants_peer_state=m in opts,
+                processed_budget=budget.processed_tokens,
+            )  # fmt: skip
             for m in learners
         }
         self.models = {m: {s.name: torch.zeros(s.shape) for s in SESSION_SPECS} for m in learners}

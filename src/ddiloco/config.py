@@ -198,7 +198,7 @@ class Config:
             require(0 < share <= 1, f"runtime.{name}", share, "in (0, 1]: a share of a step")
         for name in (
             "restart_limit", "restart_delay_s", "step_sleep_s", "end_linger_s", "progress_interval_s", "record_mb",
-            "give_up_after_s", "local_state_s",
+            "give_up_after_s", "give_up_spent_s", "local_state_s",
         ):  # fmt: skip
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:

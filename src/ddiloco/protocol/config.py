@@ -42,6 +42,11 @@ class RuntimeConfig:
     stops with one line (``Learner.step()`` raises ``CommError``; ``ddiloco learner`` exits with
     code 7) instead of training on alone, unmerged, after the syncer is gone or the run has
     ended unheard (a partition). Shorter outages (a syncer restart) it rides out; 0: never."""
+    give_up_spent_s: float = 60.0
+    """The same, sooner, once the run's token budget is spent as far as the learner knows (its
+    fleet-token estimate has reached run.processed_tokens): a learner that then hears nothing
+    from a syncer shard for this long stops with one line, as for ``give_up_after_s``; the run
+    most likely ended while it was cut off. 0: only ``give_up_after_s`` applies."""
     snapshot_interval_s: float = 30.0
     """Seconds between snapshots of the syncer's meta state (versions are durable at once in
     the per-fragment logs regardless); after each, every fragment's next record starts a new log."""
@@ -93,9 +98,13 @@ class RuntimeConfig:
     """The syncer evaluates the final global model once when the run ends (for summary.json);
     turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
     then the final figure)."""
-    end_linger_s: float = 3.0
-    """How long a syncer whose run has ended keeps answering, so that learners and the
-    evaluator hear the end, before it exits."""
+    end_linger_s: float = 60.0
+    """How long a syncer whose run has ended (or that was started again on an ended run folder)
+    keeps answering ``RunEnd`` to whoever registers, asks or speaks, before it exits: long
+    enough for a supervisor (Kubernetes, Slurm ``--requeue``, a shell loop) to restart a
+    learner that died near the end, and for one behind a held link to hear it. Its final
+    evaluation runs inside this time, the answers going on; a stop (SIGTERM, ``stop()``) ends
+    it early, and ``ddiloco train`` does so once every learner it runs has left."""
     progress_interval_s: float = 30.0
     """Long-running processes log a one-line progress report this often when their output is
     not a terminal (under nohup or Slurm); 0: never."""

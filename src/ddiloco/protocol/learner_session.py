@@ -234,15 +234,19 @@ class LearnerSession:
         *,
         num_shards: int = 1,
         max_merged_tokens: float = math.inf,
+        processed_budget: float = math.inf,
         wants_peer_state: bool = False,
     ) -> None:
         """``wants_peer_state``: the driver has an optimizer whose state a live peer can hand
-        over; the session asks for it once, when the join is complete and the run is under way."""
+        over; the session asks for it once, when the join is complete and the run is under way.
+        ``processed_budget``: the run's run.processed_tokens, past which a silent syncer is taken
+        for a run that ended unheard (``runtime.give_up_spent_s``)."""
         if num_shards < 1:
             raise ValueError("a learner needs at least one syncer shard")
         self.cfg, self.rt = cfg, rt
         self.learner, self.incarnation = learner, incarnation
         self.layout, self.registration = layout, registration
+        self.processed_budget = processed_budget
         self.core = LearnerCore(cfg, learner, layout.num_fragments, incarnation, max_merged_tokens)
         # Base copies and error-feedback residuals of a compressed run (idle otherwise).
         self.codec = LearnerCodec(cfg, layout.fragments)
@@ -403,6 +407,14 @@ class LearnerSession:
             out.send += [Send(i, hb) for i, link in enumerate(self.links) if link.joined]
         for i, link in enumerate(self.links):
             silent = now - (link.last_heard if link.last_heard is not None else self.started_at)
+            if self.joined_once and self._spent_and_silent(silent):
+                self.gave_up = (
+                    f"learner {self.learner}: the fleet has processed {self.core.fleet_tokens():,.0f} tokens as this "
+                    f"learner counts them, the run's budget is {self.processed_budget:,.0f} (run.processed_tokens), "
+                    f"and syncer shard {i} has said nothing for {self.rt.give_up_spent_s:g} s "
+                    "(runtime.give_up_spent_s): the run ended while this learner was cut off; this learner stops"
+                )
+                return out
             if self.joined_once and 0 < self.rt.give_up_after_s < silent:
                 # Gone for longer than any restart takes, or the run ended while we were cut off:
                 # training on alone would be work nobody merges.
@@ -444,7 +456,17 @@ class LearnerSession:
                 times.append(link.next_join)
             if self.joined_once and self.rt.give_up_after_s > 0:
                 times.append(math.nextafter(heard + self.rt.give_up_after_s, math.inf))
+            if self.joined_once and self.rt.give_up_spent_s > 0 and self._spent():
+                times.append(math.nextafter(heard + self.rt.give_up_spent_s, math.inf))
         return max(min(times), now)
+
+    def _spent(self) -> bool:
+        """The run's token budget is spent as far as this learner knows (its fleet-token estimate:
+        the syncer's merged count as last heard plus the fleet's progress since)."""
+        return self.core.fleet_tokens() >= self.processed_budget
+
+    def _spent_and_silent(self, silent: float) -> bool:
+        return 0 < self.rt.give_up_spent_s < silent and self._spent()
 
     def heard(self, shard: int, now: float) -> None:
         """Shard ``shard``'s link carried something (even a message that could not be decoded):

@@ -355,11 +355,16 @@ class SyncerSession:
                 out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
                 out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
                 return out
-            if not isinstance(msg, (Heartbeat, Leave)):
+            done = self.end_stage == "done"
+            if not done and not isinstance(msg, (Heartbeat, Leave)):
                 self._heard(claimed, now, out)
-            if self.end_stage == "done" and isinstance(msg, Heartbeat):
-                # It did not hear the end (a lost message, a partition that healed): say it again.
-                out.send.append((peer, RunEnd("done", self.end_reason)))
+            if done and not isinstance(msg, Leave):
+                # Nothing reaches the core any more: its values are final, and the final evaluation
+                # reads them while the driver goes on answering. A heartbeat says the learner did
+                # not hear the end (a lost message, a partition that healed): it is told again
+                # (once per heartbeat, not once per fragment it had in flight).
+                if isinstance(msg, Heartbeat):
+                    out.send.append((peer, RunEnd("done", self.end_reason)))
             elif isinstance(msg, RELAYED):
                 self._relay(msg, now, out)
             else:

@@ -346,6 +346,7 @@ class Learner:
             self.clock.monotonic(),
             num_shards=max(1, num_shards),
             max_merged_tokens=self.max_merged_tokens,
+            processed_budget=cfg.run.processed_tokens,
             wants_peer_state=self.optimizer is not None and not self.sharded,
         )
 

@@ -338,17 +338,22 @@ class Launcher:
             p.start(self.env, self.logs)
         self.evaluator.start(self.env, self.logs)
         last_view = last_look = 0.0
+        was_ending = self._ending
         while not self.stop_requested:
             now = time.time()
             if self._syncer_exited(plan, now):
                 return
-            if not self._ending and now - last_look >= 0.1:  # chaos stops once the syncer ends the run
+            if now - last_look >= 0.1:  # chaos stops once the syncer ends the run
                 last_look = now
-                self._ending = bool((read_status(self.run_dir / "status" / "syncer-0.json") or {}).get("run_end"))
-                if self._ending:
-                    self._release_stragglers()
-                    if self.links is not None:  # no more link faults: the final sync must get through
-                        self.links.signal(signal.SIGUSR1)
+                stage = (read_status(self.run_dir / "status" / "syncer-0.json") or {}).get("run_end")
+                if stage == "done" and not any(p.alive() for p in self.learners):
+                    return  # every learner it runs has heard the end: the syncer need not linger for others
+                self._ending = self._ending or bool(stage)
+            if self._ending and not was_ending:
+                was_ending = True
+                self._release_stragglers()
+                if self.links is not None:  # no more link faults: the final sync must get through
+                    self.links.signal(signal.SIGUSR1)
             if not self._ending:
                 self._inject_chaos(plan, now)
             self._reap_dead(plan, now)

@@ -145,6 +145,7 @@ class SyncerServer:
         self.service.beside["model"] = lambda: synced_bytes(self.model)
         if self.evaluation is not None:
             self.service.beside["eval_copy"] = self.evaluation.held_bytes
+            self.service.after_end.append(self._final_evaluation)
         # Last, once nothing can fail: the core holds the values, the model its structure alone.
         self._let_go: LetGo | None = let_go(model)
 
@@ -159,6 +160,12 @@ class SyncerServer:
             evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s, cadence,
             self.service.run_age,
         )  # fmt: skip
+
+    def _final_evaluation(self) -> None:
+        """The hook's evaluation of the final model (shard 0), while the syncer still answers
+        after the run's end (``SyncerService.after_end``)."""
+        if self.evaluation is not None and self.service.shard == 0:
+            self.evaluation.final(self.service.load_into, self.service.core.merged_tokens, ended=True)
 
     @property
     def final_model_path(self) -> Path:
@@ -186,7 +193,8 @@ class SyncerServer:
         self._serving = True
         if self.evaluation is not None:
             self.evaluation.start()
-        served, evaluated = False, False
+        served = False
+        before = self.evaluation.evaluations if self.evaluation is not None else 0
         try:
             self.service.serve(max_seconds)
             served = True
@@ -194,18 +202,16 @@ class SyncerServer:
             try:
                 if self.evaluation is not None:
                     self.evaluation.stop()
-                    if served and self.service.shard == 0:
-                        before = self.evaluation.evaluations
+                    if served and self.service.shard == 0:  # (a no-op when the run's end already did it)
                         ended = self.service.end_stage == "done"
                         self.evaluation.final(self.service.load_into, self.service.core.merged_tokens, ended)
-                        evaluated = self.evaluation.evaluations > before
                     self.evaluation.release()  # (before the model given takes its memory back)
             finally:
                 self._give_back()
                 self._serving = False
         if self.service.shard != 0:
             return
-        if evaluated:
+        if self.evaluation is not None and self.evaluation.evaluations > before:
             write_summary(self.service.run_dir)  # again: now with the final evaluation
         log_time_budget_short(self.service.run_dir)
 

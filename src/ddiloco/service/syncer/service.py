@@ -19,6 +19,7 @@ import math
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -275,6 +276,10 @@ class SyncerService:
         """The process's peak resident size and the phase it was reached in (status ``memory``)."""
         self.phase = "serve"
         """What the shard is doing: serve, final sync (the run's end), final model (writing it), stop."""
+        self.after_end: list[Callable[[], None]] = []
+        """Work for the run's end beside the final evaluation (``SyncerServer``: its evaluate
+        hook's), done with it on a thread while the loop goes on answering ``RunEnd``."""
+        self._end_work: threading.Thread | None = None
         self.beside: dict[str, Callable[[], int]] = {}
         """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
         the evaluate hook's copy), shown in the status ``memory``."""
@@ -461,7 +466,7 @@ class SyncerService:
         self.shutdown()
 
     def _loop(self, rt: RuntimeConfig, end: float | None) -> None:
-        while not self.stopping and (end is None or self.clock.monotonic() < end):
+        while not self._may_leave(end):
             now = self.clock.monotonic()
             # Sleep until a message, the session's next deadline or the next chore: no idle spinning.
             wake_at = min(self.session.next_deadline(now), self._next_chore(rt))
@@ -478,7 +483,30 @@ class SyncerService:
             self._emit(out)
             if self.phase == "serve" and self.session.end_stage is not None:
                 self._enter("final sync")
+            if self.session.end_stage == "done" and self._end_work is None:
+                self._end_work = threading.Thread(target=self._end_tasks, name="ddiloco-run-end", daemon=True)
+                self._end_work.start()
             self._chores(rt)
+
+    def _may_leave(self, end: float | None) -> bool:
+        """The loop may stop: asked to (or the run's end has lingered) or out of time, and the
+        run's end work is over. While it runs the loop goes on answering: a learner that
+        registers or speaks is told the run ended, never met with silence."""
+        asked = self.stopping or (end is not None and self.clock.monotonic() >= end)
+        return asked and (self._end_work is None or not self._end_work.is_alive())
+
+    def _end_tasks(self) -> None:
+        """The run's end work, on its own thread: the final evaluation (shard 0, one shard,
+        a workload to evaluate on), then ``after_end``. The core's values are final (the
+        session hands it nothing after the end), so reading them here races nothing."""
+        tasks = list(self.after_end)
+        if self.shard == 0 and self.cfg.runtime.final_eval and self.num_shards == 1 and self.evaluates:
+            tasks.insert(0, self._final_eval)
+        for task in tasks:
+            try:
+                task()
+            except Exception:  # the run's model is written; an evaluation that fails costs its figure only
+                log.exception("the final evaluation failed; the final model is written all the same")
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
