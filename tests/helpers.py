@@ -199,7 +199,14 @@ class SessionPair:
         opts = optimizers or {}
         self.sessions = {
             m: LearnerSession(
-                cfg, rt, m, 1, self.layout, SESSION_REGISTRATION, self.now, wants_peer_state=m in opts,
+                cfg,
+                rt,
+                m,
+                1,
+                self.layout,
+                SESSION_REGISTRATION,
+                self.now,
+                wants_peer_state=m in opts,
                 processed_budget=budget.processed_tokens,
             )  # fmt: skip
             for m in learners

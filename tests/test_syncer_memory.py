@@ -337,6 +337,7 @@ def test_each_shards_memory_is_shown_apart():
 
 def test_the_syncers_final_evaluation_builds_its_model_without_initialising_it(tmp_path, monkeypatch):
     from ddiloco.config import load_config
+    from ddiloco.service.syncer import run_end
     from ddiloco.service.syncer import service as service_module
     from ddiloco.training.evaluate import evaluate
     from ddiloco.workloads.config import load_workload
@@ -347,8 +348,8 @@ def test_the_syncers_final_evaluation_builds_its_model_without_initialising_it(t
         cfg_, "inproc://f", tmp_path, transport=net.syncer("inproc://f"), fsync=False
     )
     built: list[Any] = []
-    real = service_module.build_to_receive
-    monkeypatch.setattr(service_module, "build_to_receive", lambda *a: built.append(real(*a)) or built[-1])
+    real = run_end.build_to_receive
+    monkeypatch.setattr(run_end, "build_to_receive", lambda *a: built.append(real(*a)) or built[-1])
     try:
         service._final_eval()
     finally:

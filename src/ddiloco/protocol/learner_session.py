@@ -105,6 +105,7 @@ from ddiloco.protocol.messages import (
     RunSettings,
     SyncerHeartbeat,
 )
+from ddiloco.protocol.shard_link import ShardLink
 from ddiloco.protocol.traffic import payload_nbytes
 
 EndStage = Literal["stop", "done"]
@@ -192,31 +193,6 @@ class BoundaryPlan:
     def read(self) -> list[int]:
         """Every fragment whose current values ``complete`` needs, each once."""
         return sorted({*self.answer, *self.push, *self.prepare})
-
-
-@dataclass
-class ShardLink:
-    """What the learner knows of one syncer shard."""
-
-    backoff: float
-    """The next re-registration delay (doubles up to ``backoff_max_s``)."""
-    epoch: int | None = None
-    """The shard's incarnation, as its last accepted registration said."""
-    last_heard: float | None = None
-    """When anything was last heard from it."""
-    joined: bool = False
-    """Whether it accepted this learner's registration (and has not gone silent or restarted since)."""
-    warned: bool = False
-    """Whether its silence was said (once, until it is heard again)."""
-    next_join: float = -math.inf
-    """When to register (again) while not joined."""
-    owned: list[int] = field(default_factory=list)
-    """The fragments it owns."""
-    lost_at: float | None = None
-    """When it stopped counting this learner as joined (gone silent, restarted, lost our
-    connection): the next acceptance is a rejoin."""
-    run: str = ""
-    """The run's identity, as its acceptance said (``JoinReply.run``)."""
 
 
 class LearnerSession:

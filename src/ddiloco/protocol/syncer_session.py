@@ -347,34 +347,38 @@ class SyncerSession:
             else:
                 out.status_requests.append(peer)
         elif isinstance(msg, CORE_MESSAGES + RELAYED):
-            claimed = msg.source if isinstance(msg, PeerState) else msg.learner
-            if self.identities.get(claimed) != peer:
-                # Not bound here: this shard restarted, the learner's connection changed, or a newer
-                # registration took the id elsewhere. It is told, and registers again (on a fresh
-                # connection); nothing it sent is taken from this peer.
-                out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
-                out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
-                return out
-            done = self.end_stage == "done"
-            if not done and not isinstance(msg, (Heartbeat, Leave)):
-                self._heard(claimed, now, out)
-            if done and not isinstance(msg, Leave):
-                # Nothing reaches the core any more: its values are final, and the final evaluation
-                # reads them while the driver goes on answering. A heartbeat says the learner did
-                # not hear the end (a lost message, a partition that healed): it is told again
-                # (once per heartbeat, not once per fragment it had in flight).
-                if isinstance(msg, Heartbeat):
-                    out.send.append((peer, RunEnd("done", self.end_reason)))
-            elif isinstance(msg, RELAYED):
-                self._relay(msg, now, out)
-            else:
-                if isinstance(msg, Heartbeat) and self.core.registered(msg.learner) == msg.incarnation:
-                    self._progress(msg, now, out)
-                out.core(self.core.handle(msg, now), self.identities)
+            self._on_learner_message(peer, msg, now, out)
         else:
             out.notes.append(Note("malformed", f"unexpected {type(msg).__name__} from {peer!r}"))
         self._advance_end(now, out)
         return out
+
+    def _on_learner_message(self, peer: Peer, msg: Any, now: float, out: SyncerOutput) -> None:
+        """A message that speaks for a learner (the core's, or a relayed optimizer state)."""
+        claimed = msg.source if isinstance(msg, PeerState) else msg.learner
+        if self.identities.get(claimed) != peer:
+            # Not bound here: this shard restarted, the learner's connection changed, or a newer
+            # registration took the id elsewhere. It is told, and registers again (on a fresh
+            # connection); nothing it sent is taken from this peer.
+            out.notes.append(Note("unknown_sender", f"message from {peer!r} claiming learner {claimed}"))
+            out.send.append((peer, SyncerHeartbeat(self.epoch, self.shard, bound=False)))
+            return
+        done = self.end_stage == "done"
+        if not done and not isinstance(msg, (Heartbeat, Leave)):
+            self._heard(claimed, now, out)
+        if done and not isinstance(msg, Leave):
+            # Nothing reaches the core any more: its values are final, and the final evaluation
+            # reads them while the driver goes on answering. A heartbeat says the learner did
+            # not hear the end (a lost message, a partition that healed): it is told again
+            # (once per heartbeat, not once per fragment it had in flight).
+            if isinstance(msg, Heartbeat):
+                out.send.append((peer, RunEnd("done", self.end_reason)))
+        elif isinstance(msg, RELAYED):
+            self._relay(msg, now, out)
+        else:
+            if isinstance(msg, Heartbeat) and self.core.registered(msg.learner) == msg.incarnation:
+                self._progress(msg, now, out)
+            out.core(self.core.handle(msg, now), self.identities)
 
     def tick(self, now: float) -> SyncerOutput:
         """Time passed: rounds open and close, heartbeats go out, the run's end moves on."""

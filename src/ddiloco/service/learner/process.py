@@ -224,6 +224,8 @@ class LearnerProcess:
         if learner is not None and learner.run_ended and self.world == 1:  # (a torchrun group just leaves)
             confirmed = learner.finish()  # the session said the run ended, and why
             said = "final sync done" if confirmed else "the syncer did not confirm the final sync in time"
+            if session is not None and session.tokens == 0:  # told at its join: it had nothing to sync
+                said = "the run had ended before this process trained; it leaves"
             log.info("learner %d: %s", self.id, said)
         if learner is not None:
             learner.close()

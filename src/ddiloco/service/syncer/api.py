@@ -145,7 +145,7 @@ class SyncerServer:
         self.service.beside["model"] = lambda: synced_bytes(self.model)
         if self.evaluation is not None:
             self.service.beside["eval_copy"] = self.evaluation.held_bytes
-            self.service.after_end.append(self._final_evaluation)
+            self.service.end_work.tasks.append(self._final_evaluation)
         # Last, once nothing can fail: the core holds the values, the model its structure alone.
         self._let_go: LetGo | None = let_go(model)
 
@@ -163,7 +163,7 @@ class SyncerServer:
 
     def _final_evaluation(self) -> None:
         """The hook's evaluation of the final model (shard 0), while the syncer still answers
-        after the run's end (``SyncerService.after_end``)."""
+        after the run's end (``SyncerService.end_work``)."""
         if self.evaluation is not None and self.service.shard == 0:
             self.evaluation.final(self.service.load_into, self.service.core.merged_tokens, ended=True)
 

@@ -13,13 +13,11 @@ run log, final model, summary), an optional flight recorder, and the clock. One 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -57,9 +55,9 @@ from ddiloco.service.base.wire import WireError, decode, encode, max_frame_bytes
 from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.syncer.load import RoundLoad
 from ddiloco.service.syncer.recorder import FlightRecorder
+from ddiloco.service.syncer.run_end import EndWork, final_eval
 from ddiloco.service.syncer.store import Restored, StoreFull, SyncerStore
 from ddiloco.settings import run_settings
-from ddiloco.training.empty_model import build_to_receive
 from ddiloco.training.layout import ModelLayout, layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
 from ddiloco.workloads.config import load_workload
@@ -276,10 +274,9 @@ class SyncerService:
         """The process's peak resident size and the phase it was reached in (status ``memory``)."""
         self.phase = "serve"
         """What the shard is doing: serve, final sync (the run's end), final model (writing it), stop."""
-        self.after_end: list[Callable[[], None]] = []
-        """Work for the run's end beside the final evaluation (``SyncerServer``: its evaluate
-        hook's), done with it on a thread while the loop goes on answering ``RunEnd``."""
-        self._end_work: threading.Thread | None = None
+        self.end_work = EndWork()
+        """The run's end work (the final evaluations), on a thread while the loop goes on
+        answering ``RunEnd``; ``SyncerServer`` adds its evaluate hook's to ``end_work.tasks``."""
         self.beside: dict[str, Callable[[], int]] = {}
         """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
         the evaluate hook's copy), shown in the status ``memory``."""
@@ -290,7 +287,12 @@ class SyncerService:
         metrics, shard, rt = self.run_dir / "metrics", self.shard, self.cfg.runtime
         self.recorder = FlightRecorder.open(self.run_dir, shard, rt.record_mb, self.session, self._started)
         if ended is not None:  # restarted on a finished run: say so, then leave
-            log.warning("this run already ended (%s): nothing to do; start a new run folder to train more", ended)
+            log.warning(
+                "this run already ended (%s): answering that to whoever asks for runtime.end_linger_s = %g s, then "
+                "leaving; start a new run folder to train more",
+                ended,
+                self.cfg.runtime.end_linger_s,
+            )
         else:
             self._run_event("resume" if self.restored else "start", "")
         self._learner_metrics = LearnerMetrics(metrics / "learners.jsonl")
@@ -483,30 +485,17 @@ class SyncerService:
             self._emit(out)
             if self.phase == "serve" and self.session.end_stage is not None:
                 self._enter("final sync")
-            if self.session.end_stage == "done" and self._end_work is None:
-                self._end_work = threading.Thread(target=self._end_tasks, name="ddiloco-run-end", daemon=True)
-                self._end_work.start()
+            if self.session.end_stage == "done" and not self.end_work.started:
+                evaluates = self.shard == 0 and self.cfg.runtime.final_eval and self.num_shards == 1 and self.evaluates
+                self.end_work.start([self._final_eval] if evaluates else [])
             self._chores(rt)
 
     def _may_leave(self, end: float | None) -> bool:
         """The loop may stop: asked to (or the run's end has lingered) or out of time, and the
-        run's end work is over. While it runs the loop goes on answering: a learner that
-        registers or speaks is told the run ended, never met with silence."""
+        run's end work is over (meanwhile a learner that registers or speaks is told the run
+        ended, never met with silence)."""
         asked = self.stopping or (end is not None and self.clock.monotonic() >= end)
-        return asked and (self._end_work is None or not self._end_work.is_alive())
-
-    def _end_tasks(self) -> None:
-        """The run's end work, on its own thread: the final evaluation (shard 0, one shard,
-        a workload to evaluate on), then ``after_end``. The core's values are final (the
-        session hands it nothing after the end), so reading them here races nothing."""
-        tasks = list(self.after_end)
-        if self.shard == 0 and self.cfg.runtime.final_eval and self.num_shards == 1 and self.evaluates:
-            tasks.insert(0, self._final_eval)
-        for task in tasks:
-            try:
-                task()
-            except Exception:  # the run's model is written; an evaluation that fails costs its figure only
-                log.exception("the final evaluation failed; the final model is written all the same")
+        return asked and not self.end_work.busy
 
     def stop(self) -> None:
         """Ask ``serve`` to finish (from a signal handler or another thread)."""
@@ -669,30 +658,7 @@ class SyncerService:
 
     def _final_eval(self) -> None:
         """Evaluate the final global model once (summary.json's eval loss)."""
-        from ddiloco.training.evaluate import evaluate
-        from ddiloco.workloads.base import loss_unit
-
-        evals = read_jsonl(self.run_dir / "metrics" / "eval.jsonl")
-        if any(e.get("final") for e in evals[-1:]):
-            return  # already evaluated (a restarted syncer on a finished run)
-        wl = load_workload(self.cfg.workload)
-        # built for this one evaluation, then let go; not initialised where the workload allows,
-        # since one shard (final_eval needs num_shards == 1) writes every value into it
-        model = build_to_receive(wl, self.cfg.run.seed, "cpu").model
-        self.load_into(model)
-        loss = evaluate(wl, model, wl.eval_batches())
-        rec = {
-            "event": "eval",
-            "time": self.run_age(),
-            "tokens": 0,
-            "merged_tokens": self.core.merged_tokens,
-            "loss": loss,
-            "final": True,
-            "unit": loss_unit(wl),
-        }
-        with open(self.run_dir / "metrics" / "eval.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        log.info("final eval loss %.4f %s", loss, loss_unit(wl))
+        final_eval(self.cfg, self.run_dir, self.load_into, self.core.merged_tokens, self.run_age())
 
     def load_into(self, model: nn.Module) -> None:
         """Write this shard's global values into ``model`` (tied tensors share them), fragment
