@@ -23,6 +23,7 @@ from its last word from the syncer (its relay's release, for the held one). Resu
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.cluster import Cluster, free_port, wait_until  # noqa: E402  (bench/harness, beside this script)
 from harness.files import read_jsonl  # noqa: E402
-from harness.paths import CACHE, RESULTS, sets  # noqa: E402
+from harness.paths import CACHE, RESULTS, ROOT, sets  # noqa: E402
 from harness.tables import facts, publish, table  # noqa: E402
 
 BUDGET = 60_000
@@ -74,11 +75,13 @@ def end_time(run_dir: Path) -> float | None:
 
 
 def last_line(log: Path) -> str:
-    """The learner's last WARNING/ERROR line (how it said it stopped), else its last line."""
+    """How the learner said the run ended for it: its last line that says so (told by the syncer,
+    or giving up), else its last WARNING/ERROR line, else its last line."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    said = [ln for ln in lines if " WARNING " in ln or " ERROR " in ln or "ended" in ln]
-    text = (said or lines or [""])[-1]
-    return text.split(": ", 1)[-1] if " - " not in text else text.rsplit(" - ", 1)[-1]
+    told = [ln for ln in lines if "ended the run" in ln or "this learner stops" in ln]
+    said = [ln for ln in lines if " WARNING " in ln or " ERROR " in ln]
+    text = (told or said or lines or [""])[-1]
+    return text.split("]: ", 1)[-1]
 
 
 class Exits:
@@ -225,6 +228,15 @@ def markdown(cells: list[dict[str, Any]], report: dict[str, Any]) -> str:
     for cell in cells:
         lines += [f"## `{cell['cell']}`: runtime.end_linger_s = {cell['end_linger_s']:g} s", ""]
         lines.append(f"Hold from {cell['hold']['began_s']} s to {cell['hold']['released_s']} s.")
+        if cell["cell"] == "gone":
+            bound = cell["hold"]["began_s"] + 60.0
+            lines.append(
+                f"The held learner never hears the end: its bound is runtime.give_up_spent_s (60 s) after its last "
+                f"word from the syncer (the hold's start, at most one heartbeat before): {bound:.1f} s after the end, "
+                "then the time it takes to leave (its step under way, its status and local save)."
+            )
+        else:
+            lines.append("Every learner hears the end from the syncer, the held one once its relay is released.")
         lines.append("")
         rows = [
             [m, r["code"], r["after_end_s"], "-" if r["after_release_s"] is None else r["after_release_s"], r["line"]]
@@ -246,12 +258,27 @@ def markdown(cells: list[dict[str, Any]], report: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--cells", default="held,gone", help="comma-separated: held, gone")
+    ap.add_argument(
+        "--refigure", action="store_true", help="read the learners' lines again from the last report's kept run folders"
+    )
     args = ap.parse_args()
+    if args.refigure:
+        report = json.loads((RESULTS / "run_end.json").read_text())
+        for cell in report["cells"]:
+            folder = Path(report["folder"]) / cell["cell"]
+            for m, r in cell["learners"].items():
+                r["line"] = last_line(folder / f"learner-{m}.log")
+            for name, r in cell["late"].items():
+                if isinstance(r, dict):
+                    r["line"] = last_line(folder / f"{name}.log")
+        publish(RESULTS, "run_end", report, markdown(report["cells"], report))
+        return
     out = CACHE / "run_end" / time.strftime("%Y%m%d-%H%M%S")
     cells = [run_cell(cell, out) for cell in args.cells.split(",")]
     report = {**facts("python bench/run_end.py" + ("" if args.cells == "held,gone" else f" --cells {args.cells}"))}
     report["cells"] = cells
     report["settings"] = RUN
+    report["folder"] = str(out.relative_to(ROOT))
     publish(RESULTS, "run_end", report, markdown(cells, report))
 
 

@@ -232,6 +232,8 @@ class SessionPair:
         self.transcript: list[tuple[str, int, str]] = []
         self.tape: list[Any] = []
         self.notes: list[str] = []
+        self.info: list[str] = []
+        """The syncer session's INFO lines (a learner joined, lost, back, left)."""
         self.cut_off: set[int] = set()
         self._to_syncer: list[tuple[int, Any]] = []
         self._to_learners: list[tuple[int, Any]] = []
@@ -264,6 +266,7 @@ class SessionPair:
             self.sessions[m].sending(self.handed_off[m], 0.0 if m in self.stalled else rate)
 
     def _from_syncer(self, out: Any) -> None:
+        self.info += out.info
         self.tape += out.tape
         self.notes += [n.text for n in out.notes]
         self._to_learners += [(peer, msg) for peer, msg in out.send if peer not in self.cut_off]

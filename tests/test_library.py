@@ -22,6 +22,7 @@ from torch import nn
 
 import ddiloco
 from ddiloco.config import load_config
+from ddiloco.report.tape import read_jsonl
 from ddiloco.service.base.transport import InProcessNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,10 +269,15 @@ def test_the_readme_snippet_runs_as_written_against_a_loopback_syncer(tmp_path):
             timeout=120,
         )
         assert learner.returncode == 0, learner.stderr[-3000:]
+        # It ends by itself, as written: the run's budget, the final sync, runtime.end_linger_s (60 s).
+        out, _ = syncer.communicate(timeout=240)
     finally:
-        syncer.terminate()
-        out, _ = syncer.communicate(timeout=60)
+        if syncer.poll() is None:
+            syncer.terminate()
+            out, _ = syncer.communicate(timeout=60)
     assert syncer.returncode == 0, out[-3000:]
+    ends = [r for r in read_jsonl(tmp_path / "runs" / "readme" / "metrics" / "run.jsonl") if r.get("what") == "end"]
+    assert ends and "run.processed_tokens" in ends[-1]["reason"], out[-3000:]
     final = ddiloco.load_state_dict(tmp_path / "runs" / "readme")
     assert set(final) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert all(torch.isfinite(t).all() for t in final.values())

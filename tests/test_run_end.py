@@ -101,3 +101,18 @@ def test_a_learner_that_registers_during_the_final_evaluation_is_told_the_run_en
     finally:
         late_answered.set()
         server.stop()
+
+
+def test_the_syncer_says_when_a_learner_is_lost_and_when_it_is_back():
+    pair = SessionPair(learners=(0, 1))
+    pair.advance(0.5)
+    assert pair.info == ["learner 0 joined (incarnation 1)", "learner 1 joined (incarnation 1)"]
+    pair.cut(1)
+    pair.advance(pair.syncer.core.cfg.liveness_timeout_s + 1.0)
+    liveness = pair.syncer.core.cfg.liveness_timeout_s
+    assert pair.info[2:] == [
+        f"learner 1 lost: nothing heard for {liveness:g} s (algo.liveness_timeout_s); the rounds go on without it"
+    ]
+    pair.heal(1)
+    pair.advance(3.0)  # its backoff runs out: it registers again
+    assert pair.info[3:] == ["learner 1 is back (incarnation 1)"]

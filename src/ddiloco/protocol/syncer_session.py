@@ -193,6 +193,8 @@ class SyncerOutput:
     """The final sync is done: write the final model now."""
     stop: bool = False
     """The run has ended and lingered: the driver may leave."""
+    info: list[str] = field(default_factory=list)
+    """What happened to the fleet, worth an INFO line: a learner lost, back, or gone."""
 
     def core(self, out: Output, identities: dict[int, Peer]) -> SyncerOutput:
         """Take the core's output: durable fragments, tape, and its messages to bound learners."""
@@ -254,6 +256,8 @@ class SyncerSession:
         self.end_reason = ""
         self._end_next = math.inf
         self._final_left = 0  # the final sync's fragments still to close, as last seen
+        self._live_seen: set[int] = set()  # the live set at the last tick (its changes get a line)
+        self._ever_live: set[int] = set()
         if ended is not None:  # a restart on a finished run: tell whoever registers, then leave
             self.end_stage, self.end_reason = "done", ended
             self._end_next = now + rt.end_linger_s
@@ -387,8 +391,30 @@ class SyncerSession:
             self._hb_at = now
             hb = SyncerHeartbeat(self.epoch, self.shard)
             out.send += [(peer, hb) for peer in self.identities.values()]
+        self._say_live_changes(now, out)
         self._advance_end(now, out)
         return out
+
+    def _say_live_changes(self, now: float, out: SyncerOutput) -> None:
+        """A line when a learner leaves the live set (lost or left) or comes into it (joined or back)."""
+        live = set(self.core.live(now))
+        if live == self._live_seen:
+            return
+        for m in sorted(self._live_seen - live):
+            info = self.core.learners.get(m)
+            if info is not None and info.left:
+                out.info.append(f"learner {m} left")
+            else:
+                out.info.append(
+                    f"learner {m} lost: nothing heard for {self.core.cfg.liveness_timeout_s:g} s "
+                    "(algo.liveness_timeout_s); the rounds go on without it"
+                )
+        for m in sorted(live - self._live_seen):
+            info = self.core.learners.get(m)
+            incarnation = f" (incarnation {info.incarnation})" if info is not None else ""
+            out.info.append(f"learner {m} {'is back' if m in self._ever_live else 'joined'}{incarnation}")
+        self._ever_live |= live
+        self._live_seen = live
 
     def next_deadline(self, now: float) -> float:
         """The next time ``tick`` has something to do without a new message."""

@@ -350,6 +350,8 @@ class SyncerService:
         if out.final_model:
             self.write_final_model()
             log.info("final sync done; final model written to %s", self.run_dir / "final")
+        for line in out.info if self.shard == 0 else ():  # (every shard hears every learner: one says it)
+            log.info("%s", line)
         for what, reason in out.events:
             if what == "end":
                 log.info("the run is over: %s", reason)
