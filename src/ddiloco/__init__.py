@@ -22,6 +22,8 @@ _EXPORTS = {
     "LearnerStats": "ddiloco.service.learner.api",
     "SyncerServer": "ddiloco.service.syncer.api",
     "workload_from": "ddiloco.workloads.custom",
+    "fleet_scheduler": "ddiloco.training.schedule",
+    "lr_multiplier": "ddiloco.training.schedule",
     "Config": "ddiloco.config",
     "load_config": "ddiloco.config",
     "DiLoCoConfig": "ddiloco.core.config",

@@ -7,6 +7,7 @@ from ddiloco.errors import CommError, DDiLoCoError, RefusedError, UsageError
 from ddiloco.export import export_model, fetch_state, load_state_dict, save_state_dict
 from ddiloco.service.learner.api import Learner, LearnerStats
 from ddiloco.service.syncer.api import SyncerServer
+from ddiloco.training.schedule import fleet_scheduler, lr_multiplier
 from ddiloco.workloads.custom import workload_from
 
 __all__ = [
@@ -21,8 +22,10 @@ __all__ = [
     "UsageError",
     "export_model",
     "fetch_state",
+    "fleet_scheduler",
     "load_config",
     "load_state_dict",
+    "lr_multiplier",
     "save_state_dict",
     "workload_from",
 ]

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ddiloco.training.schedule import lr_multiplier
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,13 @@ def make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
 
 
 def lr_at(tokens: float, total_tokens: float, cfg: InnerConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_frac, as a function of global tokens."""
-    peak = cfg.lr
-    warm = cfg.warmup_frac * total_tokens
-    if tokens < warm:
-        return peak * (tokens + 1) / (warm + 1)
-    frac = min(1.0, (tokens - warm) / max(1.0, total_tokens - warm))
-    return peak * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+    """Linear warm-up, then cosine decay to min_lr_frac, as a function of global tokens
+    (``schedule.lr_multiplier``'s cosine shape; the warm-up's first step is above 0)."""
+    total = max(1.0, total_tokens)
+    multiplier = lr_multiplier(
+        tokens / total, "cosine", warmup=cfg.warmup_frac, final=cfg.min_lr_frac, ramp_floor=1 / total
+    )
+    return cfg.lr * multiplier
 
 
 def inner_step(model: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> None:

@@ -360,6 +360,14 @@ class Learner:
         return self.session.core.fleet_tokens() if self.session is not None else self._facts[0]
 
     @property
+    def fleet_fraction(self) -> float:
+        """Where the run is, as a fraction: ``fleet_tokens`` over the run's budget
+        (``cfg.run.processed_tokens``), at most 1. Drive your own LR schedule with it
+        (``ddiloco.fleet_scheduler`` does): every learner, a restarted one included, reads the
+        fleet's position, not its own step count."""
+        return min(1.0, self.fleet_tokens / self.cfg.run.processed_tokens)
+
+    @property
     def global_tokens(self) -> float:
         """``fleet_tokens``'s earlier name, kept for loops written against it (warns)."""
         warnings.warn("Learner.global_tokens is now Learner.fleet_tokens", DeprecationWarning, stacklevel=2)
