@@ -19,11 +19,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Learner": "ddiloco.service.learner.api",
-    "LearnerStats": "ddiloco.service.learner.api",
+    "LearnerStats": "ddiloco.service.learner.stats",
     "SyncerServer": "ddiloco.service.syncer.api",
     "workload_from": "ddiloco.workloads.custom",
     "fleet_scheduler": "ddiloco.training.schedule",
     "lr_multiplier": "ddiloco.training.schedule",
+    "recalibrate_batch_norm": "ddiloco.training.batch_norm",
     "Config": "ddiloco.config",
     "load_config": "ddiloco.config",
     "DiLoCoConfig": "ddiloco.core.config",

@@ -47,6 +47,7 @@ from ddiloco.service.learner.comm import LearnerComm
 from ddiloco.service.learner.local_state import open_local_state
 from ddiloco.service.learner.model_host import ModelHost, fsdp_rows
 from ddiloco.service.learner.model_watch import ModelWatch
+from ddiloco.service.learner.stats import LearnerStats
 from ddiloco.settings import EVERY_LEARNER, adopt, run_settings
 from ddiloco.training.layout import layout_of, param_spec, synced_tensors
 from ddiloco.workloads.base import embedding_parameters
@@ -57,37 +58,6 @@ SocketFactory = Callable[[list[str], bytes], LearnerSocket]
 """Makes a learner's transport from (syncer addresses, transport identity): ZeroMQ by default,
 ``InProcessNetwork.learner`` in tests."""
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-@dataclass
-class LearnerStats:
-    """What a learner did so far (read it any time; it is updated by ``step()``)."""
-
-    steps: int = 0
-    """Calls to ``step()``."""
-    tokens: int = 0
-    """Tokens this learner processed (all ranks together)."""
-    step_s: float = 0.0
-    """Wall time between consecutive ``step()`` calls, summed: the training loop's time."""
-    sync_s: float = 0.0
-    """Wall time spent inside ``step()``, lock-step waits excepted: the API's cost."""
-    blocked_s: float = 0.0
-    """Wall time a lock-step (``late_fragment = wait``) learner waited inside ``step()``."""
-    join_s: float = 0.0
-    """Wall time the constructor waited for the join (registration and the global state)."""
-    applied: int = 0
-    """Global fragment versions written into the model."""
-    loss: float | None = None
-    """The last loss given to ``step(loss=...)`` (None: none yet)."""
-    bytes_sent: int = 0
-    """Bytes of contributions sent to the syncer so far (as of the last ``step()``)."""
-
-    @property
-    def busy_s(self) -> float:
-        """Wall time in training steps: the loop's time between ``step()`` calls plus the time
-        inside them, lock-step waits excepted: the definition of ``LearnerSession.busy_s``,
-        which heartbeats report (a wait for a fragment is not busy)."""
-        return self.step_s + self.sync_s
 
 
 def check_addresses(syncer: str | Sequence[str] | None) -> list[str]:
@@ -361,10 +331,8 @@ class Learner:
 
     @property
     def fleet_fraction(self) -> float:
-        """Where the run is, as a fraction: ``fleet_tokens`` over the run's budget
-        (``cfg.run.processed_tokens``), at most 1. Drive your own LR schedule with it
-        (``ddiloco.fleet_scheduler`` does): every learner, a restarted one included, reads the
-        fleet's position, not its own step count."""
+        """``fleet_tokens`` over the run's budget (``cfg.run.processed_tokens``), at most 1: the
+        position an LR schedule reads (``ddiloco.fleet_scheduler``), a restarted learner's too."""
         return min(1.0, self.fleet_tokens / self.cfg.run.processed_tokens)
 
     @property

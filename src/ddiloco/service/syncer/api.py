@@ -42,6 +42,7 @@ from ddiloco.service.base.keys import forget_local_keys, is_local, remember_loca
 from ddiloco.service.base.observer import cadence_of, observer_keys
 from ddiloco.service.base.transport import InProcessNetwork, SyncerSocket
 from ddiloco.service.syncer.eval_hook import EvalFn, EvalHook, Fetcher, check_hook
+from ddiloco.service.syncer.final_model import Calibrate, recalibrated, statistics_shapes
 from ddiloco.service.syncer.service import open_syncer
 from ddiloco.service.syncer.store import start_over as start_store_over
 from ddiloco.training.empty_model import LetGo, let_go, synced_bytes, take_back
@@ -79,6 +80,7 @@ class SyncerServer:
         evaluate: EvalFn | None = None,
         eval_interval_s: float | None = None,
         eval_every_tokens: float | None = None,
+        calibrate: Calibrate | None = None,
     ) -> None:
         """
         Args:
@@ -115,10 +117,20 @@ class SyncerServer:
             eval_every_tokens: merged tokens between evaluations (default
                 ``runtime.eval_every_tokens``; 0: automatic, a tenth of the learners' steady
                 traffic at most).
+            calibrate: ``fn(model)``, called once at the run's end on a copy of the final global
+                model (CPU, train mode): it re-estimates the model's BatchNorm statistics on the
+                final weights, e.g. ``lambda m: ddiloco.recalibrate_batch_norm(m, batches)``.
+                Its running means and variances replace the merged ones (measured by the
+                learners on their own weights, which the last outer step moved past) in
+                ``final/model.safetensors``, the final evaluations and the model given back;
+                the counts keep their merged values. A ``fn`` that raises, or leaves a value
+                that is not finite or a negative variance, costs one WARNING line: the merged
+                statistics stay. Not on a syncer stopped before the end.
         """
         cfg, interval_s, every = checked_config(
             model, bind, run_dir, config, evaluate, eval_interval_s, num_shards, transport, eval_every_tokens
         )
+        check_calibrate(calibrate, num_shards)
         by = f"ddiloco.SyncerServer (shard {shard})"
         prepare_folder(run_dir, cfg, shard, num_shards, start_over, by)
         self.keys: Path | None = keys_folder(keys, insecure, transport, bind, run_dir, cfg.run.num_learners)
@@ -143,6 +155,9 @@ class SyncerServer:
             hook_net = getattr(transport, "net", None)
             self.evaluation = self._eval_hook(evaluate, interval_s, cadence_of(cfg, every), hook_net, insecure)
         self.service.beside["model"] = lambda: synced_bytes(self.model)
+        self._calibrate = calibrate
+        if calibrate is not None:  # first: the final evaluations then see its statistics
+            self.service.end_work.tasks.append(self._final_calibration)
         if self.evaluation is not None:
             self.service.beside["eval_copy"] = self.evaluation.held_bytes
             self.service.end_work.tasks.append(self._final_evaluation)
@@ -160,6 +175,16 @@ class SyncerServer:
             evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s, cadence,
             self.service.run_age,
         )  # fmt: skip
+
+    def _final_calibration(self) -> None:
+        """``calibrate=`` on a copy of the final model; its statistics then are the final
+        model's (``SyncerService.use_final_statistics``)."""
+        if self._calibrate is None or self.service.shard != 0:
+            return
+        shapes = statistics_shapes(self.service.layout.fragments)
+        found = recalibrated(self.model, self.service.load_into, self._calibrate, shapes)
+        if found is not None:
+            self.service.use_final_statistics(found)
 
     def _final_evaluation(self) -> None:
         """The hook's evaluation of the final model (shard 0), while the syncer still answers
@@ -224,7 +249,10 @@ class SyncerServer:
         core = self.service.core
         if self._let_go is not None:
             every = {p: core.values(p) for p in range(core.layout.num_fragments)}
-            take_back(self._let_go, tensor_pieces(core.layout, every))
+            pieces = tensor_pieces(core.layout, every)
+            for name, value in self.service.final_statistics.items():  # calibrate='s (a buffer is one piece)
+                pieces[name] = [(pieces[name][0][0], value.clone())]
+            take_back(self._let_go, pieces)
             self._let_go = None
         else:
             self.service.load_into(self.model)  # (a second serve() of the same server)
@@ -304,6 +332,20 @@ def checked_config(
     ):
         raise UsageError("evaluate= reads the global model as an observer: use ZeroMQ (no transport=)")
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=str(run_dir))), interval_s, every
+
+
+def check_calibrate(calibrate: Any, num_shards: int) -> None:
+    """``calibrate=`` is a function, on a syncer that holds the whole model."""
+    if calibrate is not None and not callable(calibrate):
+        raise UsageError(
+            f"calibrate must be a function of the model, not a {type(calibrate).__name__}: "
+            "calibrate=lambda model: ddiloco.recalibrate_batch_norm(model, batches)"
+        )
+    if calibrate is not None and num_shards != 1:
+        raise UsageError(
+            "calibrate= needs the whole model, which a sharded syncer does not hold: re-estimate the statistics "
+            "of the exported model with ddiloco.recalibrate_batch_norm"
+        )
 
 
 def prepare_folder(run_dir: str | Path, cfg: Config, shard: int, num_shards: int, start_over: bool, by: str) -> None:

@@ -52,6 +52,7 @@ from ddiloco.service.base.startup import StartupTimes
 from ddiloco.service.base.status import write_status
 from ddiloco.service.base.transport import Frames, SyncerSocket, ZmqSyncerSocket
 from ddiloco.service.base.wire import WireError, decode, encode, max_frame_bytes
+from ddiloco.service.syncer.final_model import file_entries, state_keys
 from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.syncer.load import RoundLoad
 from ddiloco.service.syncer.recorder import FlightRecorder
@@ -109,7 +110,7 @@ class GlobalModel:
     core: Syncer
     """The algorithm core holding this shard's values: the global model itself."""
     state_keys: dict[str, tuple[str, torch.dtype]]
-    """The final model file's keys (see ``state_keys``): the syncer keeps no module."""
+    """The final model file's keys (see ``final_model.state_keys``): the syncer keeps no module."""
     spec: list[list[Any]]
     """[name, shape] of every synced tensor, as learners register it."""
     numel: int
@@ -280,6 +281,10 @@ class SyncerService:
         self.beside: dict[str, Callable[[], int]] = {}
         """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
         the evaluate hook's copy), shown in the status ``memory``."""
+        self.final_statistics: dict[str, torch.Tensor] = {}
+        """Floating buffers re-estimated on the final weights (``SyncerServer(calibrate=)``,
+        ``final_statistics.py``): the final model file and whatever ``load_into`` writes take
+        them instead of the merged ones."""
 
     def _start(self, ended: str | None) -> None:
         """The run folder's files: the flight recorder, the run log's start (or that the run
@@ -287,6 +292,8 @@ class SyncerService:
         metrics, shard, rt = self.run_dir / "metrics", self.shard, self.cfg.runtime
         self.recorder = FlightRecorder.open(self.run_dir, shard, rt.record_mb, self.session, self._started)
         if ended is not None:  # restarted on a finished run: say so, then leave
+            if (self.run_dir / "final" / self._final_name).exists():  # it is these versions' (calibrated, maybe)
+                self._model_written = tuple(self.core.versions())
             log.warning(
                 "this run already ended (%s): answering that to whoever asks for runtime.end_linger_s = %g s, then "
                 "leaving; start a new run folder to train more",
@@ -668,6 +675,20 @@ class SyncerService:
         params = synced_tensors(model)
         for p in self.core.owned:
             write_fragment(params, self.core.layout.fragments[p], self.core.values(p))
+        with torch.no_grad():
+            for name, value in self.final_statistics.items():
+                params[name].copy_(value)
+
+    def use_final_statistics(self, statistics: dict[str, torch.Tensor]) -> None:
+        """Take floating buffers re-estimated on the final weights (checked by the caller) and
+        write the final model file again with them."""
+        self.final_statistics = statistics
+        self.write_final_model()
+        log.info("final model written again with %d buffers re-estimated on its weights", len(statistics))
+
+    @property
+    def _final_name(self) -> str:
+        return "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
 
     def write_final_model(self) -> Path:
         """Write the final model file (``final/``) from the core's values, a piece at a time."""
@@ -679,26 +700,9 @@ class SyncerService:
             self._enter(before)
 
     def _write_final_model(self) -> Path:
-        # Every key of the model's state dict, in its dtype, written piece by piece from the
-        # core's fragments (no copy of the model); a tied key (an LM head sharing the embedding)
-        # is written once, under its first key, and its other keys as aliases of that one
-        # (load_state_dict lists them again).
         pieces = tensor_pieces(self.core.layout, {p: self.core.values(p) for p in self.core.owned})
-        entries = []
-        aliases: dict[str, str] = {}
-        stored: dict[tuple[str, torch.dtype], str] = {}  # (synced tensor, dtype) -> the key it is written under
-        for key, (name, dtype) in self._state_keys.items():
-            if (name, dtype) in stored:
-                aliases[key] = stored[name, dtype]
-            elif name in pieces:
-                stored[name, dtype] = key
-                rows = pieces[name]
-                first = rows[0][0]
-                total_rows = sum(pc.row_end - pc.row_start for pc, _ in rows)
-                shape = first.shape if len(rows) == 1 else (total_rows, *first.shape[1:])
-                entries.append((key, dtype, shape, [v for _, v in rows]))
-        name = "model.safetensors" if self.num_shards == 1 else f"model.shard-{self.shard}.safetensors"
-        saved = save_pieces(entries, self.run_dir / "final" / name, aliases)
+        entries, aliases = file_entries(pieces, self._state_keys, self.final_statistics)
+        saved = save_pieces(entries, self.run_dir / "final" / self._final_name, aliases)
         self._model_written = tuple(self.core.versions())
         return saved
 
@@ -715,20 +719,6 @@ def meta_model(wl: Any, seed: int) -> nn.Module:
         log.debug("the workload's model does not build on the meta device (%s): building it", e)
     built: nn.Module = wl.build_model(seed)
     return built
-
-
-def state_keys(model: nn.Module) -> dict[str, tuple[str, torch.dtype]]:
-    """Each key of ``model.state_dict()`` with the synced tensor that holds its values (a tied
-    key names the tensor it shares) and its dtype."""
-    synced = synced_tensors(model)
-    by_id = {id(t): n for n, t in synced.items()}
-    by_storage = {(t.data_ptr(), tuple(t.shape)): n for n, t in synced.items() if t.numel() and not t.is_meta}
-    out = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        # the same tensor object, or (a tied buffer listed under another name) the same storage
-        name = by_id.get(id(t)) or by_storage.get((t.data_ptr(), tuple(t.shape)), key)
-        out[key] = (name, t.dtype)
-    return out
 
 
 def open_syncer(
