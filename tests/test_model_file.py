@@ -249,3 +249,17 @@ def test_a_hugging_face_gpt2s_tied_head_is_written_once_by_the_syncer_and_export
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out))
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_a_saved_model_file_is_readable_as_the_umask_allows(tmp_path):
+    """safetensors makes its files 0600; an exported model is a file like any other (issue 35)."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = ddiloco.save_state_dict({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+        assert path.stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        assert ddiloco.save_state_dict({"w": torch.ones(2)}, path).stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

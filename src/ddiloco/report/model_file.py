@@ -71,6 +71,7 @@ def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(out, str(tmp), metadata=_metadata(aliases, out.keys()))
+    tmp.chmod(0o666 & ~_umask())  # safetensors makes its files 0600: a model file is readable as any other
     tmp.replace(path)  # a reader never sees half a file
     return path
 
@@ -92,6 +93,17 @@ _ST_DTYPE = {
     torch.bool: "BOOL",
 }  # fmt: skip
 """safetensors' names of the dtypes a state dict holds."""
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc; elsewhere the usual 022)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def save_pieces(

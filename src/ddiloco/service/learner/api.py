@@ -726,10 +726,9 @@ class Learner:
         """A live peer's optimizer state was loaded at a boundary."""
         self.startup.mark("handoff")
         steps = [int(v.max()) for k, v in ps.tensors.items() if k.endswith(".step") and v.numel()]
-        log.info(
-            "learner %d: took learner %d's optimizer state (its optimizer at step %s) at its own step %d",
-            self.id, ps.source, max(steps) if steps else "?", self.stats.steps,
-        )  # fmt: skip
+        at = f"its optimizer at step {max(steps)}" if steps else "an optimizer that counts no steps"
+        log.info("learner %d: took learner %d's optimizer state (%s) at its own step %d",
+                 self.id, ps.source, at, self.stats.steps)  # fmt: skip
 
     def _share_initial(self) -> None:
         """After the join, every rank starts from rank 0's model and data position."""

@@ -535,7 +535,7 @@ class SyncerService:
         return (
             f"syncer shard {self.shard}: {self.session.fleet.processed_tokens():,.0f} / "
             f"{self.cfg.run.processed_tokens:,} tokens processed, {view.merged_tokens:,.0f} merged, "
-            f"{self.run_age():,.0f} s{budget}, {len(view.live)} live learners, "
+            f"{self.run_age():,.0f} s{budget}, {len(view.live)} live learner{'' if len(view.live) == 1 else 's'}, "
             f"versions {min(versions)}..{max(versions)}" + (f", ending ({stage})" if stage else "")
         )
 
