@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
@@ -14,6 +15,8 @@ def pyplot() -> Any:
     except ImportError:
         raise DDiLoCoError("drawing figures needs matplotlib: pip install 'ddiloco[plot]'") from None
     matplotlib.use("Agg")  # headless: never needs a display
+    # its INFO lines ("generated new fontManager" on a first run) are not the run's news
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger("matplotlib").level))
     import matplotlib.pyplot as plt
 
     return plt
