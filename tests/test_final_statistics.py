@@ -17,6 +17,7 @@ from torch import nn
 import ddiloco
 from ddiloco.config import load_config
 from ddiloco.errors import UsageError
+from ddiloco.report.summary import summarise
 from ddiloco.report.tape import read_jsonl
 from ddiloco.service.base.transport import InProcessNetwork
 
@@ -114,6 +115,11 @@ def test_the_final_model_takes_statistics_measured_on_its_own_weights(tmp_path):
     assert torch.equal(final["bn.num_batches_tracked"].float(), merged["bn.num_batches_tracked"])
     assert not torch.equal(final["bn.running_var"], merged["bn.running_var"])
     assert any(e.get("final") for e in read_jsonl(tmp_path / "metrics" / "eval.jsonl"))
+    # one number for the tokens processed: the end's count, in its record, its reason and the summary
+    end = [r for r in read_jsonl(tmp_path / "metrics" / "run.jsonl") if r.get("what") == "end"][-1]
+    assert end["processed_tokens"] >= 3200 and f"{end['processed_tokens']:,.0f} tokens processed" in end["reason"]
+    assert summarise(tmp_path)["tokens_processed"] == end["processed_tokens"]
+    assert server.service.status()["processed_tokens"] == end["processed_tokens"]
     # A syncer started again on the ended folder (no calibrate=) leaves the final model as it is.
     again = ddiloco.SyncerServer(BNNet(), ADDRESS, tmp_path, config=cfg(), transport=InProcessNetwork().syncer(ADDRESS),
                                  fsync=False)  # fmt: skip

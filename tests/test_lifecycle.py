@@ -252,3 +252,27 @@ def test_a_resumed_train_run_adds_its_accounting_to_the_earlier_sessions():
     assert both["compute_s"] == 36.0 and both["uptime"] == (1.0 * 10 + 0.5 * 30) / 40
     assert both["restart_latencies_s"] == [0.5, 1.5]
     assert _add_sessions({"tokens": "garbage"}, second)["tokens"] == 300  # a damaged file is not trusted
+
+
+def test_a_straggler_phase_is_a_fault_record_and_faults_injected_counts_no_restart():
+    """The launcher's duty cycle says when a straggler phase starts (its factor) and ends; the
+    progress line's "faults injected" counts kills and phases, not restarts or phase ends."""
+    from types import SimpleNamespace
+
+    from ddiloco.chaos.schedule import ChaosSchedule, Straggler
+    from ddiloco.report.summary import is_injected
+    from ddiloco.service.ops.launcher import Launcher, Proc
+
+    recorded: list[dict] = []
+    procs = [Proc("learner-0", []), Proc("learner-1", [])]
+    fake = SimpleNamespace(learners=procs, _fault=lambda kind, target, **x: recorded.append(
+        {"kind": kind, "target": target, **x}))  # fmt: skip
+    schedule = ChaosSchedule(stragglers=(Straggler(1, 1.5, 10.0, 20.0),))
+    for t in (5.0, 10.2, 12.0, 15.7, 20.1, 25.0):
+        Launcher._duty_cycle(fake, schedule, t)  # (not alive: no signal is sent)
+    assert recorded == [
+        {"kind": "straggle", "target": "learner-1", "factor": 1.5},
+        {"kind": "straggle_end", "target": "learner-1"},
+    ]
+    kinds = ["sigkill", "restart", "straggle", "straggle_end", "exit 1", "fail"]
+    assert [is_injected({"kind": k}) for k in kinds] == [True, False, True, False, False, True]

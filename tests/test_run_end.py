@@ -116,3 +116,18 @@ def test_the_syncer_says_when_a_learner_is_lost_and_when_it_is_back():
     pair.heal(1)
     pair.advance(3.0)  # its backoff runs out: it registers again
     assert pair.info[3:] == ["learner 1 is back (incarnation 1)"]
+
+
+def test_the_fleets_count_is_the_one_that_ended_the_run_from_the_end_on():
+    """One fact, one number (issue 35): the count in the end's reason is the syncer's processed
+    tokens from then on (status, summary), though learners that had not heard train a moment on."""
+    pair = SessionPair(budget=Budget(processed_tokens=64))
+    pair.tick()
+    for _ in range(4):
+        pair.step(0, tokens=16)
+    pair.advance(0.5)
+    assert pair.syncer.end_stage is not None
+    at_end = pair.syncer.processed_tokens()
+    assert at_end >= 64 and f"{at_end:,.0f} tokens processed by the fleet" in pair.syncer.end_reason
+    pair.syncer.receive(0, Heartbeat(0, 1, 100, 0.5, tokens=4096), pair.now)  # trained on before it heard
+    assert pair.syncer.fleet.processed_tokens() > at_end and pair.syncer.processed_tokens() == at_end

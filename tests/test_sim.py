@@ -153,3 +153,16 @@ def test_the_decoupled_lr_position_keeps_up_with_the_fleet():
         core = ln.session.core
         assert core._merged_tokens < result.tokens_processed - 10 * fleet_step  # merged: far behind
         assert abs(core.fleet_tokens() - result.tokens_processed) <= fleet_step  # the position: not
+
+
+def test_a_simulated_straggler_phase_is_in_the_faults_and_the_summary(tmp_path):
+    from ddiloco.report.rundir import write_run_dir
+    from ddiloco.report.summary import summarise
+    from ddiloco.report.tape import read_jsonl
+
+    cfg = cfg_for("decoupled", "run.processed_tokens=6000", "chaos.enabled=true", 'chaos.stragglers=["1:2.0:0.1:0.4"]')
+    d = write_run_dir(tmp_path / "sim", cfg, simulate(cfg))
+    phases = [f for f in read_jsonl(d / "metrics" / "faults.jsonl") if f["kind"].startswith("straggle")]
+    assert [(f["kind"], f["target"]) for f in phases] == [("straggle", "learner-1"), ("straggle_end", "learner-1")]
+    assert phases[0]["factor"] == 2.0 and phases[0]["time"] < phases[1]["time"]
+    assert summarise(d)["straggler_phases"] == 1

@@ -123,3 +123,15 @@ def test_a_tape_that_breaks_an_invariant_is_said_in_the_summary(tmp_path):
     s = summarise(d)
     assert s["invariant_violations"] and s["invariant_violations"][0].startswith("merged_twice")
     assert any("invariant violations" in w for w in s["warnings"])
+
+
+def test_tokens_processed_is_the_count_that_ended_the_run_and_stragglers_are_counted(tmp_path):
+    d = folder(tmp_path, runlog=["start"])
+    with open(d / "metrics" / "run.jsonl", "a") as f:  # the syncer's end record says its count
+        f.write(json.dumps({"time": 20.0, "what": "end", "reason": "x", "processed_tokens": 2_250}) + "\n")
+    with open(d / "metrics" / "faults.jsonl", "a") as f:
+        f.write(json.dumps({"time": 15.0, "kind": "straggle", "target": "learner-1", "factor": 1.5}) + "\n")
+        f.write(json.dumps({"time": 17.0, "kind": "straggle_end", "target": "learner-1"}) + "\n")
+    s = summarise(d)
+    assert s["tokens_processed"] == 2_250  # not the learners' reports (2,200)
+    assert s["straggler_phases"] == 1 and s["failures"] == 1  # a straggler phase is no failure

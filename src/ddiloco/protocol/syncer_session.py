@@ -258,6 +258,7 @@ class SyncerSession:
         self._final_left = 0  # the final sync's fragments still to close, as last seen
         self._live_seen: set[int] = set()  # the live set at the last tick (its changes get a line)
         self._ever_live: set[int] = set()
+        self._processed_at_end: float | None = None
         if ended is not None:  # a restart on a finished run: tell whoever registers, then leave
             self.end_stage, self.end_reason = "done", ended
             self._end_next = now + rt.end_linger_s
@@ -612,13 +613,25 @@ class SyncerSession:
     def _broadcast(self, msg: Any, out: SyncerOutput) -> None:
         out.send += [(peer, msg) for peer in self.identities.values()]
 
+    def processed_tokens(self) -> float:
+        """Tokens the fleet processed: as its heartbeats report them while the run goes on, and
+        from its end the count that ended it (learners that have not heard the end yet train
+        on for a moment: those tokens are not the run's, and one fact gets one number)."""
+        return self._processed_at_end if self._processed_at_end is not None else self.fleet.processed_tokens()
+
+    def ended_at(self, processed_tokens: float) -> None:
+        """A restart on a finished run: the count that ended it (``metrics/run.jsonl``)."""
+        if self.end_stage is not None:
+            self._processed_at_end = processed_tokens
+
     def _advance_end(self, now: float, out: SyncerOutput) -> None:
         """Move the run's end along: stop -> final sync -> done -> (linger) -> leave."""
         if self.end_stage is None:
-            reason = self.budget.spent(self.fleet.processed_tokens(), self.core.merged_tokens, self.run_age(now))
+            processed = self.fleet.processed_tokens()
+            reason = self.budget.spent(processed, self.core.merged_tokens, self.run_age(now))
             if reason is None:
                 return
-            self.end_stage, self.end_reason = "stop", reason
+            self.end_stage, self.end_reason, self._processed_at_end = "stop", reason, processed
             self._broadcast(RunEnd("stop", reason), out)
             out.core(self.core.flush(now, final=True), self.identities)
             # The learners apply the versions this flush made before the final sync asks them

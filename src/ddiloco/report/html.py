@@ -274,7 +274,7 @@ def _fault_times(run: Run, include_restarts: bool) -> list[tuple[float, str, str
         if t is None:
             continue
         kind = str(f.get("kind", "fault"))
-        if kind == "restart" and not include_restarts:
+        if kind in ("restart", "straggle_end") and not include_restarts:  # a return to health, not a fault
             continue
         out.append((t, kind, str(f.get("target", ""))))
     return out

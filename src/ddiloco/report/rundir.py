@@ -249,16 +249,21 @@ def write_run_dir(run_dir: str | Path, cfg: Config, result: RunResult) -> Path:
     if not (d / "config.toml").exists():
         (d / "config.toml").write_text(tomli_w.dumps(to_dict(cfg)))
     evals = [{"event": "eval", **e, "unit": result.loss_unit} for e in result.evals]
-    faults = [
-        {
-            "event": "fault",
-            "time": e["time"],
-            "kind": "fail" if e["event"] == "fail" else "restart",
-            "target": f"learner-{e['learner']}",
-        }  # fmt: skip
-        for e in result.log
-        if e.get("event") in ("fail", "rejoin")
-    ]
+    kinds = {"fail": "fail", "rejoin": "restart", "straggle": "straggle", "straggle_end": "straggle_end"}
+    faults = sorted(
+        (
+            {
+                "event": "fault",
+                "time": e["time"],
+                "kind": kinds[e["event"]],
+                "target": f"learner-{e['learner']}",
+                **({"factor": e["factor"]} if "factor" in e else {}),
+            }  # fmt: skip
+            for e in result.log
+            if e.get("event") in kinds
+        ),
+        key=lambda f: f["time"],
+    )
     end = "interrupted" if result.partial else "end"
     runlog = [
         {"event": "run", "time": 0.0, "what": "start", "reason": ""},

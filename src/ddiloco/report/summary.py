@@ -39,6 +39,10 @@ MIN_ROUNDS_PER_FRAGMENT = 3.0
 FAILURE_KINDS = ("sigkill", "fail", "crash")
 """Fault kinds that are a learner failure (restarts and straggler phases are not)."""
 
+INJECTED_KINDS = ("sigkill", "fail", "straggle")
+"""Fault kinds that chaos injects (a kill, of a learner or the syncer, or a straggler phase's
+start): what "faults injected" counts; restarts, a phase's end and a learner's own exit are not."""
+
 BUDGET_KEYS = ("run.processed_tokens", "run.merged_tokens", "runtime.duration_s")
 """The budgets a real run can end at; the syncer's end reason names the one spent last, in
 brackets (``metrics/run.jsonl``: "... the budget is 120 s (runtime.duration_s)")."""
@@ -53,8 +57,9 @@ SUMMARY_ROWS = [
     ("  lost: down", "down", "{:.1%}"),
     ("  lost: restarting", "restarting", "{:.1%}"),
     ("  lost: starting", "starting", "{:.1%}"),
-    ("uptime", "uptime", "{:.1%}"),
+    ("uptime (a quorum of learners up)", "uptime", "{:.1%}"),
     ("failures", "failures", "{:.0f}"),  # None: nothing watched for them ("unknown")
+    ("straggler phases", "straggler_phases", "{:.0f}"),
     ("work lost in failures (steps)", "lost_steps", "{:.0f}"),
     ("fragments P", "num_fragments", "{:.0f}"),
     ("rounds per fragment", "rounds_per_fragment", "{:.1f}"),
@@ -75,7 +80,7 @@ TRAFFIC_ROWS = [
 ]
 """The traffic rows of the summary table (summary.json's ``traffic``; ``protocol/traffic.py``)."""
 
-UNWATCHED = ("failures", "lost_steps")
+UNWATCHED = ("failures", "lost_steps", "straggler_phases")
 """Figures only a watcher of the learners' processes knows (a launcher, the simulator): null in
 summary.json and ``UNKNOWN`` in tables for a run started by hand or as a library."""
 UNKNOWN = "unknown"
@@ -159,7 +164,10 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
     else:
         shares = dict.fromkeys(kinds)
         shares["compute"] = learner_total(learners, "busy_s") / alloc if learners else None
-    processed = _num(acct.get("tokens")) or learner_total(learners, "tokens")
+    # the syncer's count that ended the run (one number with `ddiloco status` and the end's
+    # reason), else the launcher's or simulator's books, else the learners' own
+    processed = (_num(ends[-1].get("processed_tokens")) if ends else 0.0) or _num(acct.get("tokens"))
+    processed = processed or learner_total(learners, "tokens")
     # every fragment merges the same tokens once: the global count is the mean over fragments
     merged = sum(m.tokens for r in rounds for m in r.took_part) / max(num_fragments, 1)
     if not tape:
@@ -199,6 +207,7 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         "lost_steps": _num(acct.get("lost_steps")) if watched else None,
         "restart_latencies_s": acct.get("restart_latencies_s", []),
         "failures": sum(1 for f in faults if is_learner_failure(f)) if watched else None,
+        "straggler_phases": sum(1 for f in faults if f.get("kind") == "straggle") if watched else None,
         "num_fragments": num_fragments,
         "num_learners": m_count,
         "run_time_s": horizon,
@@ -301,6 +310,11 @@ def is_learner_failure(fault: dict[str, Any]) -> bool:
     if not target.startswith("learner"):
         return False
     return kind.split(" ")[0] in FAILURE_KINDS or (kind.startswith("exit ") and kind != "exit 0")
+
+
+def is_injected(fault: dict[str, Any]) -> bool:
+    """A fault record that chaos injected (``INJECTED_KINDS``)."""
+    return str(fault.get("kind", "")).split(" ")[0] in INJECTED_KINDS
 
 
 def warnings_for(summary: dict[str, Any], duration_s: float | None = None) -> list[str]:

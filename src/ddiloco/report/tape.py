@@ -117,9 +117,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return {}
 
 
-def append_run_event(run_dir: str | Path, time_s: float, what: str, reason: str) -> None:
-    """Append one record to RUN_DIR/metrics/run.jsonl (start, resume, interrupted, end)."""
+def append_run_event(run_dir: str | Path, time_s: float, what: str, reason: str, **extra: float) -> None:
+    """Append one record to RUN_DIR/metrics/run.jsonl (start, resume, interrupted, end; an end
+    may say its ``processed_tokens``, the count that ended the run)."""
     d = Path(run_dir) / "metrics"
     d.mkdir(parents=True, exist_ok=True)
     with open(d / "run.jsonl", "a") as f:
-        f.write(json.dumps({"event": "run", "time": time_s, "what": what, "reason": reason}) + "\n")
+        f.write(json.dumps({"event": "run", "time": time_s, "what": what, "reason": reason, **extra}) + "\n")

@@ -38,7 +38,7 @@ from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
 from ddiloco.report.accounting import STATES, uptime
 from ddiloco.report.rundir import prepare_run_dir
-from ddiloco.report.summary import run_started_at, write_summary
+from ddiloco.report.summary import is_injected, run_started_at, write_summary
 from ddiloco.report.tape import append_run_event, read_json, read_jsonl
 from ddiloco.service.base.keys import run_keys
 from ddiloco.service.base.status import read_status
@@ -89,6 +89,7 @@ class Proc:
     restarts: int = 0
     started_at: float = 0.0
     stopped: bool = False  # SIGSTOPped by a straggler duty cycle
+    straggling: float = 1.0  # the slowdown of the straggler phase it is in (1: none; faults.jsonl says each)
     log: Any = None
 
     groups: list[int] = field(default_factory=list)
@@ -506,9 +507,13 @@ class Launcher:
                 self.books[m].first_step(first)
 
     def _duty_cycle(self, schedule: Any, t: float) -> None:
-        """Stragglers: SIGSTOP for (1 - 1/factor) of every second, SIGCONT for the rest."""
+        """Stragglers: SIGSTOP for (1 - 1/factor) of every second, SIGCONT for the rest; each
+        phase's start (``straggle``, with its factor) and end (``straggle_end``) is a fault record."""
         for m, p in enumerate(self.learners):
             f = schedule.slowdown(m, t)
+            if f != p.straggling:
+                self._fault("straggle" if f > 1.0 else "straggle_end", p.name, **({"factor": f} if f > 1.0 else {}))
+                p.straggling = f
             want_stop = f > 1.0 and (t % 1.0) >= 1.0 / f
             if want_stop != p.stopped and p.alive():
                 p.signal(signal.SIGSTOP if want_stop else signal.SIGCONT)
@@ -523,7 +528,7 @@ class Launcher:
             "syncer": read_status(self.run_dir / "status" / "syncer-0.json") or {},
             "learners": learners,
             "alive": [p.alive() for p in self.learners],
-            "faults": len(self.faults),
+            "faults": sum(1 for f in self.faults if is_injected(f)),
         }
 
     def finish(self, end: float) -> dict:

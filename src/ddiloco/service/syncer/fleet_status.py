@@ -93,7 +93,7 @@ def fleet_status(session: SyncerSession, now: float, *, shard: int, run_time_s: 
         "epoch": session.epoch,
         "run_time_s": run_time_s,
         "merged_tokens": view.merged_tokens,
-        "processed_tokens": session.fleet.processed_tokens(),
+        "processed_tokens": session.processed_tokens(),
         "versions": {str(f.fragment): f.version for f in view.fragments},
         "live": list(view.live),
         "learners_total": view.learners_total,

@@ -181,7 +181,8 @@ def open_session(
     session, and why the run already ended (None: it goes on)."""
     started_at = run_started_at(run_dir) or clock.wall()
     runlog = [r for r in read_jsonl(run_dir / "metrics" / "run.jsonl") if r.get("what") != "start"]
-    ended = str(runlog[-1].get("reason", "the run ended")) if runlog and runlog[-1].get("what") == "end" else None
+    last = runlog[-1] if runlog and runlog[-1].get("what") == "end" else None
+    ended = None if last is None else str(last.get("reason", "the run ended"))
     session = SyncerSession(
         g.core,
         cfg.runtime,
@@ -203,6 +204,8 @@ def open_session(
     )
     if g.found is not None:
         session.restore(g.found.fragments, g.found.syncer_meta, take=True)  # (the store's own tensors)
+    if last is not None and isinstance(last.get("processed_tokens"), (int, float)):
+        session.ended_at(float(last["processed_tokens"]))
     return session, ended
 
 
@@ -522,7 +525,9 @@ class SyncerService:
         if self.shard != 0:
             return
         try:
-            append_run_event(self.run_dir, self.run_age(), what, reason)
+            # the end's count, as a number: the summary's and `ddiloco status`'s tokens processed
+            extra = {"processed_tokens": self.session.processed_tokens()} if what == "end" else {}
+            append_run_event(self.run_dir, self.run_age(), what, reason, **extra)
         except OSError as e:
             log.warning("cannot record %r in %s: %s", what, self.run_dir / "metrics" / "run.jsonl", e)
 
@@ -533,7 +538,7 @@ class SyncerService:
         limit = self.cfg.runtime.duration_s
         budget = f" of {limit:,.0f}" if math.isfinite(limit) else " (no time budget)"
         return (
-            f"syncer shard {self.shard}: {self.session.fleet.processed_tokens():,.0f} / "
+            f"syncer shard {self.shard}: {self.session.processed_tokens():,.0f} / "
             f"{self.cfg.run.processed_tokens:,} tokens processed, {view.merged_tokens:,.0f} merged, "
             f"{self.run_age():,.0f} s{budget}, {len(view.live)} live learner{'' if len(view.live) == 1 else 's'}, "
             f"versions {min(versions)}..{max(versions)}" + (f", ending ({stage})" if stage else "")
