@@ -508,9 +508,19 @@ def test_an_id_without_a_key_in_a_keys_folder_is_told_the_folders_ids_not_to_mak
     )
 
 
-def test_names_of_earlier_versions_say_what_they_became(fleet):
-    with pytest.raises(AttributeError, match=r"run\.tokens is now run\.processed_tokens .* Read that field"):
-        cfg().run.tokens  # noqa: B018
+def test_names_of_earlier_versions_say_what_they_became(fleet, caplog):
+    with pytest.warns(DeprecationWarning, match=r"run\.tokens is now run\.processed_tokens \(.*\): read run\.proc"):
+        assert cfg().run.tokens == cfg().run.processed_tokens
+    with caplog.at_level("WARNING", logger="ddiloco.config"):  # a config key: read as its new name, one line
+        assert load_config(None, ["run.tokens=1234"]).run.processed_tokens == 1234
+    assert [r.getMessage() for r in caplog.records if "run.tokens" in r.getMessage()] == [
+        "run.tokens is now run.processed_tokens (tokens the whole fleet processes: the budget every method is "
+        "compared at and the LR schedule's horizon; a budget of tokens merged into the global model is "
+        "run.merged_tokens); it is read as run.processed_tokens for this release: rename the key"
+    ]
+    with pytest.raises(ddiloco.DDiLoCoError, match="run.tokens and run.processed_tokens are both set: run.tokens "
+                       "is run.processed_tokens's earlier name; keep run.processed_tokens only"):  # fmt: skip
+        load_config(None, ["run.tokens=1234", "run.processed_tokens=99"])
     with pytest.raises(AttributeError, match="'RunSection' object has no attribute 'nope'"):
         cfg().run.nope  # noqa: B018
     net, _, _ = fleet

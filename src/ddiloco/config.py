@@ -8,9 +8,11 @@ Unknown keys and out-of-range values fail before any work starts, with one line.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -70,13 +72,13 @@ class RunSection:
     if not typing.TYPE_CHECKING:  # (type checkers still flag a name the section lacks)
 
         def __getattr__(self, name: str) -> Any:
-            # Reached only for a name the section lacks: one of an earlier version says what it became.
-            said = RENAMED.get(f"run.{name}")
-            raise AttributeError(
-                said.replace("Rename the key", "Read that field")
-                if said
-                else f"'RunSection' object has no attribute {name!r}"
-            )
+            # Reached only for a name the section lacks: one of an earlier version reads its new
+            # name for one release, and says so.
+            if f"run.{name}" not in RENAMED:
+                raise AttributeError(f"'RunSection' object has no attribute {name!r}")
+            new = RENAMED[f"run.{name}"][0]
+            warnings.warn(f"{renamed_line(f'run.{name}')}: read {new}", DeprecationWarning, stacklevel=2)
+            return getattr(self, new.split(".", 1)[1])
 
 
 @dataclass(frozen=True)
@@ -290,12 +292,22 @@ def _to_bool(value: Any) -> bool:
     return bool(value)
 
 
-RENAMED = {
-    "run.tokens": "run.tokens is now run.processed_tokens (tokens the whole fleet processes: the budget every "
-    "method is compared at and the LR schedule's horizon); a budget of tokens merged into the global model is "
-    "run.merged_tokens. Rename the key",
+RENAMED: dict[str, tuple[str, str]] = {
+    "run.tokens": (
+        "run.processed_tokens",
+        "tokens the whole fleet processes: the budget every method is compared at and the LR schedule's horizon; "
+        "a budget of tokens merged into the global model is run.merged_tokens",
+    ),
 }
-"""Keys of earlier versions: a config that still uses one is told what it became."""
+"""Keys of earlier versions -> (the key they became, what it means). For one release a config
+that uses one is read as the new key with a WARNING line (both at once is an error); the
+attribute (``cfg.run.tokens``) reads the new one with a ``DeprecationWarning``."""
+
+
+def renamed_line(old: str) -> str:
+    """What an earlier version's key became, in one line."""
+    new, meaning = RENAMED[old]
+    return f"{old} is now {new} ({meaning})"
 
 
 def _int_or_keyword(tp: Any) -> bool:
@@ -315,8 +327,14 @@ def _build(cls: type, data: dict[str, Any], section: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
-        if f"{section}.{key}" in RENAMED:
-            raise ConfigError(RENAMED[f"{section}.{key}"])
+        if f"{section}.{key}" in RENAMED:  # an earlier version's name: read as its new one, for one release
+            old, new = f"{section}.{key}", RENAMED[f"{section}.{key}"][0]
+            if new.split(".", 1)[1] in data:
+                raise ConfigError(f"{old} and {new} are both set: {old} is {new}'s earlier name; keep {new} only")
+            logging.getLogger(__name__).warning(
+                "%s; it is read as %s for this release: rename the key", renamed_line(old), new
+            )
+            key = new.split(".", 1)[1]
         if key not in names:
             raise ConfigError(f"unknown config key {section}.{key}; known keys: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
