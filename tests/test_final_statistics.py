@@ -120,6 +120,8 @@ def test_the_final_model_takes_statistics_measured_on_its_own_weights(tmp_path):
     assert end["processed_tokens"] >= 3200 and f"{end['processed_tokens']:,.0f} tokens processed" in end["reason"]
     assert summarise(tmp_path)["tokens_processed"] == end["processed_tokens"]
     assert server.service.status()["processed_tokens"] == end["processed_tokens"]
+    final_eval = [e for e in read_jsonl(tmp_path / "metrics" / "eval.jsonl") if e.get("final")][-1]
+    assert final_eval["tokens"] == end["processed_tokens"]  # (every record said 0 before)
     # A syncer started again on the ended folder (no calibrate=) leaves the final model as it is.
     again = ddiloco.SyncerServer(BNNet(), ADDRESS, tmp_path, config=cfg(), transport=InProcessNetwork().syncer(ADDRESS),
                                  fsync=False)  # fmt: skip

@@ -344,6 +344,7 @@ def test_ddiloco_evaluator_evaluates_at_the_marks_and_fetches_only_what_moved(tm
     layout = layout_for(wl.build_model(cfg.run.seed), wl, cfg.algo).fragments
     script = ScriptedSyncer(wl.build_model(cfg.run.seed), layout, tokens=300.0, end_after=12)
     monkeypatch.setattr(evaluator, "shard_asker", lambda syncers, keys: script)
+    monkeypatch.setattr(evaluator, "processed_tokens", lambda syncer, keys: 4321.0)  # the syncer's status
     built: list[nn.Module] = []
     build = type(wl).build_model
     monkeypatch.setattr(type(wl), "build_model", lambda self, seed: built.append(build(self, seed)) or built[-1])
@@ -357,6 +358,7 @@ def test_ddiloco_evaluator_evaluates_at_the_marks_and_fetches_only_what_moved(tm
     # the first fetch is the whole model; then only the fragments that moved since (one per poll)
     assert [r["fragments_fetched"] for r in recs] == [4, 3, 3] + ([] if final_eval else [2])
     assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in recs)
+    assert all(r["tokens"] == 4321.0 for r in recs)  # the fleet's processed tokens, asked of the syncer
     if not final_eval:  # the evaluator's model is the final global model, exactly
         assert recs[-1]["versions"] == {str(p): v for p, v in enumerate(script.versions)}
         params = synced_tensors(built[0])

@@ -323,3 +323,19 @@ def test_the_summary_shows_the_links_traffic_and_a_table_per_learner(tmp_path):
     page = render_report([d], d / "report.html").read_text()
     assert '<th>bytes / learner / inner step up (steady)</th><td class="v">–</td>' in page
     assert "traffic per learner" not in page
+
+
+def test_a_bucket_never_counts_a_learner_busier_than_the_bucket_is_long():
+    """A restarted process's first reading is placed at the latest it can have started, which
+    may overlap its predecessor's last: the bucket still counts that learner at most 100%."""
+    from ddiloco.report.html import Run
+
+    records = [
+        {"time": 10.0, "learner": 0, "incarnation": 1, "busy_s": 10.0},
+        {"time": 20.0, "learner": 0, "incarnation": 1, "busy_s": 20.0},
+        {"time": 21.0, "learner": 0, "incarnation": 2, "busy_s": 6.0},  # "started" at 15: overlaps the first
+        {"time": 30.0, "learner": 0, "incarnation": 2, "busy_s": 15.0},
+    ]
+    run = Run(path=Path("x"), learners=records, summary={}, accounting={"horizon_s": 30.0, "learners": 1})
+    _, values, _ = goodput_series(run, buckets=6)
+    assert max(values) <= 1.0 + 1e-9

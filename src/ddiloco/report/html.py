@@ -211,8 +211,10 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
         return None
     n = buckets or max(5, min(60, max(len(rs) for rs in per.values()) // 2))
     width = horizon / n
-    busy = [0.0] * n
-    for s, e, amount in pieces:
+    by_learner: dict[int, list[float]] = {}
+    for step in (i for i in steps if i.amount > 0):
+        s, e, amount = step.start, step.end, step.amount
+        busy = by_learner.setdefault(step.learner, [0.0] * n)
         if e <= s:
             busy[min(n - 1, max(0, int(e / width)))] += amount
             continue
@@ -221,6 +223,9 @@ def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], l
             overlap = min(e, (i + 1) * width) - max(s, i * width)
             if overlap > 0:
                 busy[i] += amount * overlap / (e - s)
+    # A learner is busy at most the whole bucket: a restarted process's first reading is placed at
+    # the latest it can have started, which may overlap its predecessor's last (share over 100%).
+    busy = [sum(min(width, b[i]) for b in by_learner.values()) for i in range(n)]
     edges = [i * width for i in range(n + 1)]
     return edges, [b / (m * width) for b in busy], counters.total() / (m * horizon)
 
@@ -375,7 +380,10 @@ def fig_goodput(runs: list[Run], colours: list[str]) -> Figure:
         "Goodput over time",
         "Share of the fleet's learner-time spent on inner steps, per time bucket: the sum over learners of the "
         "busy seconds gained in the bucket / (M learners x bucket length); 100% = every learner computing all the "
-        "time. Counter resets (restarts) are handled. Markers at the top are faults, by kind.",
+        "time (a learner counts at most the whole bucket). Counter resets (restarts) are handled. The dotted line "
+        "is the run's goodput as its summary gives it (for ddiloco train and simulate, from the launcher's or "
+        "simulator's books: the buckets come from the learners' reports and may average a little apart). Markers "
+        "at the top are faults, by kind.",
     )
     series = []
     for r, c in zip(runs, colours):
@@ -390,8 +398,12 @@ def fig_goodput(runs: list[Run], colours: list[str]) -> Figure:
     fig, ax = plt.subplots(figsize=(10, 4.2))
     kinds: dict[str, str] = {}
     for r, c, (edges, values, mean) in series:
-        ax.stairs([100 * v for v in values], edges, baseline=None, color=c, lw=1.6, label=f"{r.label}: mean {mean:.0%}")
-        ax.axhline(100 * mean, color=c, ls=":", lw=1)
+        # the dotted line is the run's goodput, the summary's (the launcher's or simulator's books
+        # where they exist): one goodput per run on the page
+        headline = _num(r.summary.get("goodput"))
+        goodput = headline if headline is not None else mean
+        ax.stairs([100 * v for v in values], edges, baseline=None, color=c, lw=1.6, label=f"{r.label}: per bucket")
+        ax.axhline(100 * goodput, color=c, ls=":", lw=1, label=f"{r.label}: goodput {goodput:.1%} (the summary's)")
     top = max(105.0, max(100 * v for _, _, (_, vals, _) in series for v in vals) * 1.05)
     for i, (r, c, _) in enumerate(series):
         for t, kind, _target in _fault_times(r, include_restarts=True):

@@ -76,6 +76,17 @@ def shard_asker(syncers: list[str], keys: ClientKeys | None, timeout_s: float = 
     return ask
 
 
+def processed_tokens(syncer: str, keys: ClientKeys | None) -> float | None:
+    """The fleet's processed tokens as the syncer counts them now (a ``StatusRequest``: every
+    shard counts the whole fleet), for an evaluation's record; None when it does not answer."""
+    try:
+        value = observer.fetch_status(syncer, FETCH_TIMEOUT_S, keys, requester="evaluator").get("processed_tokens")
+    except observer.NoReply as e:
+        log.debug("%s", e)
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def run_evaluator(
     cfg: Config, syncers: list[str], run_dir: str, once: bool = False, keys: ClientKeys | None = None
 ) -> int:
@@ -131,6 +142,7 @@ def _evaluate_until_the_end(
                     seen = None
                 if seen is not None:
                     rec = {**_evaluate(wl, model, batches, seen, time.time() - t0), "versions": copy.versions()}
+                    rec["tokens"] = processed_tokens(syncers[0], keys)
                     rec.update(evals.made(seen))
                     with open(out, "a") as f:
                         f.write(json.dumps(rec) + "\n")
@@ -154,7 +166,7 @@ def _evaluate(wl: Any, model: torch.nn.Module, batches: Any, seen: Seen, age_s: 
     return {
         "event": "eval",
         "time": age_s,
-        "tokens": 0,
+        "tokens": None,  # the fleet's processed tokens: the caller asks the syncer's status
         "merged_tokens": seen.merged_tokens,
         "loss": loss,
         "final": False,

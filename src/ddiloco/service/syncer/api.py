@@ -173,7 +173,7 @@ class SyncerServer:
         fetch = Fetcher(self.address, obs, network)
         return EvalHook(
             evaluate, self.model, self.service.layout.fragments, fetch, self.service.run_dir, interval_s, cadence,
-            self.service.run_age,
+            self.service.run_age, lambda: self.service.processed_seen,
         )  # fmt: skip
 
     def _final_calibration(self) -> None:

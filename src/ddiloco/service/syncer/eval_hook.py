@@ -176,8 +176,11 @@ class EvalHook:
         interval_s: float,
         cadence: EvalCadence,
         run_age: Callable[[], float],
+        processed_tokens: Callable[[], float] | None = None,
     ) -> None:
         self.fn, self.interval_s, self.run_age = fn, interval_s, run_age
+        self.processed_tokens = processed_tokens
+        """The fleet's processed tokens now (a record's ``tokens``; None: not known here)."""
         # The hook's own copy, of the model's structure: memory for its values, unwritten until
         # the first fetch writes every fragment (the model's values are neither read nor copied).
         self.model = receiving_copy(model, "cpu")
@@ -295,7 +298,7 @@ class EvalHook:
         rec: dict[str, Any] = {
             "event": "eval",
             "time": self.run_age(),
-            "tokens": 0,
+            "tokens": None if self.processed_tokens is None else self.processed_tokens(),
             "merged_tokens": merged_tokens,
             "loss": loss,
             "final": final,

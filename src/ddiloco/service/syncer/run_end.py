@@ -57,7 +57,12 @@ class EndWork:
 
 
 def final_eval(
-    cfg: Config, run_dir: Path, load_into: Callable[[nn.Module], None], merged_tokens: float, run_age: float
+    cfg: Config,
+    run_dir: Path,
+    load_into: Callable[[nn.Module], None],
+    merged_tokens: float,
+    run_age: float,
+    processed_tokens: float | None = None,
 ) -> None:
     """Evaluate the final global model once (summary.json's eval loss): the workload's model,
     given every value by ``load_into``, on its evaluation batches; appended to
@@ -79,7 +84,7 @@ def final_eval(
     rec = {
         "event": "eval",
         "time": run_age,
-        "tokens": 0,
+        "tokens": processed_tokens,
         "merged_tokens": merged_tokens,
         "loss": loss,
         "final": True,

@@ -284,6 +284,9 @@ class SyncerService:
         self.beside: dict[str, Callable[[], int]] = {}
         """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
         the evaluate hook's copy), shown in the status ``memory``."""
+        self.processed_seen = 0.0
+        """The fleet's processed tokens at the last status write: what a thread beside the loop
+        (the evaluate hook) may read."""
         self.final_statistics: dict[str, torch.Tensor] = {}
         """Floating buffers re-estimated on the final weights (``SyncerServer(calibrate=)``,
         ``final_statistics.py``): the final model file and whatever ``load_into`` writes take
@@ -522,6 +525,8 @@ class SyncerService:
     def _run_event(self, what: str, reason: str) -> None:
         """Append to metrics/run.jsonl (shard 0 speaks for the run). A failed write is said
         once and does not stop the syncer."""
+        if what == "end":  # the count that ended the run, for the final evaluations' records too
+            self.processed_seen = self.session.processed_tokens()
         if self.shard != 0:
             return
         try:
@@ -628,6 +633,7 @@ class SyncerService:
         }
 
     def write_status(self) -> None:
+        self.processed_seen = self.session.processed_tokens()
         release_free_memory()  # merged fragments freed since the last write go back to the OS
         write_status(self.run_dir / "status" / f"syncer-{self.shard}.json", self.status())
         write_status(self._traffic_path, self.traffic_dict())  # the summary adds the shards up
@@ -672,7 +678,14 @@ class SyncerService:
 
     def _final_eval(self) -> None:
         """Evaluate the final global model once (summary.json's eval loss)."""
-        final_eval(self.cfg, self.run_dir, self.load_into, self.core.merged_tokens, self.run_age())
+        final_eval(  # (after the end the session's count is frozen: safe to read off the loop's thread)
+            self.cfg,
+            self.run_dir,
+            self.load_into,
+            self.core.merged_tokens,
+            self.run_age(),
+            self.session.processed_tokens(),
+        )
 
     def load_into(self, model: nn.Module) -> None:
         """Write this shard's global values into ``model`` (tied tensors share them), fragment
