@@ -38,7 +38,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
-            TextColumn("{task.percentage:>3.0f}% of virtual time"),
+            TextColumn("{task.percentage:>3.0f}% of its budget"),
             TimeElapsedColumn(),
             console=console,
             transient=False,
@@ -48,10 +48,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         task = progress.add_task(f"simulating {method}, M={cfg.run.num_learners}", total=1.0)
         lines = ProgressLines(cfg.runtime.progress_interval_s, enabled=not console.is_terminal)
 
-        def on_progress(t: float, horizon: float) -> None:
-            done = t / horizon if horizon > 0 else 1.0
+        def on_progress(value: float, total: float, unit: str) -> None:
+            done = min(1.0, value / total) if total > 0 else 1.0
             progress.update(task, completed=done)
-            lines.maybe(lambda: f"simulate {method}: {done:.0%} of virtual time ({t:.0f} / {horizon:.0f} s)")
+            lines.maybe(lambda: f"simulate {method}: {done:.0%} of its budget ({value:,.0f} / {total:,.0f} {unit})")
 
         result = simulate(cfg, on_progress=on_progress, should_stop=lambda: stop.requested)
         out = write_run_dir(cfg.run.run_dir, cfg, result)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +10,10 @@ import torch
 
 from ddiloco.core.tape import Late, Rejection, RoundRecord, TapeRecord, parse_tape_record
 from ddiloco.report.accounting import Goodput
+
+Progress = Callable[[float, float, str], None]
+"""A simulated run's progress, ``(done, total, unit)`` in the unit of the budget that ends it
+("tokens processed" or "s of virtual time"): never a horizon the run may overrun."""
 
 
 def summarise_tape(tape: Sequence[dict[str, Any] | TapeRecord], num_fragments: int) -> dict[str, float]:

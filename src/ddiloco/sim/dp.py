@@ -9,7 +9,7 @@ import torch
 
 from ddiloco.config import Config
 from ddiloco.report.accounting import Goodput
-from ddiloco.report.result import RunResult
+from ddiloco.report.result import Progress, RunResult
 from ddiloco.training.evaluate import eval_figures
 from ddiloco.training.inner import inner_step, lr_at, make_optimizer
 from ddiloco.workloads.base import Workload, loss_unit
@@ -18,7 +18,7 @@ from ddiloco.workloads.base import Workload, loss_unit
 def run_data_parallel(
     cfg: Config,
     workload: Workload,
-    on_progress: Callable[[float, float], None] | None = None,
+    on_progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Train one model on the M shards' batches together (no failures: the healthy reference).
@@ -68,7 +68,7 @@ def run_data_parallel(
                 }
             )
             if on_progress:
-                on_progress(t, horizon)
+                on_progress(min(tokens, r.processed_tokens), r.processed_tokens, "tokens processed")
     return RunResult(
         method="dp",
         final_loss=evals[-1]["loss"],

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ddiloco.config import Config
-from ddiloco.report.result import RunResult
+from ddiloco.report.result import Progress, RunResult
 from ddiloco.workloads.base import Workload
 from ddiloco.workloads.config import load_workload
 
@@ -15,7 +15,7 @@ from ddiloco.workloads.config import load_workload
 def simulate(
     cfg: Config,
     workload: Workload | None = None,
-    on_progress: Callable[[float, float], None] | None = None,
+    on_progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Train ``cfg.run.method`` in virtual time and return its result. ``should_stop`` is polled

@@ -42,7 +42,7 @@ from ddiloco.protocol.syncer_session import Budget, SyncerOutput, SyncerSession
 from ddiloco.protocol.traffic import TrafficMeter, payload_nbytes
 from ddiloco.report.accounting import State, TimeAccount, fleet_goodput, uptime
 from ddiloco.report.invariants import Incarnation, Restore, Violation, check_run
-from ddiloco.report.result import RunResult, summarise_tape
+from ddiloco.report.result import Progress, RunResult, summarise_tape
 from ddiloco.sim.faults import (
     Fault,
     HostilePeerState,
@@ -171,7 +171,7 @@ class Simulation:
         self,
         cfg: Config,
         workload: Workload,
-        on_progress: Callable[[float, float], None] | None = None,
+        on_progress: Progress | None = None,
         should_stop: Callable[[], bool] | None = None,
         faults: Sequence[Fault] = (),
     ) -> None:
@@ -618,8 +618,7 @@ class Simulation:
         while self.eval_tokens and self.processed >= self.eval_tokens[0]:
             self.eval_tokens.pop(0)
             self._record_eval()
-            if self.on_progress:
-                self.on_progress(self.horizon * self.processed / self.cfg.run.processed_tokens, self.horizon)
+            self._progress()
 
     # -- main loop -------------------------------------------------------------------------
 
@@ -646,8 +645,7 @@ class Simulation:
                     self._syncer_out(sh, sh.session.shutdown(self.now))
         self._sample()
         self._record_eval(final=True)
-        if self.on_progress:
-            self.on_progress(self.now, self.now)
+        self._progress(done=True)
         return self._result()
 
     def _loop(self) -> None:
@@ -709,8 +707,18 @@ class Simulation:
     def _timed_eval(self) -> None:
         if self.end_time is None:
             self._record_eval()
-            if self.on_progress:
-                self.on_progress(self.now, self.horizon)
+            self._progress()
+
+    def _progress(self, done: bool = False) -> None:
+        """Where the run is against the budget that ends it: its tokens processed (a token budget)
+        or its virtual time (a time budget), never a horizon the run may overrun."""
+        if self.on_progress is None:
+            return
+        if self.cfg.run.budget == "tokens":
+            total = float(self.cfg.run.processed_tokens)
+            self.on_progress(total if done else min(self.processed, total), total, "tokens processed")
+        else:
+            self.on_progress(self.horizon if done else min(self.now, self.horizon), self.horizon, "s of virtual time")
 
     def invariants(self) -> list[Violation]:
         """What must hold after the run (``report/invariants.py``), from its tape and what this
