@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -544,3 +545,20 @@ def test_train_launcher_with_chaos_writes_the_run_folder(tmp_path):
             stepped.setdefault(r["learner"], set()).add(r["incarnation"])
     at_least = sum(len(incs) - 1 for incs in stepped.values())
     assert at_least <= len(summary["restart_latencies_s"]) <= len(restarts)
+    # One number per fact, read top to bottom (issue 35): the count that ended the run is the
+    # table's, summary.json's, ddiloco status's and the report's; the straggler phase is a fault.
+    end = [r for r in read_jsonl(run_dir / "metrics" / "run.jsonl") if r.get("what") == "end"][-1]
+    processed = f"{summary['tokens_processed']:,.0f}"
+    assert summary["tokens_processed"] == end["processed_tokens"] >= 6000 and processed in end["reason"]
+    assert re.search(rf"tokens processed\s+.\s+{processed}\s", out.stdout), out.stdout[-3000:]
+    status = subprocess.run([sys.executable, "-m", "ddiloco.cli", "status", str(run_dir)], capture_output=True,
+                            text=True, env=ENV, timeout=120)  # fmt: skip
+    assert f"tokens processed {processed}," in status.stdout, status.stdout[-2000:]
+    assert summary["straggler_phases"] == 1 and any(f["kind"] == "straggle" for f in faults)
+    from ddiloco.report.html import render_report
+
+    page = render_report([run_dir], tmp_path / "report.html").read_text()
+    assert processed in page and f"{summary['goodput']:.1%}" in page
+    evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert evals and all(e["tokens"] is None or e["tokens"] > 0 for e in evals)
+    assert [e["tokens"] for e in evals if e.get("final")] == [end["processed_tokens"]]
