@@ -144,7 +144,8 @@ def run_fleet(
 
 
 def test_a_library_run_writes_the_run_folder_and_reports_like_a_cli_run(tmp_path):
-    from ddiloco.report.html import load_run, render_report
+    from ddiloco.report.html import render_report
+    from ddiloco.report.run_view import load_run
     from ddiloco.report.summary import summary_table
     from ddiloco.service.ops.status_cmd import run_status
 

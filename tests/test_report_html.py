@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.report.html import busy_increments, goodput_series, load_run, render_report
+from ddiloco.report.html import render_report
+from ddiloco.report.run_view import busy_increments, goodput_series, load_run
 from ddiloco.report.tape import read_jsonl_cut as read_jsonl
 
 FIGURES = ("eval-loss", "train-loss", "goodput", "participation", "staleness", "bytes-sent")
@@ -328,7 +329,7 @@ def test_the_summary_shows_the_links_traffic_and_a_table_per_learner(tmp_path):
 def test_a_bucket_never_counts_a_learner_busier_than_the_bucket_is_long():
     """A restarted process's first reading is placed at the latest it can have started, which
     may overlap its predecessor's last: the bucket still counts that learner at most 100%."""
-    from ddiloco.report.html import Run
+    from ddiloco.report.run_view import Run
 
     records = [
         {"time": 10.0, "learner": 0, "incarnation": 1, "busy_s": 10.0},
@@ -339,3 +340,20 @@ def test_a_bucket_never_counts_a_learner_busier_than_the_bucket_is_long():
     run = Run(path=Path("x"), learners=records, summary={}, accounting={"horizon_s": 30.0, "learners": 1})
     _, values, _ = goodput_series(run, buckets=6)
     assert max(values) <= 1.0 + 1e-9
+
+
+def test_an_evaluate_hooks_other_figures_are_in_the_report(tmp_path):
+    """SyncerServer(evaluate=) returning {"loss", "accuracy"}: the accuracy has its figure and
+    the final one its row (issue 35: it was missing from the report)."""
+    d = make_run(tmp_path / "hooked")
+    evals = [json.loads(line) for line in (d / "metrics" / "eval.jsonl").read_text().splitlines() if line.endswith("}")]
+    for i, e in enumerate(evals):
+        e["metrics"] = {"accuracy": 0.5 + 0.04 * i}
+    (d / "metrics" / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+    summary["eval_metrics"] = {"accuracy": evals[-1]["metrics"]["accuracy"]}
+    (d / "summary.json").write_text(json.dumps(summary))
+    page = render_report([d], d / "report.html").read_text()
+    figs = figures(page)
+    assert len(pngs(figs["eval-metrics"])) == 1
+    assert "final eval accuracy" in page and f"{evals[-1]['metrics']['accuracy']:.4f}" in page

@@ -106,7 +106,7 @@ def test_damaged_or_hostile_accounting_and_records_are_not_trusted(tmp_path):
 
 def test_the_report_pages_goodput_is_the_summarys_for_a_run_without_accounting(tmp_path):
     """Both add the learners' busy seconds up by one rule (core.counters) over one run length."""
-    from ddiloco.report.html import goodput_series, load_run
+    from ddiloco.report.run_view import goodput_series, load_run
 
     d = folder(tmp_path, runlog=["start", "end"])
     summary = write_summary(d)

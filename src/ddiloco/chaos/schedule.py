@@ -4,6 +4,7 @@ straggles. The same config drives the virtual-time simulator (and later the real
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -122,6 +123,17 @@ class ChaosSchedule:
     outages: tuple[Outage, ...] = ()
     stragglers: tuple[Straggler, ...] = ()
     restart_s: float = 0.0
+
+    def straggler_events(self, end: float) -> list[dict[str, Any]]:
+        """The straggler phases that began before ``end`` (the run's end), as the simulator's log
+        events: ``straggle`` with its factor, and ``straggle_end`` when it ended before the run did."""
+        out: list[dict[str, Any]] = []
+        for s in self.stragglers:
+            if s.start_s < end:
+                out.append({"event": "straggle", "time": s.start_s, "learner": s.learner, "factor": s.factor})
+                if s.end_s < end:
+                    out.append({"event": "straggle_end", "time": s.end_s, "learner": s.learner})
+        return sorted(out, key=lambda e: e["time"])
 
     def slowdown(self, learner: int, t: float) -> float:
         f = 1.0

@@ -20,11 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.core.counters import IncarnationCounters, Increment
 from ddiloco.core.tape import RoundRecord
 from ddiloco.errors import DDiLoCoError
-from ddiloco.report.summary import fleet_size
-from ddiloco.report.tape import MAX_RECORDS, read_json, read_jsonl_cut, read_toml, rounds_of
+from ddiloco.report.run_view import (
+    Run,
+    _by_learner,
+    _key,
+    _num,
+    _sort_key,
+    cumulative,
+    goodput_series,
+    load_run,
+)
 
 MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
@@ -33,211 +40,6 @@ TERMS = "docs/operations.md#terms"
 RUN_COLOURS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"]
 """One colour per run (Dark2), distinct from the learners' tab10/tab20 colours."""
 FAULT_MARKERS = ["v", "X", "D", "s", "P", "*", "^", "o"]
-
-
-# --- reading ---------------------------------------------------------------------------------
-
-
-def _num(x: Any) -> float | None:
-    """A finite float, or None (JSON may hold strings, nulls, NaN or booleans)."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-@dataclass
-class Run:
-    """One run folder, read."""
-
-    path: Path
-    label: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
-    summary: dict[str, Any] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
-    accounting: dict[str, Any] = field(default_factory=dict)
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    learners: list[dict[str, Any]] = field(default_factory=list)
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    tape: list[dict[str, Any]] = field(default_factory=list)
-    rounds: list[RoundRecord] = field(default_factory=list)
-    """The tape's well-formed round records, typed (times as seconds since the start)."""
-    notes: list[str] = field(default_factory=list)
-    """What the page should say about how this folder was read (cut files, old format ...)."""
-
-    @property
-    def name(self) -> str:
-        return self.path.name or str(self.path)
-
-    @property
-    def method(self) -> str:
-        m = self.summary.get("method") or self.config.get("run", {}).get("method")
-        return str(m) if m else "?"
-
-    @property
-    def clock(self) -> str:
-        c = self.summary.get("clock")
-        if c in ("virtual", "wall"):
-            return str(c)
-        by = str(self.meta.get("by", ""))
-        return "virtual" if "simulate" in by else "wall" if by else "unknown"
-
-    @property
-    def loss_unit(self) -> str:
-        u = self.summary.get("loss_unit")
-        return str(u) if u else "loss"
-
-    @property
-    def num_learners(self) -> int:
-        """M, by the summary's rule (``report.summary.fleet_size``)."""
-        return fleet_size(self.config, self.accounting, self.learners)
-
-
-def _key(x: Any) -> Any:
-    """A learner id as a hashable, sortable key (ints stay ints)."""
-    return x if isinstance(x, int) and not isinstance(x, bool) else str(x)
-
-
-def _sort_key(x: Any) -> tuple[int, Any]:
-    return (0, x) if isinstance(x, int) else (1, str(x))
-
-
-def load_run(path: str | Path) -> Run:
-    """Read a run folder (format 2; an older one is read as far as its files allow)."""
-    d = Path(path)
-    if not d.is_dir():
-        raise DDiLoCoError(f"{d} is not a folder; ddiloco report needs run folders (see docs/operations.md)")
-    run = Run(path=d, meta=read_json(d / "run.json"), summary=read_json(d / "summary.json"))
-    run.config = read_toml(d / "config.toml")
-    run.accounting = read_json(d / "metrics" / "accounting.json")
-    fmt = run.meta.get("format")
-    if not run.meta:
-        run.notes.append("no readable run.json: the folder's format is unknown")
-    elif fmt != 2:
-        run.notes.append(f"run.json says format {fmt}; this report reads format 2")
-    if not run.summary:
-        run.notes.append("no readable summary.json (the table shows what it can)")
-    sources = {"eval": "evals", "learner": "learners", "fault": "faults"}
-    files = {"eval": "eval.jsonl", "learner": "learners.jsonl", "fault": "faults.jsonl"}
-    if (d / "metrics").is_dir():
-        for event, attr in sources.items():
-            records, cut = read_jsonl_cut(d / "metrics" / files[event])
-            setattr(run, attr, [r for r in records if r.get("event", event) == event])
-            if cut:
-                run.notes.append(f"metrics/{files[event]} has more than {MAX_RECORDS:,} records; the rest is not shown")
-    else:  # no metrics/ (an older folder, or only the merged file was copied): split metrics.jsonl
-        records, cut = read_jsonl_cut(d / "metrics.jsonl")
-        for event, attr in sources.items():
-            setattr(run, attr, [r for r in records if r.get("event") == event])
-        if cut:
-            run.notes.append(f"metrics.jsonl has more than {MAX_RECORDS:,} records; the rest is not shown")
-    tape_path = d / "tape.jsonl" if (d / "tape.jsonl").exists() else d / "state" / "tape.jsonl"
-    tape, cut = read_jsonl_cut(tape_path)
-    if cut:
-        run.notes.append(f"tape.jsonl has more than {MAX_RECORDS:,} records; the rest is not shown")
-    run.tape = _tape_times(tape, _num(run.meta.get("started_at")), run.notes)
-    run.rounds = rounds_of(run.tape)
-    return run
-
-
-def _tape_times(tape: list[dict[str, Any]], started_at: float | None, notes: list[str]) -> list[dict[str, Any]]:
-    """Tape records with their times as seconds since the run started.
-
-    A real run's records keep the syncer's monotonic times and carry ``wall_offset``:
-    ``time + wall_offset - started_at``. Simulated ones are already seconds since the start.
-    """
-    keys = ("opened_at", "closed_at", "time")
-    offsets = [_num(r.get("wall_offset")) for r in tape]
-    if started_at is None and any(o is not None for o in offsets):
-        # run.json lacks started_at: take the earliest wall time on the tape as the start
-        walls = [_num(r.get(k)) + o for r, o in zip(tape, offsets) if o is not None for k in keys if _num(r.get(k))]
-        started_at = min(walls, default=0.0)
-        notes.append("run.json has no started_at: tape times are counted from the tape's first record")
-    out = []
-    for r, off in zip(tape, offsets):
-        if off is not None and started_at is not None:
-            r = dict(r)
-            for k in keys:
-                v = _num(r.get(k))
-                if v is not None:
-                    r[k] = v + off - started_at
-        out.append(r)
-    return out
-
-
-# --- derived series ---------------------------------------------------------------------------
-
-
-def _by_learner(records: list[dict[str, Any]]) -> dict[Any, list[dict[str, Any]]]:
-    out: dict[Any, list[dict[str, Any]]] = {}
-    for r in records:
-        if r.get("learner") is None or _num(r.get("time")) is None:
-            continue
-        out.setdefault(_key(r["learner"]), []).append(r)
-    for rs in out.values():
-        rs.sort(key=lambda r: r["time"])
-    return dict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
-
-
-def _one_learner(records: list[dict[str, Any]], key: str) -> list[Increment]:
-    """What each of one learner's readings of counter ``key`` added (``core.counters`` rules)."""
-    return IncarnationCounters.of_records([{**r, "learner": 0} for r in records], key)[1]
-
-
-def busy_increments(records: list[dict[str, Any]], key: str = "busy_s") -> list[tuple[float, float, float]]:
-    """(start, end, seconds) pieces of one learner's cumulative busy-time counter.
-
-    Counters restart from 0 when the learner's process restarts (a new incarnation, or for
-    records without one, a decrease): the new value is what was done since, inside
-    ``[end - value, end]`` at the latest (and so is the first report's value)."""
-    return [(i.start, i.end, i.amount) for i in _one_learner(records, key) if i.amount > 0]
-
-
-def goodput_series(run: Run, buckets: int | None = None) -> tuple[list[float], list[float], float] | None:
-    """Bucket edges, goodput per bucket (sum of busy seconds / (M x bucket length)) and the mean.
-
-    Busy seconds add up by the rule the summary uses (``core.counters``: per incarnation, restarts
-    handled). A run without accounting (started by hand) has for goodput in its summary that busy
-    share over its run length; the series spans the same length, so the mean shown is it."""
-    per = _by_learner(run.learners)
-    counters, steps = IncarnationCounters.of_records(run.learners, "busy_s")
-    pieces = [(i.start, i.end, i.amount) for i in steps if i.amount > 0]
-    horizon = max((i.end for i in steps), default=0.0)
-    length = _num(run.summary.get("run_time_s"))
-    if not run.accounting and length is not None and length > 0:
-        horizon = length
-    m = run.num_learners
-    if not pieces or horizon <= 0 or m <= 0:
-        return None
-    n = buckets or max(5, min(60, max(len(rs) for rs in per.values()) // 2))
-    width = horizon / n
-    by_learner: dict[int, list[float]] = {}
-    for step in (i for i in steps if i.amount > 0):
-        s, e, amount = step.start, step.end, step.amount
-        busy = by_learner.setdefault(step.learner, [0.0] * n)
-        if e <= s:
-            busy[min(n - 1, max(0, int(e / width)))] += amount
-            continue
-        i0, i1 = int(s / width), min(n - 1, int(e / width))
-        for i in range(max(0, i0), i1 + 1):
-            overlap = min(e, (i + 1) * width) - max(s, i * width)
-            if overlap > 0:
-                busy[i] += amount * overlap / (e - s)
-    # A learner is busy at most the whole bucket: a restarted process's first reading is placed at
-    # the latest it can have started, which may overlap its predecessor's last (share over 100%).
-    busy = [sum(min(width, b[i]) for b in by_learner.values()) for i in range(n)]
-    edges = [i * width for i in range(n + 1)]
-    return edges, [b / (m * width) for b in busy], counters.total() / (m * horizon)
-
-
-def cumulative(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """Times and the counter summed over the learner's incarnations (restarts handled)."""
-    ts, vs, total = [], [], 0.0
-    for i in _one_learner(records, key):
-        total += i.amount
-        ts.append(i.end)
-        vs.append(total)
-    return ts, vs
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -344,6 +146,43 @@ def fig_eval_loss(runs: list[Run], colours: list[str]) -> Figure:
     fig.tight_layout()
     fg.images.append(("", _png(fig)))
     return fg
+
+
+def fig_eval_metrics(runs: list[Run], colours: list[str]) -> Figure | None:
+    """The evaluation's other figures (an evaluate hook's ``{"loss": ..., "accuracy": ...}``),
+    one panel per name, over time; None (no figure) when no evaluation gave any."""
+    fg = Figure(
+        "eval-metrics",
+        "Other evaluation figures",
+        "What the evaluation returned beside its loss (SyncerServer(evaluate=) returning a dict, e.g. accuracy), "
+        "over time; a star for the final evaluation.",
+    )
+    names = sorted({str(k) for r in runs for e in r.evals for k in _metric_values(e)})[:4]
+    if not names:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(names), figsize=(10, 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for r, c in zip(runs, colours):
+            pts = sorted((float(e["time"]), v[name], bool(e.get("final"))) for e in r.evals
+                         if _num(e.get("time")) is not None and name in (v := _metric_values(e)))  # fmt: skip
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=c, label=r.label)
+                ax.plot([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "*", ms=12, color=c, mec="black")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(_time_label(runs))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fg.images.append(("", _png(fig)))
+    return fg
+
+
+def _metric_values(record: dict[str, Any]) -> dict[str, float]:
+    extra = record.get("metrics")
+    if not isinstance(extra, dict):
+        return {}
+    return {str(k): float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def fig_train_loss(runs: list[Run], orders: list[list[Any]]) -> Figure:
@@ -628,19 +467,30 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
             "final eval loss" + (f" ({run.loss_unit})" if run.loss_unit != "loss" else ""),
             _fmt(s.get("eval_loss"), ".4f"),
         ),
+        # the evaluate hook's other figures at the final evaluation (accuracy, ...)
+        *((f"final eval {name}", _fmt(value, ".4f")) for name, value in _final_metrics(s).items()),
         ("tokens processed", _fmt(s.get("tokens_processed"), ",.0f")),
         ("tokens merged", _fmt(s.get("tokens_merged"), ",.0f")),
         ("goodput", _fmt(s.get("goodput"), ".1%")),
-        ("uptime", _fmt(s.get("uptime"), ".1%")),
+        ("uptime (a quorum of learners up)", _fmt(s.get("uptime"), ".1%")),
         ("learners M", str(run.num_learners or "–")),
         # null: nothing watched the learners' processes (a run started by hand or as a library)
         ("failures", _fmt(s.get("failures"), ".0f") if s.get("failures") is not None or not s else "unknown"),
+        ("straggler phases", _fmt(s.get("straggler_phases"), ".0f") if s.get("straggler_phases") is not None else "–"),
         ("rounds per fragment", _fmt(s.get("rounds_per_fragment"), ".1f")),
         ("learners per merge", _fmt(s.get("learners_per_merge"), ".2f")),
         ("merging rounds on the tape", f"{tape_rounds:,}"),
         ("run length (s)", _fmt(s.get("run_time_s", s.get("virtual_time_s")), ",.1f")),
         *_traffic_rows(s.get("traffic") if isinstance(s.get("traffic"), dict) else {}),
     ]
+
+
+def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """summary.json's ``eval_metrics``: the final evaluation's figures beside its loss."""
+    given = summary.get("eval_metrics")
+    if not isinstance(given, dict):
+        return {}
+    return {str(k): float(v) for k, v in given.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _traffic_rows(t: dict[str, Any]) -> list[tuple[str, str]]:
@@ -775,14 +625,16 @@ def render_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         seen = {_key(x.get("learner")) for x in r.learners if x.get("learner") is not None}
         seen |= {m.learner for rd in r.rounds for m in rd.merged}
         orders.append(sorted(seen, key=_sort_key))
-    figures = [
+    drawn = [
         fig_eval_loss(runs, colours),
+        fig_eval_metrics(runs, colours),
         fig_train_loss(runs, orders),
         fig_goodput(runs, colours),
         fig_participation(runs, orders),
         fig_staleness(runs, colours),
         fig_bytes(runs, orders, colours),
     ]
+    figures = [f for f in drawn if f is not None]
     path = Path(out) if out is not None else default_output(run_dirs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

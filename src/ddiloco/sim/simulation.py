@@ -779,7 +779,7 @@ class Simulation:
             failures=sum(ln.failures for ln in self.learners),
             num_fragments=self.layout.num_fragments,
             tape=tape,
-            log=[*self.log, *straggler_phases(self.chaos, end)],
+            log=[*self.log, *self.chaos.straggler_events(end)],
             state={k: v.detach().clone() for k, v in self.eval_model.state_dict().items()},
             samples=self.samples,
             num_learners=len(self.learners),
@@ -788,18 +788,6 @@ class Simulation:
             traffic=self.traffic.to_dict(params=n_params, learners=len(self.learners)),
             **summarise_tape(tape, self.layout.num_fragments),
         )
-
-
-def straggler_phases(chaos: ChaosSchedule, end: float) -> list[dict[str, Any]]:
-    """The chaos schedule's straggler phases that began before the run's end, as log events
-    (``straggle`` with its factor, ``straggle_end`` when it ended before the run did)."""
-    out: list[dict[str, Any]] = []
-    for s in chaos.stragglers:
-        if s.start_s < end:
-            out.append({"event": "straggle", "time": s.start_s, "learner": s.learner, "factor": s.factor})
-            if s.end_s < end:
-                out.append({"event": "straggle_end", "time": s.end_s, "learner": s.learner})
-    return sorted(out, key=lambda e: e["time"])
 
 
 def _nbytes(msg: Any) -> int:
