@@ -175,6 +175,13 @@ def test_figures_and_the_ratio_to_data_parallel() -> None:
     assert f["up_bytes_per_step"] == pytest.approx(300 / 20)
     assert f["down_bytes_per_step"] == pytest.approx(100 / 20)
     assert f["one_off_down_bytes"] == 14
+    m.add(0, "up", "handoff", 3_000_000)
+    m.add(0, "down", "observer", 999)  # (no one-off of a learner's: apart)
+    g = traffic_figures(m.to_dict(params=1000, learners=2))
+    assert g["one_off_by_kind"] == {"rejoin": {"up": 0, "down": 14}, "handoff": {"up": 3_000_000, "down": 0}}
+    from ddiloco.report.summary import by_kind_line
+
+    assert by_kind_line(g["one_off_by_kind"]) == "handoff 3.0 MB, rejoin 14 B"
     assert f["dp_bytes_per_step"] == 4000
     assert f["dp_ratio_up"] == pytest.approx(4000 / 15)
     assert f["dp_ratio_down"] == pytest.approx(4000 / 5)

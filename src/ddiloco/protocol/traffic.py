@@ -259,6 +259,7 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
     learners: dict[str, dict[str, Any]] = {}
     total_steps = 0
     totals = {"up": 0, "down": 0, "one_off_up": 0, "one_off_down": 0, "observer_up": 0, "observer_down": 0}
+    one_off_kinds: dict[str, dict[str, int]] = {}  # category -> direction -> bytes, every learner
     for m, entry in by.items():
         if not isinstance(entry, Mapping):
             continue
@@ -273,6 +274,10 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
             )
             steady = sum(b for k, b in cells.items() if k in STEADY)
             once = sum(b for k, b in cells.items() if k not in STEADY and k != OBSERVER)
+            for k, b in cells.items():
+                if k not in STEADY and k != OBSERVER and b:
+                    kind = one_off_kinds.setdefault(k, {"up": 0, "down": 0})
+                    kind[d] += b
             totals[f"observer_{d}"] += cells.get(OBSERVER, 0)
             row[f"{d}_bytes"] = steady
             row[f"one_off_{d}_bytes"] = once
@@ -293,6 +298,7 @@ def traffic_figures(traffic: Mapping[str, Any]) -> dict[str, Any]:
         "down_bytes_per_step": down,
         "one_off_up_bytes": totals["one_off_up"],
         "one_off_down_bytes": totals["one_off_down"],
+        "one_off_by_kind": {k: one_off_kinds[k] for k in ONE_OFF if k in one_off_kinds},
         "observer_up_bytes": totals["observer_up"],
         "observer_down_bytes": totals["observer_down"],
         "observer_share": observed / steady_both if steady_both else None,

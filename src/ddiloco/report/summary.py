@@ -74,6 +74,8 @@ TRAFFIC_ROWS = [
     ("bytes / learner / step up (steady)", "up_bytes_per_step", "{:,.0f}"),
     ("bytes / learner / step down (steady)", "down_bytes_per_step", "{:,.0f}"),
     ("one-off bytes up / down", "one_off", ""),
+    ("  one-off by kind", "one_off_by_kind", ""),
+    ("observer bytes up / down", "observer", ""),
     ("data-parallel fp32 bytes / learner / step", "dp_bytes_per_step", "{:,.0f}"),
     ("x fewer bytes than data-parallel up", "dp_ratio_up", "{:,.1f}"),
     ("x fewer bytes than data-parallel down", "dp_ratio_down", "{:,.1f}"),
@@ -427,14 +429,36 @@ def summary_table(summary: dict[str, Any], title: str) -> Any:
     traffic = summary.get("traffic")
     if isinstance(traffic, dict):
         for label, key, fmt in TRAFFIC_ROWS:
-            if key == "one_off":
-                text = f"{_num(traffic.get('one_off_up_bytes')):,.0f} / {_num(traffic.get('one_off_down_bytes')):,.0f}"
+            if key in ("one_off", "observer"):
+                text = f"{_num(traffic.get(f'{key}_up_bytes')):,.0f} / {_num(traffic.get(f'{key}_down_bytes')):,.0f}"
+            elif key == "one_off_by_kind":
+                text = by_kind_line(traffic.get(key))
             else:
                 value = traffic.get(key)
                 text = fmt.format(value) if isinstance(value, (int, float)) else "n/a"
             table.add_row(label, text)
     table.caption = f"every term: {TERMS_DOC}"
     return table
+
+
+def by_kind_line(kinds: Any) -> str:
+    """One-off bytes by kind in one line, largest first: "rejoin 31.2 MB, handoff 20.0 MB, ..."."""
+    if not isinstance(kinds, dict) or not kinds:
+        return "n/a"
+    sizes = {
+        str(k).replace("_", " "): _num(v.get("up")) + _num(v.get("down"))
+        for k, v in kinds.items()
+        if isinstance(v, dict)
+    }
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    rest = sum(b for _, b in ranked[3:])  # the largest three by name; summary.json has every kind
+    return ", ".join(f"{k} {_mb(b)}" for k, b in ranked[:3]) + (f", other {_mb(rest)}" if rest else "")
+
+
+def _mb(nbytes: float) -> str:
+    if nbytes < 1e3:
+        return f"{nbytes:.0f} B"
+    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:,.1f} kB"
 
 
 def print_summary(summary: dict[str, Any], title: str, run_dir: str | Path) -> None:
