@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -560,3 +561,28 @@ def test_train_passes_host_and_port_to_the_launcher(tmp_path, monkeypatch):
     assert (seen["host"], seen["port"]) == ("127.0.0.3", 48911)
     assert (seen["insecure"], seen["start_over"]) == (False, False)  # keys by default
     assert seen["run_dir"].parent == Path("runs") and seen["run_dir"].name.startswith("decoupled-")
+
+
+def test_simulates_table_and_report_say_what_summary_json_says(tmp_path, monkeypatch, capsys):
+    """`make simulate`'s screen and the report, read top to bottom, give summary.json's figures
+    (issue 35: one number per fact), a straggler phase included."""
+    from ddiloco.report.html import render_report
+    from ddiloco.report.summary import SUMMARY_ROWS
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")  # the table on one line per row
+    chaos = ["--set", "chaos.enabled=true", "--set", 'chaos.stragglers=["1:2.0:0.1:0.5"]']
+    assert main(["simulate", "--method", "decoupled", *SYNTH, *chaos]) == 0
+    screen = capsys.readouterr().out
+    (d,) = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("decoupled-")]
+    summary = json.loads((d / "summary.json").read_text())
+    shown = 0
+    for label, key, fmt in SUMMARY_ROWS:
+        value = summary.get(key)
+        if isinstance(value, (int, float)) and fmt and key != "rejected":
+            assert re.search(rf"{re.escape(fmt.format(value))}\s", screen), (label, fmt.format(value))
+            shown += 1
+    assert shown >= 12 and summary["straggler_phases"] == 1
+    page = render_report([d], d / "report.html").read_text()
+    for key, fmt in (("tokens_processed", "{:,.0f}"), ("goodput", "{:.1%}"), ("eval_loss", "{:.4f}")):
+        assert fmt.format(summary[key]) in page, key
