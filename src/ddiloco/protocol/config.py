@@ -98,6 +98,11 @@ class RuntimeConfig:
     """The syncer evaluates the final global model once when the run ends (for summary.json);
     turn it off when the model is too big for the syncer's CPU (the evaluator's last eval is
     then the final figure)."""
+    metrics_bind: str = ""
+    """``HOST:PORT`` where the syncer serves Prometheus metrics over HTTP (``/metrics``: goodput,
+    live learners, tokens, merges, grace admissions, bytes each way, rejections; the figures of
+    ``ddiloco status``); port 0 takes a free one (logged). Empty: none. Needs the
+    ``prometheus`` extra (``pip install 'ddiloco[prometheus]'``). Shard K serves PORT + K."""
     end_linger_s: float = 60.0
     """How long a syncer whose run has ended (or that was started again on an ended run folder)
     keeps answering ``RunEnd`` to whoever registers, asks or speaks, before it exits: long

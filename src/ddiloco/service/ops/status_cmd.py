@@ -75,6 +75,8 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         # every shard hears every learner's heartbeats: each counts the whole fleet's processed tokens
         "processed_tokens": max(v.get("processed_tokens", 0.0) for v in views),
         "learners_total": max(v.get("learners_total", 0) for v in views),
+        # shard 0 keeps the learners' books
+        "goodput": next((v["goodput"] for v in views if isinstance(v.get("goodput"), (int, float))), None),
         "fragments_total": sum(v.get("fragments_total", 0) for v in views),
         "learners": [learners[m] for m in sorted(learners)],
         "fragments": sorted((f for v in views for f in v.get("fragments", [])), key=lambda f: f["fragment"]),
@@ -142,7 +144,8 @@ def render(view: dict[str, Any], source: str) -> Any:
     total, ftotal = view.get("learners_total", len(learners)), view.get("fragments_total", len(fragments))
     lt = Table(
         title=f"learners: {up} up of {total} - tokens processed {view.get('processed_tokens', 0):,.0f}, merged "
-        f"{view.get('merged_tokens', 0):,.0f} - run time {view.get('run_time_s', 0):,.0f} s",
+        f"{view.get('merged_tokens', 0):,.0f} - run time {view.get('run_time_s', 0):,.0f} s"
+        + (f" - goodput {view['goodput']:.1%}" if isinstance(view.get("goodput"), (int, float)) else ""),
         caption=f"terms: {TERMS}" + (f" ({len(learners)} of {total} listed)" if len(learners) < total else ""),
     )
     for col in ("learner", "state", "step", "tokens", "steps/s", "loss", "busy", "sent", "up/step", "down/step",

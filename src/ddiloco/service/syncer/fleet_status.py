@@ -14,11 +14,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ddiloco.core.counters import IncarnationCounters
 from ddiloco.core.syncer import SyncerView
 from ddiloco.protocol.fleet import Progress
 from ddiloco.protocol.messages import StatusReply
 from ddiloco.protocol.syncer_session import SyncerSession
 from ddiloco.protocol.traffic import traffic_figures
+from ddiloco.report.tape import read_jsonl
 from ddiloco.service.base.wire import encode
 
 log = logging.getLogger(__name__)
@@ -137,8 +139,21 @@ class LearnerMetrics:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._warned = False
+        # the learners' busy seconds over every incarnation, by the summary's rule (core.counters),
+        # from what the folder holds (a restarted syncer) and then what it appends
+        self.busy = IncarnationCounters()
+        for r in read_jsonl(path):
+            self.busy.add(r.get("learner"), r.get("incarnation"), r.get("busy_s"), r.get("time"))
+
+    def goodput(self, num_learners: int, run_time_s: float) -> float | None:
+        """Learner time in inner steps over allocated learner time so far (M x the run's age, M the
+        larger of ``run.num_learners`` and the learners seen), as the summary counts a hand-started run."""
+        m = max(num_learners, len(self.busy.per_learner()))
+        return self.busy.total() / (m * run_time_s) if run_time_s > 0 and m > 0 else None
 
     def append(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            self.busy.add(r.get("learner"), r.get("incarnation"), r.get("busy_s"), r.get("time"))
         if not records:
             return
         try:

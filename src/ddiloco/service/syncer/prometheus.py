@@ -1,0 +1,127 @@
+"""The syncer's figures for a cluster's Prometheus (``runtime.metrics_bind``): the status it
+writes for ``ddiloco status``, read as metrics at each scrape, so both say the same numbers.
+
+``metric_families`` is the rule (a status dict in, metric families out: no I/O); ``MetricsServer``
+serves them over HTTP with ``prometheus_client`` on a registry of its own, reading the status the
+loop last wrote (a dict replaced whole, never changed in place: a scrape on the server's thread
+never sees half an update).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ddiloco.errors import DDiLoCoError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ddiloco_"
+COUNTS = (
+    "malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded", "foreign_state",
+    "implausible",
+)  # fmt: skip
+"""The status counters of refused messages, by reason (``ddiloco_refused_messages_total{reason}``)."""
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def metric_families(status: dict[str, Any]) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
+    """``(name, type, help, [(labels, value)])`` for every figure ``status`` holds (``gauge`` or
+    ``counter``; a figure the status lacks is left out, never reported as 0)."""
+    shard = {"shard": str(status.get("shard", 0))}
+    out: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = []
+
+    def one(name: str, kind: str, help_: str, value: Any, **labels: str) -> None:
+        v = _num(value)
+        if v is not None:
+            out.append((PREFIX + name, kind, help_, [({**shard, **labels}, v)]))
+
+    learners = [lv for lv in status.get("learners", []) if isinstance(lv, dict)]
+    states: dict[str, float] = {}
+    for lv in learners:
+        states[str(lv.get("state", "?"))] = states.get(str(lv.get("state", "?")), 0.0) + 1
+    one("learners_up", "gauge", "Learners up (heard from within the liveness timeout), as ddiloco status counts",
+        states.get("up", 0.0))  # fmt: skip
+    one("learners_known", "gauge", "Learners this syncer knows of (any state)", status.get("learners_total"))
+    if states:
+        out.append((PREFIX + "learners", "gauge", "Learners by state",
+                    [({**shard, "state": k}, v) for k, v in sorted(states.items())]))  # fmt: skip
+    one("goodput", "gauge", "Learner time in inner steps over allocated learner time so far (ddiloco status)",
+        status.get("goodput"))  # fmt: skip
+    one("run_time_seconds", "gauge", "Seconds since the run started", status.get("run_time_s"))
+    one("tokens_processed", "counter", "Tokens the fleet processed (its heartbeats; the count that ended the run)",
+        status.get("processed_tokens"))  # fmt: skip
+    one("tokens_merged", "counter", "Tokens merged into the global model", status.get("merged_tokens"))
+    one("merges", "counter", "Fragment versions merged and made durable", status.get("merges"))
+    frags = [f for f in status.get("fragments", []) if isinstance(f, dict)]
+    if frags:
+        out.append(
+            (
+                PREFIX + "fragment_version",
+                "gauge",
+                "Global version of each fragment",
+                [({**shard, "fragment": str(f.get("fragment"))}, float(f.get("version") or 0)) for f in frags],
+            )
+        )
+        grace = [_num(f.get("grace_s")) for f in frags]
+        one("grace_seconds_max", "gauge", "The longest grace window of the fragments' last merges",
+            max((g for g in grace if g is not None), default=None))  # fmt: skip
+    behind = [_num(lv.get("behind")) for lv in learners]
+    one("learner_versions_behind_max", "gauge", "The most versions a learner's fragments trail the global ones",
+        max((b for b in behind if b is not None), default=None))  # fmt: skip
+    given = status.get("traffic")
+    traffic: dict[str, Any] = given if isinstance(given, dict) else {}
+    for d in ("up", "down"):
+        one(f"bytes_per_step_{d}", "gauge", f"Steady bytes per learner per inner step, {d}",
+            traffic.get(f"{d}_bytes_per_step"))  # fmt: skip
+        one(f"one_off_bytes_{d}", "counter", f"One-off bytes (joins, hand-offs, final sync), {d}",
+            traffic.get(f"one_off_{d}_bytes"))  # fmt: skip
+    refused = [({**shard, "reason": k}, v) for k in COUNTS if (v := _num(status.get(k))) is not None]
+    if refused:
+        out.append((PREFIX + "refused_messages", "counter", "Messages refused, by reason", refused))
+    one("rss_bytes", "gauge", "The syncer process's resident size",
+        (status.get("memory") or {}).get("rss") if isinstance(status.get("memory"), dict) else None)  # fmt: skip
+    one("run_ended", "gauge", "1 once the run has ended", 1.0 if status.get("run_end") == "done" else 0.0)
+    return out
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on ``bind`` (``HOST:PORT``), from ``status()`` at each scrape."""
+
+    def __init__(self, bind: str, status: Callable[[], dict[str, Any]]) -> None:
+        try:
+            from prometheus_client import start_http_server
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+            from prometheus_client.registry import Collector, CollectorRegistry
+        except ImportError:
+            raise DDiLoCoError(
+                "runtime.metrics_bind needs prometheus-client: pip install 'ddiloco[prometheus]'"
+            ) from None
+
+        class StatusCollector(Collector):
+            def collect(self) -> Iterator[Any]:
+                for name, kind, help_, samples in metric_families(status()):
+                    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    labels = sorted(samples[0][0])
+                    family = cls(name, help_, labels=labels)
+                    for lab, value in samples:
+                        family.add_metric([lab[k] for k in labels], value)
+                    yield family
+
+        host, _, port = bind.rpartition(":")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatusCollector())
+        try:
+            self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+        except OSError as e:
+            raise DDiLoCoError(f"cannot serve metrics on {bind} (runtime.metrics_bind): {e}") from None
+        self.port: int = int(self._server.server_port)
+        log.info("Prometheus metrics on http://%s:%d/metrics (runtime.metrics_bind)", host, self.port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
