@@ -265,14 +265,18 @@ def test_a_straggler_phase_is_a_fault_record_and_faults_injected_counts_no_resta
 
     recorded: list[dict] = []
     procs = [Proc("learner-0", []), Proc("learner-1", [])]
-    fake = SimpleNamespace(learners=procs, _fault=lambda kind, target, **x: recorded.append(
+    fake = SimpleNamespace(learners=procs, _phases_said=set(), _fault=lambda kind, target, **x: recorded.append(
         {"kind": kind, "target": target, **x}))  # fmt: skip
-    schedule = ChaosSchedule(stragglers=(Straggler(1, 1.5, 10.0, 20.0),))
-    for t in (5.0, 10.2, 12.0, 15.7, 20.1, 25.0):
+    # two adjacent phases of one learner are two phases, as the simulator counts them
+    schedule = ChaosSchedule(stragglers=(Straggler(1, 1.5, 10.0, 20.0), Straggler(1, 2.0, 20.0, 30.0)))
+    for t in (5.0, 10.2, 12.0, 15.7, 20.1, 25.0, 31.0, 32.0):
         Launcher._duty_cycle(fake, schedule, t)  # (not alive: no signal is sent)
     assert recorded == [
         {"kind": "straggle", "target": "learner-1", "factor": 1.5},
         {"kind": "straggle_end", "target": "learner-1"},
+        {"kind": "straggle", "target": "learner-1", "factor": 2.0},
+        {"kind": "straggle_end", "target": "learner-1"},
     ]
+    assert len(schedule.straggler_events(40.0)) == 4  # the simulator's count of the same schedule
     kinds = ["sigkill", "restart", "straggle", "straggle_end", "exit 1", "fail"]
     assert [is_injected({"kind": k}) for k in kinds] == [True, False, True, False, False, True]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -71,7 +72,10 @@ def save_state_dict(state: Mapping[str, torch.Tensor], path: str | Path) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     save_file(out, str(tmp), metadata=_metadata(aliases, out.keys()))
-    tmp.chmod(0o666 & ~_umask())  # safetensors makes its files 0600: a model file is readable as any other
+    try:
+        tmp.chmod(0o666 & ~_umask())  # safetensors makes its files 0600: a model file is readable as any other
+    except OSError:  # a file system that refuses modes: the file is written all the same
+        pass
     tmp.replace(path)  # a reader never sees half a file
     return path
 
@@ -96,14 +100,17 @@ _ST_DTYPE = {
 
 
 def _umask() -> int:
-    """The process's umask, read without changing it (Linux: /proc; elsewhere the usual 022)."""
+    """The process's umask, read without changing it where /proc says it (Linux); elsewhere set and
+    set back at once (never looser than the user's)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
-    return 0o022
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def save_pieces(

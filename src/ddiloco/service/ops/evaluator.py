@@ -141,8 +141,9 @@ def _evaluate_until_the_end(
                     log.info("not every fragment has come from the syncer yet: no evaluation; asking again")
                     seen = None
                 if seen is not None:
+                    tokens = processed_tokens(syncers[0], keys)  # the fleet's count as the model was fetched
                     rec = {**_evaluate(wl, model, batches, seen, time.time() - t0), "versions": copy.versions()}
-                    rec["tokens"] = processed_tokens(syncers[0], keys)
+                    rec["tokens"] = tokens
                     rec.update(evals.made(seen))
                     with open(out, "a") as f:
                         f.write(json.dumps(rec) + "\n")

@@ -89,7 +89,6 @@ class Proc:
     restarts: int = 0
     started_at: float = 0.0
     stopped: bool = False  # SIGSTOPped by a straggler duty cycle
-    straggling: float = 1.0  # the slowdown of the straggler phase it is in (1: none; faults.jsonl says each)
     log: Any = None
 
     groups: list[int] = field(default_factory=list)
@@ -220,6 +219,7 @@ class Launcher:
         )
         self.books = [LearnerBook() for _ in self.learners]
         self.faults: list[dict] = []
+        self._phases_said: set[tuple[int, str]] = set()  # (straggler entry, straggle | straggle_end) recorded
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.stop_requested = False
         self.interrupted = False
@@ -508,12 +508,17 @@ class Launcher:
 
     def _duty_cycle(self, schedule: Any, t: float) -> None:
         """Stragglers: SIGSTOP for (1 - 1/factor) of every second, SIGCONT for the rest; each
-        phase's start (``straggle``, with its factor) and end (``straggle_end``) is a fault record."""
+        phase of the schedule (each ``chaos.stragglers`` entry, as the simulator counts them) is a
+        fault record as it starts (``straggle``, with its factor) and ends (``straggle_end``)."""
+        for i, s in enumerate(schedule.stragglers):
+            for edge, kind in ((s.start_s, "straggle"), (s.end_s, "straggle_end")):
+                if t >= edge and (i, kind) not in self._phases_said:
+                    self._phases_said.add((i, kind))
+                    self._fault(
+                        kind, self.learners[s.learner].name, **({"factor": s.factor} if kind == "straggle" else {})
+                    )
         for m, p in enumerate(self.learners):
             f = schedule.slowdown(m, t)
-            if f != p.straggling:
-                self._fault("straggle" if f > 1.0 else "straggle_end", p.name, **({"factor": f} if f > 1.0 else {}))
-                p.straggling = f
             want_stop = f > 1.0 and (t % 1.0) >= 1.0 / f
             if want_stop != p.stopped and p.alive():
                 p.signal(signal.SIGSTOP if want_stop else signal.SIGCONT)

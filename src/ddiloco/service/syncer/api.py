@@ -179,8 +179,8 @@ class SyncerServer:
     def _final_calibration(self) -> None:
         """``calibrate=`` on a copy of the final model; its statistics then are the final
         model's (``SyncerService.use_final_statistics``)."""
-        if self._calibrate is None or self.service.shard != 0:
-            return
+        if self._calibrate is None or self.service.shard != 0 or self.service.kept_final:
+            return  # (started again on an ended run: its final model is kept as it was written)
         shapes = statistics_shapes(self.service.layout.fragments)
         found = recalibrated(self.model, self.service.load_into, self._calibrate, shapes)
         if found is not None:
@@ -281,6 +281,11 @@ class SyncerServer:
             self._give_back()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+            if self._thread.is_alive() and self.service.end_work.busy:  # calibration, final evaluations
+                log.info("the run's end work (calibration, final evaluation) still runs: waiting for it")
+                while self._thread.is_alive() and self.service.end_work.busy:
+                    self._thread.join(1.0)
+                self._thread.join(timeout_s)
             if self._thread.is_alive():
                 raise DDiLoCoError(f"the syncer did not stop within {timeout_s:.0f} s")
             if self._error is not None:

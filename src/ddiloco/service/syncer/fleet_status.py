@@ -136,13 +136,13 @@ class LearnerMetrics:
     """Appends records to metrics/learners.jsonl. A courtesy to readers like the status file:
     a failed write logs one warning and the syncer goes on."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, read_back: bool = True) -> None:
         self.path = path
         self._warned = False
         # the learners' busy seconds over every incarnation, by the summary's rule (core.counters),
-        # from what the folder holds (a restarted syncer) and then what it appends
+        # from what the folder holds (``read_back``: a restarted shard 0) and then what it appends
         self.busy = IncarnationCounters()
-        for r in read_jsonl(path):
+        for r in read_jsonl(path) if read_back else ():
             self.busy.add(r.get("learner"), r.get("incarnation"), r.get("busy_s"), r.get("time"))
 
     def goodput(self, num_learners: int, run_time_s: float) -> float | None:

@@ -41,6 +41,11 @@ class EndWork:
         """Started and not over."""
         return self._thread is not None and self._thread.is_alive()
 
+    def join(self, timeout_s: float) -> None:
+        """Wait for the tasks to be over, at most ``timeout_s`` (a failing loop's close waits so)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
     def start(self, first: list[Callable[[], None]]) -> None:
         """Run ``first``, then ``tasks``; a task that fails is logged and the next one runs."""
         tasks = [*first, *self.tasks]
@@ -73,7 +78,7 @@ def final_eval(
     from ddiloco.workloads.config import load_workload
 
     evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
-    if any(e.get("final") for e in evals[-1:]):
+    if any(e.get("final") for e in evals):  # (a run ends once: a final record is its final evaluation)
         return
     wl = load_workload(cfg.workload)
     # built for this one evaluation, then let go; not initialised where the workload allows,

@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 
 
 SEND_PUMP_S = 0.01
+END_WORK_WAIT_S = 600.0
+"""The longest a syncer that fails waits for its end work (calibration, final evaluations)."""
 """How often the loop hands queued messages on to a slow link while some wait (ZeroMQ's ROUTER
 has no per-peer writable event to wait for)."""
 
@@ -169,10 +171,13 @@ class SyncerService:
         self.beside: dict[str, Callable[[], int]] = {}
         """Bytes this process holds beside the core, by name (``SyncerServer``: the model given,
         the evaluate hook's copy), shown in the status ``memory``."""
+        self._end_age: float | None = None  # the run's age at its end (goodput's horizon from then on)
         self.last_status: dict[str, Any] = {}
         """The status last written (``runtime.metrics_bind``'s scrapes read it)."""
         self.metrics: MetricsServer | None = None
         self.processed_seen = 0.0
+        self.kept_final = False
+        """Started again on an ended run whose final model is written: it is kept as it is."""
         """The fleet's processed tokens at the last status write: what a thread beside the loop
         (the evaluate hook) may read."""
         self.final_statistics: dict[str, torch.Tensor] = {}
@@ -188,6 +193,7 @@ class SyncerService:
         if ended is not None:  # restarted on a finished run: say so, then leave
             if (self.run_dir / "final" / self._final_name).exists():  # it is these versions' (calibrated, maybe)
                 self._model_written = tuple(self.core.versions())
+                self.kept_final = True
             log.warning(
                 "this run already ended (%s): answering that to whoever asks for runtime.end_linger_s = %g s, then "
                 "leaving; start a new run folder to train more",
@@ -196,7 +202,7 @@ class SyncerService:
             )
         else:
             self._run_event("resume" if self.restored else "start", "")
-        self._learner_metrics = LearnerMetrics(metrics / "learners.jsonl")
+        self._learner_metrics = LearnerMetrics(metrics / "learners.jsonl", read_back=shard == 0)
         one = self.num_shards == 1
         self._traffic_path = metrics / ("traffic.json" if one else f"traffic-shard-{shard}.json")
         self._traffic_before = read_json(self._traffic_path)  # a restart goes on counting from there
@@ -355,24 +361,30 @@ class SyncerService:
             len(self.core.owned),
             "restored" if self.restored else "fresh",
         )
-        if rt.metrics_bind:  # shard K on PORT + K (port 0: a free one each)
-            host, _, port = rt.metrics_bind.rpartition(":")
-            self.metrics = MetricsServer(
-                f"{host}:{int(port) + self.shard if int(port) else 0}", lambda: self.last_status
-            )
         if self.cfg.algo.robust:  # what a keyed attacker can and cannot do to this fleet's merges (a fact
             # of the configuration, not a fault: INFO, also for the 2-learner demos)
             log.info("%s", robust.tolerance(self.cfg.run.num_learners))
         try:
+            if rt.metrics_bind:  # shard K on PORT + K (port 0: a free one each)
+                host, _, port = rt.metrics_bind.rpartition(":")
+                self.metrics = MetricsServer(
+                    f"{host}:{int(port) + self.shard if int(port) else 0}", lambda: self.last_status
+                )
             self._loop(rt, end)
-        except StoreFull as e:
-            # Nothing unpersisted was sent; on a full disk nothing more can be made durable.
-            log.error("%s", e)
+        except BaseException as e:
+            # Nothing unpersisted was sent (on a full disk nothing more can be made durable); the
+            # end work reads the core: it finishes (bounded) before anything is closed
+            self.end_work.join(END_WORK_WAIT_S)
             self.sock.close()
             self.store.close()
             self.recorder.close()
             self.startup.write()  # (a no-op when the first merge wrote it)
-            raise DDiLoCoError(str(e)) from None
+            if self.metrics is not None:
+                self.metrics.close()
+            if isinstance(e, StoreFull):
+                log.error("%s", e)
+                raise DDiLoCoError(str(e)) from None
+            raise
         self.shutdown()
 
     def _loop(self, rt: RuntimeConfig, end: float | None) -> None:
@@ -419,7 +431,7 @@ class SyncerService:
         """Append to metrics/run.jsonl (shard 0 speaks for the run). A failed write is said
         once and does not stop the syncer."""
         if what == "end":  # the count that ended the run, for the final evaluations' records too
-            self.processed_seen = self.session.processed_tokens()
+            self.processed_seen, self._end_age = self.session.processed_tokens(), self.run_age()
         if self.shard != 0:
             return
         try:
@@ -524,8 +536,9 @@ class SyncerService:
             "memory": self.memory(),
             **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age(), traffic=self.traffic_dict()),
             # shard 0 keeps the learners' books: the share of learner time in steps so far, by the summary's rule
+            # (after the end: over the run's length, as the summary counts it)
             **(
-                {"goodput": self._learner_metrics.goodput(self.cfg.run.num_learners, self.run_age())}
+                {"goodput": self._learner_metrics.goodput(self.cfg.run.num_learners, self._end_age or self.run_age())}
                 if self.shard == 0
                 else {}
             ),  # fmt: skip
@@ -571,8 +584,12 @@ class SyncerService:
         if not ended:
             self._run_event("interrupted", "the syncer was stopped before the run's end")
         if self.shard == 0:
-            if ended and self.cfg.runtime.final_eval and self.num_shards == 1 and self.evaluates:
-                self._final_eval()
+            if ended and not self.end_work.started and self.cfg.runtime.final_eval and self.num_shards == 1:
+                try:  # (the end work runs it while the loop answers: only a stop before that comes here)
+                    if self.evaluates:
+                        self._final_eval()
+                except Exception:  # the final model is written: an evaluation that fails costs its figure only
+                    log.exception("the final evaluation failed; the final model is written all the same")
             try:
                 write_summary(self.run_dir)
             except OSError as e:
@@ -602,8 +619,13 @@ class SyncerService:
     def use_final_statistics(self, statistics: dict[str, torch.Tensor]) -> None:
         """Take floating buffers re-estimated on the final weights (checked by the caller) and
         write the final model file again with them."""
-        self.final_statistics = statistics
-        self.write_final_model()
+        merged, self.final_statistics = self.final_statistics, statistics
+        try:
+            self.write_final_model()
+        except OSError as e:  # (a full disk): the file keeps the merged statistics, and so does everything else
+            self.final_statistics = merged
+            log.warning("cannot write the final model with re-estimated statistics (%s); it keeps the merged ones", e)
+            return
         log.info("final model written again with %d buffers re-estimated on its weights", len(statistics))
 
     @property
