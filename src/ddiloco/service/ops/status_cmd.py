@@ -72,8 +72,12 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
         "time": max(v.get("time", 0.0) for v in views),
         "run_time_s": max(v.get("run_time_s", 0.0) for v in views),
         "merged_tokens": sum(v.get("merged_tokens", 0.0) * n for v, n in zip(views, n_frag)) / sum(n_frag),
-        # every shard hears every learner's heartbeats: each counts the whole fleet's processed tokens
-        "processed_tokens": max(v.get("processed_tokens", 0.0) for v in views),
+        # every shard hears every learner's heartbeats: each counts the whole fleet's processed tokens;
+        # once the run ended, shard 0's is the count in its end record and the summary
+        "processed_tokens": next(
+            (v.get("processed_tokens", 0.0) for v in views if v.get("shard", 0) == 0 and v.get("run_end")),
+            max(v.get("processed_tokens", 0.0) for v in views),
+        ),
         "learners_total": max(v.get("learners_total", 0) for v in views),
         # shard 0 keeps the learners' books
         "goodput": next((v["goodput"] for v in views if isinstance(v.get("goodput"), (int, float))), None),
