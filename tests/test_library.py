@@ -269,8 +269,12 @@ def test_the_readme_snippet_runs_as_written_against_a_loopback_syncer(tmp_path):
             timeout=120,
         )
         assert learner.returncode == 0, learner.stderr[-3000:]
-        # It ends by itself, as written: the run's budget, the final sync, runtime.end_linger_s (60 s).
-        out, _ = syncer.communicate(timeout=240)
+        # The run ends by itself, as written (its budget, then the final sync); the syncer would then
+        # answer RunEnd for runtime.end_linger_s (60 s): a stop ends that early, as a supervisor's would.
+        runlog = tmp_path / "runs" / "readme" / "metrics" / "run.jsonl"
+        wait_for(lambda: any(r.get("what") == "end" for r in read_jsonl(runlog)), 120, "the run's end")
+        syncer.terminate()
+        out, _ = syncer.communicate(timeout=120)
     finally:
         if syncer.poll() is None:
             syncer.terminate()
