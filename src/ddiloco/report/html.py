@@ -32,6 +32,7 @@ from ddiloco.report.run_view import (
     goodput_series,
     load_run,
 )
+from ddiloco.report.summary import metrics_of
 
 MAX_FRAGMENT_PANELS = 6
 """Participation panels drawn per run (one per fragment); further fragments are only counted."""
@@ -157,7 +158,7 @@ def fig_eval_metrics(runs: list[Run], colours: list[str]) -> Figure | None:
         "What the evaluation returned beside its loss (SyncerServer(evaluate=) returning a dict, e.g. accuracy), "
         "over time; a star for the final evaluation.",
     )
-    names = sorted({str(k) for r in runs for e in r.evals for k in _metric_values(e)})[:4]
+    names = sorted({str(k) for r in runs for e in r.evals for k in metrics_of(e)})[:4]
     if not names:
         return None
     plt = _plt()
@@ -165,7 +166,7 @@ def fig_eval_metrics(runs: list[Run], colours: list[str]) -> Figure | None:
     for ax, name in zip(axes[0], names):
         for r, c in zip(runs, colours):
             pts = sorted((float(e["time"]), v[name], bool(e.get("final"))) for e in r.evals
-                         if _num(e.get("time")) is not None and name in (v := _metric_values(e)))  # fmt: skip
+                         if _num(e.get("time")) is not None and name in (v := metrics_of(e)))  # fmt: skip
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=c, label=r.label)
                 ax.plot([p[0] for p in pts if p[2]], [p[1] for p in pts if p[2]], "*", ms=12, color=c, mec="black")
@@ -176,13 +177,6 @@ def fig_eval_metrics(runs: list[Run], colours: list[str]) -> Figure | None:
     fig.tight_layout()
     fg.images.append(("", _png(fig)))
     return fg
-
-
-def _metric_values(record: dict[str, Any]) -> dict[str, float]:
-    extra = record.get("metrics")
-    if not isinstance(extra, dict):
-        return {}
-    return {str(k): float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def fig_train_loss(runs: list[Run], orders: list[list[Any]]) -> Figure:
@@ -468,7 +462,7 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
             _fmt(s.get("eval_loss"), ".4f"),
         ),
         # the evaluate hook's other figures at the final evaluation (accuracy, ...)
-        *((f"final eval {name}", _fmt(value, ".4f")) for name, value in _final_metrics(s).items()),
+        *((f"final eval {name}", _fmt(value, ".4f")) for name, value in metrics_of(s, "eval_metrics").items()),
         ("tokens processed", _fmt(s.get("tokens_processed"), ",.0f")),
         ("tokens merged", _fmt(s.get("tokens_merged"), ",.0f")),
         ("goodput", _fmt(s.get("goodput"), ".1%")),
@@ -483,14 +477,6 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         ("run length (s)", _fmt(s.get("run_time_s", s.get("virtual_time_s")), ",.1f")),
         *_traffic_rows(s.get("traffic") if isinstance(s.get("traffic"), dict) else {}),
     ]
-
-
-def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    """summary.json's ``eval_metrics``: the final evaluation's figures beside its loss."""
-    given = summary.get("eval_metrics")
-    if not isinstance(given, dict):
-        return {}
-    return {str(k): float(v) for k, v in given.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _traffic_rows(t: dict[str, Any]) -> list[tuple[str, str]]:

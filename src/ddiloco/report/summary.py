@@ -193,7 +193,7 @@ def summarise(run_dir: str | Path) -> dict[str, Any]:
         "clock": "virtual" if str(info.get("by", "")).startswith("ddiloco simulate") else "wall",
         "loss_unit": str(last_eval.get("unit", "")),
         "eval_loss": last_eval.get("loss"),
-        "eval_metrics": _metrics_of(last_eval),
+        "eval_metrics": metrics_of(last_eval),
         "tokens_processed": processed,
         "tokens_merged": merged,
         "merged_share": merged / processed if processed else 0.0,
@@ -297,9 +297,10 @@ def _count(value: Any) -> int | None:
     return int(x) if x is not None else None
 
 
-def _metrics_of(record: dict[str, Any]) -> dict[str, float]:
-    """An eval record's extra metrics (an evaluation hook's, beside its loss), numbers only."""
-    extra = record.get("metrics")
+def metrics_of(record: dict[str, Any], key: str = "metrics") -> dict[str, float]:
+    """An eval record's extra metrics (an evaluation hook's, beside its loss), numbers only; with
+    ``key="eval_metrics"``, a summary's (the final evaluation's)."""
+    extra = record.get(key)
     if not isinstance(extra, dict):
         return {}
     return {str(k): float(v) for k, v in extra.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -452,13 +453,16 @@ def by_kind_line(kinds: Any) -> str:
     }
     ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
     rest = sum(b for _, b in ranked[3:])  # the largest three by name; summary.json has every kind
-    return ", ".join(f"{k} {_mb(b)}" for k, b in ranked[:3]) + (f", other {_mb(rest)}" if rest else "")
+    return ", ".join(f"{k} {byte_size(b)}" for k, b in ranked[:3]) + (f", other {byte_size(rest)}" if rest else "")
 
 
-def _mb(nbytes: float) -> str:
-    if nbytes < 1e3:
-        return f"{nbytes:.0f} B"
-    return f"{nbytes / 1e6:,.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:,.1f} kB"
+def byte_size(n: float) -> str:
+    """Bytes for a reader: "14 B", "21.7 kB", "56.1 MB" (decimal units)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover
 
 
 def print_summary(summary: dict[str, Any], title: str, run_dir: str | Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.errors import DDiLoCoError
+from ddiloco.report.summary import byte_size
 from ddiloco.service.base.keys import ClientKeys
 from ddiloco.service.base.observer import fetch_status, observer_keys
 from ddiloco.service.base.status import read_status
@@ -126,14 +127,6 @@ def _age(s: float | None) -> str:
     return f"{s:.1f} s ago" if s < 120 else f"{s / 60:.1f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover
-
-
 def _opt(v: Any, fmt: str) -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -164,7 +157,7 @@ def render(view: dict[str, Any], source: str) -> Any:
             _opt(ln.get("steps_per_s"), "{:.2f}"),
             _opt(ln.get("loss"), "{:.4f}"),
             f"{ln.get('busy_s', 0.0):,.0f} s",
-            _bytes(ln.get("bytes_sent", 0)),
+            byte_size(ln.get("bytes_sent", 0)),
             _opt_bytes(ln.get("up_bytes_per_step")),
             _opt_bytes(ln.get("down_bytes_per_step")),
             _age(ln.get("contribution_age_s")),
@@ -189,7 +182,7 @@ def render(view: dict[str, Any], source: str) -> Any:
 
 
 def _opt_bytes(n: float | None) -> str:
-    return "-" if n is None else _bytes(n)
+    return "-" if n is None else byte_size(n)
 
 
 def traffic_line(traffic: dict[str, Any] | None) -> str:
@@ -199,7 +192,7 @@ def traffic_line(traffic: dict[str, Any] | None) -> str:
         return "traffic: not counted yet"
     ratios = [traffic.get("dp_ratio_up"), traffic.get("dp_ratio_down")]
     versus = (
-        f"; data-parallel fp32 {_bytes(traffic['dp_bytes_per_step'])}/step: "
+        f"; data-parallel fp32 {byte_size(traffic['dp_bytes_per_step'])}/step: "
         + " / ".join("-" if r is None else f"{r:,.1f}x fewer" for r in ratios)
         if traffic.get("dp_bytes_per_step")
         else ""
@@ -231,14 +224,14 @@ def memory_line(view: dict[str, Any]) -> str:
     lines = []
     for shard, mem in sorted(per.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
         held = ", ".join(
-            f"{name} {_bytes(mem[k])}" for k, name in MEMORY if isinstance(mem.get(k), (int, float)) and mem[k]
+            f"{name} {byte_size(mem[k])}" for k, name in MEMORY if isinstance(mem.get(k), (int, float)) and mem[k]
         )
         peak = (
-            f", peak {_bytes(mem['rss_peak'])} (reached in: {mem.get('rss_peak_in') or '-'})"
+            f", peak {byte_size(mem['rss_peak'])} (reached in: {mem.get('rss_peak_in') or '-'})"
             if mem.get("rss_peak")
             else ""
         )
-        lines.append(f"memory (shard {shard}): {held or 'nothing held'}; resident {_bytes(mem.get('rss', 0))}{peak}")
+        lines.append(f"memory (shard {shard}): {held or 'nothing held'}; resident {byte_size(mem.get('rss', 0))}{peak}")
     return "\n".join(lines)
 
 
