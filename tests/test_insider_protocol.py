@@ -507,8 +507,8 @@ def keyed_service(tmp_path, monkeypatch):
     service = SyncerService(cfg, InProcessNetwork().syncer("inproc://s"), tmp_path / "run", fsync=False,
                             clock=FrozenClock(), keys=ServerKeys.load(keys))  # fmt: skip
     decoded = []
-    real_decode = syncer_module.decode
-    monkeypatch.setattr(syncer_module, "decode", lambda frames: decoded.append(1) or real_decode(frames))
+    real_decode = syncer_module.decode_from
+    monkeypatch.setattr(syncer_module, "decode_from", lambda frames: decoded.append(1) or real_decode(frames))
     work = [0.0]
 
     def work_clock() -> float:  # read twice a message: each "takes" 0.05 s of the syncer's time

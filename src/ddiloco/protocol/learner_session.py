@@ -351,6 +351,12 @@ class LearnerSession:
                 f"{self._join_bytes / 1e6:.1f} MB in {now - self.started_at:.0f} s"
             )
 
+    def refuse(self, reason: str) -> None:
+        """Stop for good for ``reason`` (the driver's: e.g. a syncer whose wire schema it cannot
+        read), as a final refusal does; a refusal already said stands."""
+        if self.refused is None:
+            self.refused = reason
+
     @property
     def stopped(self) -> bool:
         """Training must stop: refused, given up, or the run has ended (the boundaries go on

@@ -50,12 +50,8 @@ from ddiloco.protocol.messages import (
     StatusRequest,
     SyncerHeartbeat,
 )
+from ddiloco.service.base.wire_schemas import OLDEST_SERVED, REFUSAL_FIELDS, SCHEMA, served, unknown_to
 
-SCHEMA = 8  # 2: incarnations and seqs, Register; 3: RunEnd, heartbeat progress, status query; 4: merged_tokens;
-# 5: run settings (Register.settings, SettingsRequest, RunSettings), JoinReply.superseded; 6: encoded payloads
-# (Contribution.encoded, FragmentUpdate.kind/base_version/encoded); 7: Contribution.routed (routed-token counts);
-# 8: FetchGlobal.held/versions_only (an observer fetches what changed), GlobalState.tokens_per_step,
-# Register.run and JoinReply.run (a learner restarted from its saved state claims versions of its run only)
 _ALL = (Heartbeat, Contribution, Ack, FragmentRequest, FragmentUpdate, Register, JoinReply, Leave, SyncerHeartbeat)
 _OTHERS = (PeerStateRequest, PeerState, FetchGlobal, GlobalState, RunEnd, StatusRequest, StatusReply)
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (*_ALL, *_OTHERS, SettingsRequest, RunSettings)}
@@ -111,6 +107,17 @@ def max_frame_bytes(largest_numel: int, itemsize: int = max(_ITEMSIZE.values()))
 
 class WireError(ValueError):
     """A message that cannot be decoded; the reason names what is wrong."""
+
+
+class SchemaMismatch(WireError):
+    """A message of a wire schema this build does not serve (``wire_schemas``): ``theirs`` is
+    the schema it carries, ``kind`` the message type it names (unchecked: for the answer only)."""
+
+    def __init__(self, theirs: int, kind: str) -> None:
+        serves = f"serves {OLDEST_SERVED} to {SCHEMA}"
+        super().__init__(f"unsupported schema version {_show(theirs)} (this build speaks {SCHEMA}, {serves})")
+        self.theirs = theirs
+        self.kind = kind
 
 
 # -- showing a value in an error: bounded, and safe for huge integers ----------------------------
@@ -422,8 +429,9 @@ def _check_scalar(v: Any, where: str) -> None:
 # -- encode -------------------------------------------------------------------------------------
 
 
-def encode(msg: Any) -> list[Any]:
-    """Frames for ``msg``: a JSON header, then one buffer per tensor (no copies).
+def encode(msg: Any, schema: int = SCHEMA) -> list[Any]:
+    """Frames for ``msg``: a JSON header, then one buffer per tensor (no copies); for a peer of an
+    older, served ``schema``, in its schema: without the fields it does not know.
 
     Raises TypeError for what is not a message or not encodable (an unsupported dtype), and
     ValueError for a message that breaks a bound (``decode`` would refuse it).
@@ -432,50 +440,59 @@ def encode(msg: Any) -> list[Any]:
     name = cls.__name__
     if MESSAGES.get(name) is not cls:
         raise TypeError(f"not a wire message: {name}")
+    if not served(schema):
+        raise ValueError(f"refusing to encode {name} in wire schema {schema}: this build serves none but its own")
     plan = _plan(cls)
     fields: dict[str, Any] = {}
     specs: list[list[Any]] = []
     frames: list[Any] = []
+    unknown = unknown_to(schema, name)
     try:
         for f, check in plan.values:
             value = getattr(msg, f)
             check(value)
-            fields[f] = value
-        replaced = {ENCODED_FOR[f] for f in plan.encoded if getattr(msg, f)}
-        for f in plan.tensors:
-            value = getattr(msg, f)
-            if f in replaced:
-                continue  # its encoded list goes instead
-            if f in plan.encoded:
-                for i, e in enumerate(value):
-                    problem = compress.check(e) if isinstance(e, Encoded) else "not an Encoded"
-                    if problem is not None or len(e.shape) > MAX_DIMS or any(d > MAX_DIM for d in e.shape):
-                        raise WireError(f"{name}.{f}[{i}]: {problem or 'shape out of bounds'}")
-                    specs.append([f, i, e.encoding, list(e.shape)])
-                    frames.append(_encoded_frame(e))
-                continue
-            items = enumerate(value) if f in plan.tensor_lists else value.items()
-            for key, t in items:
-                if f in plan.tensor_dicts:
-                    _check_str(key, where=f"{name}.{f} key")
-                t = t.detach().cpu().contiguous()
-                dtype = _DTYPE_NAMES.get(t.dtype)
-                if dtype is None:
-                    raise TypeError(f"{name}.{f}[{key}]: dtype {t.dtype} cannot go on the wire")
-                if t.dim() > MAX_DIMS or any(d > MAX_DIM for d in t.shape):
-                    raise WireError(f"{name}.{f}[{key}]: shape {list(t.shape)} exceeds {MAX_DIMS} dims of {MAX_DIM}")
-                specs.append([f, key, dtype, list(t.shape)])
-                frames.append(t.view(_NP_VIEW.get(t.dtype, t.dtype)).numpy())
+            if f not in unknown:
+                fields[f] = value
+        _tensor_frames(msg, name, plan, specs, frames)
         if len(frames) > MAX_TENSORS:
             raise WireError(f"{name}: {len(frames)} tensors, at most {MAX_TENSORS}")
     except WireError as e:
         raise ValueError(f"refusing to encode {name}: {e}") from None
     header = json.dumps(
-        {"v": SCHEMA, "type": name, "fields": fields, "tensors": specs}, separators=(",", ":"), allow_nan=False
+        {"v": schema, "type": name, "fields": fields, "tensors": specs}, separators=(",", ":"), allow_nan=False
     ).encode()
     if len(header) > MAX_HEADER:
         raise ValueError(f"refusing to encode {name}: header of {len(header)} bytes exceeds {MAX_HEADER}")
     return [header, *frames]
+
+
+def _tensor_frames(msg: Any, name: str, plan: _Plan, specs: list[list[Any]], frames: list[Any]) -> None:
+    """Append ``msg``'s tensor fields to ``specs`` and ``frames``, each checked (WireError)."""
+    replaced = {ENCODED_FOR[f] for f in plan.encoded if getattr(msg, f)}
+    for f in plan.tensors:
+        value = getattr(msg, f)
+        if f in replaced:
+            continue  # its encoded list goes instead
+        if f in plan.encoded:
+            for i, e in enumerate(value):
+                problem = compress.check(e) if isinstance(e, Encoded) else "not an Encoded"
+                if problem is not None or len(e.shape) > MAX_DIMS or any(d > MAX_DIM for d in e.shape):
+                    raise WireError(f"{name}.{f}[{i}]: {problem or 'shape out of bounds'}")
+                specs.append([f, i, e.encoding, list(e.shape)])
+                frames.append(_encoded_frame(e))
+            continue
+        items = enumerate(value) if f in plan.tensor_lists else value.items()
+        for key, t in items:
+            if f in plan.tensor_dicts:
+                _check_str(key, where=f"{name}.{f} key")
+            t = t.detach().cpu().contiguous()
+            dtype = _DTYPE_NAMES.get(t.dtype)
+            if dtype is None:
+                raise TypeError(f"{name}.{f}[{key}]: dtype {t.dtype} cannot go on the wire")
+            if t.dim() > MAX_DIMS or any(d > MAX_DIM for d in t.shape):
+                raise WireError(f"{name}.{f}[{key}]: shape {list(t.shape)} exceeds {MAX_DIMS} dims of {MAX_DIM}")
+            specs.append([f, key, dtype, list(t.shape)])
+            frames.append(t.view(_NP_VIEW.get(t.dtype, t.dtype)).numpy())
 
 
 def _encoded_frame(e: Encoded) -> Any:
@@ -569,6 +586,12 @@ def _parse(raw: bytes) -> Any:
 
 def decode(frames: Any) -> Any:
     """The message in ``frames``, or WireError naming what is malformed (never another exception)."""
+    return decode_from(frames)[0]
+
+
+def decode_from(frames: Any) -> tuple[Any, int]:
+    """The message in ``frames`` and the wire schema its sender speaks (a served one: ``SCHEMA``
+    or older), or WireError naming what is malformed; ``SchemaMismatch`` for a schema not served."""
     try:
         return _decode(frames)
     except WireError:
@@ -578,16 +601,28 @@ def decode(frames: Any) -> Any:
         raise WireError(f"{_BUG}: {type(e).__name__}: {_show(str(e))}") from None
 
 
-def _decode(frames: Any) -> Any:
-    cls, fields, specs = _header(frames)
+def _decode(frames: Any) -> tuple[Any, int]:
+    cls, fields, specs, schema = _header(frames)
     plan = _plan(cls)
-    kwargs = _values(cls.__name__, plan, fields)  # the header first: no tensor is copied for a message refused anyway
+    # the header first: no tensor is copied for a message refused anyway
+    kwargs = _values(cls.__name__, plan, fields, unknown_to(schema, cls.__name__))
     layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
     kwargs.update(_tensor_fields(cls.__name__, plan, layout))
-    return cls(**kwargs)
+    return cls(**kwargs), schema
 
 
-def _header(frames: Any) -> tuple[type, dict[str, Any], list[Any]]:
+def refusal(reason: str, epoch: int, schema: int) -> list[Any]:
+    """A ``JoinReply`` refusal in any ``schema`` since 2, served or not: only the fields each of
+    them has (``wire_schemas.REFUSAL_FIELDS``), so a peer this build cannot serve still reads why."""
+    reply = JoinReply(accepted=False, reason=reason, epoch=epoch, data_position=0, owned=[])
+    frames = encode(reply)
+    header = json.loads(bytes(frames[0]))
+    header["v"] = schema
+    header["fields"] = {f: header["fields"][f] for f in REFUSAL_FIELDS}
+    return [json.dumps(header, separators=(",", ":")).encode()]
+
+
+def _header(frames: Any) -> tuple[type, dict[str, Any], list[Any], int]:
     """The message class, fields and tensor specs that the header frame announces, checked
     against the frames (before any tensor byte is looked at)."""
     if not isinstance(frames, (list, tuple)):
@@ -602,8 +637,12 @@ def _header(frames: Any) -> tuple[type, dict[str, Any], list[Any]]:
     header = _parse(raw.tobytes())
     if not isinstance(header, dict):
         raise WireError("header is not a JSON object")
-    if type(header.get("v")) is not int or header["v"] != SCHEMA:
-        raise WireError(f"unsupported schema version {_show(header.get('v'))} (this build speaks {SCHEMA})")
+    schema = header.get("v")
+    if type(schema) is not int:
+        raise WireError(f"unsupported schema version {_show(schema)} (this build speaks {SCHEMA})")
+    if not served(schema):
+        kind = header.get("type")
+        raise SchemaMismatch(schema, kind[:64] if isinstance(kind, str) else "")
     if set(header) != {"v", "type", "fields", "tensors"}:
         raise WireError(f"header keys {sorted(header)!r}, expected v, type, fields, tensors")
     kind = header["type"]
@@ -615,12 +654,13 @@ def _header(frames: Any) -> tuple[type, dict[str, Any], list[Any]]:
         raise WireError("header lacks fields/tensors")
     if len(specs) != len(frames) - 1:
         raise WireError(f"{len(specs)} tensors announced, {len(frames) - 1} frames sent")
-    return cls, fields, specs
+    return cls, fields, specs, schema
 
 
-def _values(name: str, plan: _Plan, fields: dict[str, Any]) -> dict[str, Any]:
-    """The non-tensor fields, each checked; WireError for an unknown or a missing one."""
-    unknown = set(fields) - plan.names
+def _values(name: str, plan: _Plan, fields: dict[str, Any], newer: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The non-tensor fields, each checked; WireError for an unknown or a missing one (``newer``:
+    fields the sender's schema does not have; they take their defaults)."""
+    unknown = set(fields) - (plan.names - newer)
     if unknown:
         raise WireError(f"{name}: unknown fields {_show(', '.join(sorted(unknown)))}")
     kwargs: dict[str, Any] = {}

@@ -25,7 +25,8 @@ from ddiloco.protocol.learner_session import LearnerOutput, LearnerSession, Send
 from ddiloco.protocol.messages import PeerState
 from ddiloco.service.base.clock import Clock
 from ddiloco.service.base.transport import LearnerSocket
-from ddiloco.service.base.wire import WireError, decode, encode
+from ddiloco.service.base.wire import SchemaMismatch, WireError, decode, encode
+from ddiloco.service.base.wire_schemas import OLDEST_SERVED, SCHEMA
 from ddiloco.service.learner.handoff_sender import HandoffSender, untracked
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,13 @@ class LearnerComm:
             for index, frames in self.sock.recv(wait):
                 try:
                     msg = decode(frames)
+                except SchemaMismatch as e:  # a syncer of a version this one cannot talk to
+                    with self.lock:
+                        session.refuse(
+                            f"syncer {self.addresses[index]} speaks wire schema {e.theirs}, this learner speaks "
+                            f"{SCHEMA} and serves {OLDEST_SERVED} to {SCHEMA}: run the syncer's ddiloco version here"
+                        )
+                    continue
                 except WireError as e:
                     where = self.addresses[index]
                     self.say([f"learner {session.learner}: dropped a malformed message from {where}: {e}"])

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 PREFIX = "ddiloco_"
 COUNTS = (
     "malformed", "unknown_sender", "impostor", "rate_limited", "refused_relay", "superseded", "foreign_state",
-    "implausible",
+    "implausible", "other_schema",
 )  # fmt: skip
 """The status counters of refused messages, by reason (``ddiloco_refused_messages_total{reason}``)."""
 

@@ -48,7 +48,8 @@ from ddiloco.service.base.ratelimit import RateLimits
 from ddiloco.service.base.startup import StartupTimes
 from ddiloco.service.base.status import write_status
 from ddiloco.service.base.transport import Frames, SyncerSocket, ZmqSyncerSocket
-from ddiloco.service.base.wire import WireError, decode, encode, max_frame_bytes
+from ddiloco.service.base.wire import SchemaMismatch, WireError, decode_from, encode, max_frame_bytes, refusal
+from ddiloco.service.base.wire_schemas import SCHEMA, refusal_reason
 from ddiloco.service.syncer.final_model import file_entries
 from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
 from ddiloco.service.syncer.load import RoundLoad
@@ -73,6 +74,12 @@ END_WORK_WAIT_S = 600.0
 """The longest a syncer that fails waits for its end work (calibration, final evaluations)."""
 """How often the loop hands queued messages on to a slow link while some wait (ZeroMQ's ROUTER
 has no per-peer writable event to wait for)."""
+
+
+MAX_DIALECTS = 4096
+"""Most connections remembered as speaking an older wire schema."""
+MAX_SCHEMA = 1 << 16
+"""A schema number past this is not answered (it is no schema, only counted)."""
 
 
 def queue_rule(msg: Any) -> tuple[Hashable | None, bool]:
@@ -138,9 +145,12 @@ class SyncerService:
         """The counters, receipt-time limits and chore clocks, before any message."""
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "refused_relay": 0,
-            "superseded": 0, "foreign_state": 0, "implausible": 0, "rejections_unlogged": 0, "merges": 0,
-            "messages": 0, "bytes_in": 0,
+            "superseded": 0, "foreign_state": 0, "implausible": 0, "other_schema": 0, "rejections_unlogged": 0,
+            "merges": 0, "messages": 0, "bytes_in": 0,
         }  # fmt: skip
+        # Connections that speak an older, served wire schema, answered in it (bounded: the oldest
+        # entry goes first; a connection forgotten is answered in ours and sees one malformed reply).
+        self._dialects: dict[bytes, int] = {}
         # Receipt-time limits, per key (per connection without keys): counted before decoding.
         self._join_rate: RateLimits[bytes] = RateLimits(rt.max_joins_per_s, 10.0)
         self._message_rate: RateLimits[bytes] = RateLimits(rt.max_messages_per_s, 2 * rt.max_messages_per_s)
@@ -225,7 +235,7 @@ class SyncerService:
 
     def _send(self, identity: bytes, msg: Any) -> None:
         try:
-            frames = encode(msg)
+            frames = encode(msg, self._dialects.get(identity, SCHEMA))
         except (ValueError, TypeError) as e:  # a message out of its bounds is our bug: say it, drop it
             log.error("not sending %s to %r: %s", type(msg).__name__, identity, e)
             return
@@ -303,11 +313,17 @@ class SyncerService:
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
-            msg = decode(frames)
+            msg, schema = decode_from(frames)
+        except SchemaMismatch as e:
+            self._other_schema(identity, who, e)
+            self._count_traffic("up", identity, None, frames)
+            return True
         except WireError as e:
             self._count_bad("malformed", f"malformed message from {identity!r}: {e}")
             self._count_traffic("up", identity, None, frames)
             return True
+        if schema != SCHEMA or identity in self._dialects:
+            self._speaks(identity, schema)
         now = self.clock.monotonic()
         joining = isinstance(msg, (Register, SettingsRequest))
         if joining and not self._join_rate.allow(who, now):
@@ -325,6 +341,25 @@ class SyncerService:
         self._emit(out)
         self._count_traffic("up", identity, msg, frames)  # after: a Register binds its connection
         return not joining
+
+    def _speaks(self, identity: bytes, schema: int) -> None:
+        """Answer ``identity`` in ``schema`` from now on (an older, served one; ours: forget it)."""
+        self._dialects.pop(identity, None)
+        if schema != SCHEMA:
+            if len(self._dialects) >= MAX_DIALECTS:
+                del self._dialects[next(iter(self._dialects))]
+            self._dialects[identity] = schema
+
+    def _other_schema(self, identity: bytes, who: bytes, e: SchemaMismatch) -> None:
+        """A message of a wire schema this syncer does not serve: counted, never merged; a join
+        is answered with a refusal in the sender's own schema, so it stops with one line."""
+        role = "observer" if e.kind == "FetchGlobal" or e.kind == "StatusRequest" else "learner"
+        reason = refusal_reason(e.theirs, role)
+        self._count_bad("other_schema", f"refused {e.kind or 'a message'} from {identity!r}: {reason}")
+        joining = e.kind in ("Register", "SettingsRequest")
+        if joining and 2 <= e.theirs <= MAX_SCHEMA and self._join_rate.allow(who, self.clock.monotonic()):
+            # (an older schema reads it as its own; a newer one reads ours if it serves it)
+            self.sock.send(identity, refusal(reason, self.session.epoch, min(e.theirs, SCHEMA)), None, False)
 
     def _count_traffic(self, direction: Direction, identity: bytes, msg: Any, frames: Any) -> None:
         """Count one message's frames on ``identity``'s link, for the learner bound to it (none:
