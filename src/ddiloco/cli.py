@@ -316,6 +316,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from ddiloco.migrate_cmd import migrate
+
+    done = migrate(args.run_dir)
+    for line in done:
+        print(line)
+    print(f"{args.run_dir}: nothing to migrate" if not done else f"{args.run_dir}: migrated; it resumes as before")
+    return 0
+
+
 def cmd_tensorboard(args: argparse.Namespace) -> int:
     from ddiloco.report.tensorboard import export_scalars
 
@@ -549,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--out", help="HTML file to write (default: RUN_DIR/report.html, or ./ddiloco-report.html for several)"
     )
     rp.set_defaults(func=cmd_report)
+    mg = sub.add_parser("migrate", help="bring a run folder of the previous ddiloco to this one's formats, in place")
+    mg.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (stop its syncer first)")
+    mg.set_defaults(func=cmd_migrate)
     tb = sub.add_parser("tensorboard", help="a run's metrics as TensorBoard scalars (the optional tensorboard extra)")
     tb.add_argument("run_dir", metavar="RUN_DIR", help="the run folder whose metrics/*.jsonl to write")
     tb.add_argument("--logdir", help="where the event files go (default: RUN_DIR/tensorboard)")

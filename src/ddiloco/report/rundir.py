@@ -67,6 +67,11 @@ def prepare_run_dir(run_dir: str | Path, by: str, cfg: Config | None = None) -> 
             found = None
         except (OSError, ValueError, AttributeError):
             found = "unreadable"
+        if found == RUN_FORMAT - 1:
+            raise DDiLoCoError(
+                f"run folder {d} is of format {found}, this ddiloco writes format {RUN_FORMAT}: migrate it in place "
+                f"with `ddiloco migrate {d}` (stop its syncer first), or choose another folder"
+            )
         if found != RUN_FORMAT:
             what = f"is of format {found}" if found is not None else "has no run.json (an older ddiloco's?)"
             raise DDiLoCoError(

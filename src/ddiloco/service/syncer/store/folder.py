@@ -217,10 +217,11 @@ class StateFolder:
         except (OSError, ValueError, AttributeError):
             found = "unreadable"
         if found == 3:
+            run_dir = self.root.parent
             raise StateError(
                 f"{self.dir} holds syncer state of format 3 (one durable.log, before durable.mirror.log), this "
-                f"ddiloco reads format {FORMAT}; finish that run with the ddiloco that wrote it, or start this one "
-                "in a fresh --run-dir"
+                f"ddiloco reads format {FORMAT}: stop every syncer of the run and migrate it in place with "
+                f"`ddiloco migrate {run_dir}` (then start it again: it resumes)"
             )
         if found != FORMAT:
             raise StateError(
