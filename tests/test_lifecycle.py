@@ -121,6 +121,49 @@ def test_ctrl_c_on_simulate_writes_a_partial_run_folder(tmp_path):
 
 
 @pytest.mark.slow  # spawns processes
+def test_a_learner_stopped_by_a_signal_before_the_end_exits_130_and_one_started_again_finishes_with_0(tmp_path):
+    """What a supervisor needs (a Kubernetes Job, a Slurm requeue): a learner drained or preempted
+    mid-run is not done (130, so it is started again); started again it rejoins, and once the run
+    has ended it exits 0."""
+    run_dir = tmp_path / "run"
+    host = "127.0.0.6"
+    addr = f"tcp://{host}:{free_port(host)}"
+    budget = [
+        *SETTINGS,
+        "--set",
+        "run.processed_tokens=6000",
+        "--set",
+        "run.num_learners=1",
+        "--set",
+        "runtime.end_linger_s=2",
+    ]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("syncer", "first", "again")}  # noqa: SIM115
+    procs: list[subprocess.Popen] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        procs.append(subprocess.Popen([*CLI, *args, *budget], stdout=logs[name], stderr=subprocess.STDOUT, env=ENV))
+        return procs[-1]
+
+    learner = ["learner", "--syncer", addr, "--id", "0", "--run-dir", str(run_dir)]
+    try:
+        syncer = start("syncer", "syncer", "--bind", addr, "--run-dir", str(run_dir))
+        first = start("first", *learner)
+        wait_for(lambda: (read(run_dir / "status" / "learner-0.json") or {}).get("steps", 0) > 0, 300, "a step")
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 130
+        assert start("again", *learner).wait(timeout=600) == 0
+        assert syncer.wait(timeout=600) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    said = {name: (tmp_path / f"{name}.log").read_text() for name in logs}
+    assert "SIGTERM received" in said["first"] and "the syncer ended the run" in said["again"], said
+
+
+@pytest.mark.slow  # spawns processes
 def test_a_hand_started_run_ends_by_itself_and_reports_at_the_top_of_its_folder(tmp_path):
     """Syncer, two learners and an evaluator started separately (as docs/operations.md shows):
     the syncer ends the run at its token budget, runs the final sync, and every process exits 0;

@@ -20,7 +20,7 @@ import torch
 
 from ddiloco.config import Config
 from ddiloco.errors import CommError, DDiLoCoError, RefusedError
-from ddiloco.lifecycle import ProgressLines, StopSignals
+from ddiloco.lifecycle import EXIT_INTERRUPTED, ProgressLines, StopSignals
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.base.heap import release_free_memory
@@ -320,5 +320,9 @@ def run_learner(
     def stop() -> None:
         learner.stop = True
 
-    with StopSignals(f"ddiloco learner {learner_id}", on_stop=stop):  # it leaves at the next step boundary
-        return learner.run()
+    with StopSignals(f"ddiloco learner {learner_id}", on_stop=stop) as signals:  # it leaves at a step boundary
+        code = learner.run()
+    # Stopped by a signal before the run ended (a drain, a preemption): not a finished learner, so a
+    # supervisor (a Kubernetes Job, Slurm) starts it again rather than counting it done.
+    ended = learner.learner is not None and learner.learner.run_ended
+    return EXIT_INTERRUPTED if code == 0 and signals.requested and not ended else code
