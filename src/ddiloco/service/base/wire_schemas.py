@@ -68,7 +68,7 @@ def refusal_reason(theirs: int, role: str = "learner") -> str:
     if theirs > SCHEMA:
         fix = "upgrade the syncer first (a syncer serves learners of its own and older schemas)"
     else:
-        fix = "run this ddiloco on it (pip install the syncer's version) and start it again"
+        fix = "install the syncer's ddiloco version where this one runs, and start it again"
     return (
         f"this {role} speaks wire schema {theirs}, the syncer speaks {SCHEMA} and serves {OLDEST_SERVED} to {SCHEMA}: "
         f"{fix}"
