@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import re
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -86,3 +87,29 @@ def test_a_figure_the_status_lacks_is_left_out_not_zero():
 def test_a_bad_metrics_bind_is_one_line(bind):
     with pytest.raises(ConfigError, match=r"runtime.metrics_bind = .* allowed: HOST:PORT"):
         ddiloco.load_config(None, [f"runtime.metrics_bind={bind}", *FAST_RUNTIME])
+
+
+def test_healthz_says_whether_the_syncers_loop_still_writes_its_status():
+    """A liveness probe that means something: /metrics is served by its own thread, so only the
+    age of the status the loop wrote tells a wedged syncer from a live one."""
+    import urllib.error
+    import urllib.request
+
+    from ddiloco.service.syncer.prometheus import MetricsServer, health
+
+    assert health({"time": 100.0}, 130.0, 60.0) == (True, "ok: status written 30.0 s ago")
+    assert health({"time": 100.0}, 190.0, 60.0) == (False, "stale: the syncer's loop last wrote its status 90 s "
+                                                           "ago (limit 60 s)")  # fmt: skip
+    status = {"shard": 0, "time": time.time(), "learners": [], "live": []}
+    server = MetricsServer("127.0.0.1:0", lambda: status, stale_after_s=60.0)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+            assert r.status == 200 and r.read().startswith(b"ok: status written")
+        status = {**status, "time": time.time() - 600}  # the loop stopped writing ten minutes ago
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}/healthz", timeout=30)
+        assert e.value.code == 503 and e.value.read().startswith(b"stale: the syncer's loop last wrote")
+        assert any(name.startswith("ddiloco_learners") for name in scrape(server.port))  # /metrics answers on
+    finally:
+        server.close()

@@ -4,14 +4,21 @@ writes for ``ddiloco status``, read as metrics at each scrape, so both say the s
 ``metric_families`` is the rule (a status dict in, metric families out: no I/O); ``MetricsServer``
 serves them over HTTP with ``prometheus_client`` on a registry of its own, reading the status the
 loop last wrote (a dict replaced whole, never changed in place: a scrape on the server's thread
-never sees half an update).
+never sees half an update). It also answers ``/healthz`` (``health``): 200 while the syncer's loop
+keeps writing its status, 503 once that status is older than ``stale_after_s`` (a wedged merge
+or a stuck disk: the server's own thread would go on answering ``/metrics``), for a liveness probe.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ddiloco.errors import DDiLoCoError
 
@@ -89,12 +96,34 @@ def metric_families(status: dict[str, Any]) -> list[tuple[str, str, str, list[tu
     return out
 
 
-class MetricsServer:
-    """``/metrics`` over HTTP on ``bind`` (``HOST:PORT``), from ``status()`` at each scrape."""
+def health(status: dict[str, Any], now: float, stale_after_s: float) -> tuple[bool, str]:
+    """Whether the loop that wrote ``status`` (at its wall ``time``) still turns, and one line."""
+    age = now - float(status.get("time", now))
+    if age > stale_after_s:
+        return False, f"stale: the syncer's loop last wrote its status {age:.0f} s ago (limit {stale_after_s:.0f} s)"
+    return True, f"ok: status written {max(age, 0.0):.1f} s ago"
 
-    def __init__(self, bind: str, status: Callable[[], dict[str, Any]]) -> None:
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the process up at exit
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        pass  # a scrape every few seconds is not worth a log line
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on ``bind`` (``HOST:PORT``), from ``status()`` at each scrape, and
+    ``/healthz`` (``health``)."""
+
+    def __init__(self, bind: str, status: Callable[[], dict[str, Any]], stale_after_s: float = 60.0) -> None:
         try:
-            from prometheus_client import start_http_server
+            from prometheus_client import make_wsgi_app
             from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
             from prometheus_client.registry import Collector, CollectorRegistry
         except ImportError:
@@ -112,15 +141,28 @@ class MetricsServer:
                         family.add_metric([lab[k] for k in labels], value)
                     yield family
 
-        host, _, port = bind.rpartition(":")
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StatusCollector())
+        metrics_app = make_wsgi_app(registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/healthz":
+                ok, line = health(status(), time.time(), stale_after_s)
+                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+                return [line.encode() + b"\n"]
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+
+        host, _, port = bind.rpartition(":")
         try:
-            self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+            server_class = _Server6 if ":" in host else _Server
+            self._server = make_server(host.strip("[]"), int(port), app, server_class, handler_class=_Quiet)
         except OSError as e:
             raise DDiLoCoError(f"cannot serve metrics on {bind} (runtime.metrics_bind): {e}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
         self.port: int = int(self._server.server_port)
-        log.info("Prometheus metrics on http://%s:%d/metrics (runtime.metrics_bind)", host, self.port)
+        log.info("Prometheus metrics on http://%s:%d/metrics, liveness on /healthz (runtime.metrics_bind)", host,
+                 self.port)  # fmt: skip
 
     def close(self) -> None:
         self._server.shutdown()

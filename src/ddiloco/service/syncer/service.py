@@ -76,6 +76,8 @@ END_WORK_WAIT_S = 600.0
 has no per-peer writable event to wait for)."""
 
 
+HEALTH_STALE_MIN_S = 60.0
+"""``/healthz`` fails once the loop's status is this old (or 30 status intervals, if longer)."""
 MAX_DIALECTS = 4096
 """Most connections remembered as speaking an older wire schema."""
 MAX_SCHEMA = 1 << 16
@@ -403,7 +405,9 @@ class SyncerService:
             if rt.metrics_bind:  # shard K on PORT + K (port 0: a free one each)
                 host, _, port = rt.metrics_bind.rpartition(":")
                 self.metrics = MetricsServer(
-                    f"{host}:{int(port) + self.shard if int(port) else 0}", lambda: self.last_status
+                    f"{host}:{int(port) + self.shard if int(port) else 0}",
+                    lambda: self.last_status,
+                    stale_after_s=max(HEALTH_STALE_MIN_S, 30 * rt.status_interval_s),
                 )
             self._loop(rt, end)
         except BaseException as e:
