@@ -208,6 +208,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0 if args.watch is not None else 130
 
 
+def cmd_alive(args: argparse.Namespace) -> int:
+    from ddiloco.service.ops.alive import check_alive
+
+    alive, line = check_alive(args.run_dir, args.learner, args.within)
+    print(line, file=sys.stdout if alive else sys.stderr)
+    return 0 if alive else 1
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
@@ -383,7 +391,7 @@ RUNTIME_METHODS = ["diloco", "streaming", "decoupled"]
 
 def build_parser() -> argparse.ArgumentParser:
     from ddiloco import __version__
-    from ddiloco.cli_types import bind_address, connect_address, int_range
+    from ddiloco.cli_types import bind_address, connect_address, int_range, positive_seconds
 
     parser = argparse.ArgumentParser(
         prog="ddiloco", description="Decoupled DiLoCo: resilient, low-communication distributed pre-training."
@@ -496,6 +504,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _key_args(st, "syncer.key and observer.key_secret (from `ddiloco keys`)")
     st.set_defaults(func=cmd_status)
+    al = sub.add_parser(
+        "alive", help="exit 0 if a learner stepped within SECONDS (its status file is fresh), else 1: a liveness probe"
+    )
+    al.add_argument("run_dir", metavar="RUN_DIR", help="the learner's --run-dir (it writes status/learner-M.json)")
+    al.add_argument(
+        "--learner",
+        type=int_range(0, 65535),
+        metavar="M",
+        help="the learner id (default: the one learner whose status file RUN_DIR holds)",
+    )
+    al.add_argument(
+        "--within",
+        type=positive_seconds,
+        required=True,
+        metavar="SECONDS",
+        help="the oldest status file that still counts as alive; give it well above runtime.status_interval_s "
+        "and a step's time",
+    )
+    al.set_defaults(func=cmd_alive)
     ln = sub.add_parser(
         "link", help="a TCP relay that emulates a thin link (rate, latency, stalls, resets, partitions) to a syncer"
     )

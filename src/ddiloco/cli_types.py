@@ -4,6 +4,7 @@ bad one with a single line (argparse prints it after ``error: argument --X:`` an
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 
@@ -67,3 +68,14 @@ def override(text: str) -> str:
     if not _SET.match(text):
         raise argparse.ArgumentTypeError(f"{text!r} must look like SECTION.KEY=VALUE (e.g. algo.quorum=2)")
     return text
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(s) or s <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: seconds > 0")
+    return s
