@@ -391,7 +391,9 @@ def test_a_format_1_folder_is_refused_before_anything_is_written(tmp_path, monke
     d.mkdir()
     (d / "run.json").write_text('{"format": 1, "created": "2025-01-01T00:00:00+00:00", "by": "ddiloco train"}')
     (d / "metrics.jsonl").write_text("")
-    with pytest.raises(DDiLoCoError, match="is of format 1, this ddiloco writes format 2: migrate it in place with `ddiloco migrate "):
+    with pytest.raises(
+        DDiLoCoError, match="is of format 1, this ddiloco writes format 2: migrate it in place with `ddi"
+    ):
         prepare_run_dir(d, "test", Config())
     monkeypatch.chdir(tmp_path)
     seen = _capture(monkeypatch, "ddiloco.service.syncer.service", "open_syncer")

@@ -308,6 +308,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "export": {"config", "errors", "report", "service", "training"},
     "export_cmd": {"config", "errors", "export", "report", "service", "workloads"},
+    "migrate_cmd": {"errors", "report", "service"},
     "api": {"config", "core", "errors", "export", "service", "training", "workloads"},
 }
 

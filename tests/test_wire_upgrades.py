@@ -133,7 +133,10 @@ def test_a_schema_7_learner_is_served_in_its_own_schema(service):
     assert 0 in svc.core.learners
 
 
-@pytest.mark.parametrize("theirs,fix", [(6, "install the syncer's ddiloco version where this one runs"), (9, "upgrade the syncer first")])
+OLDER_FIX, NEWER_FIX = "install the syncer's ddiloco version where this one runs", "upgrade the syncer first"
+
+
+@pytest.mark.parametrize("theirs,fix", [(6, OLDER_FIX), (9, NEWER_FIX)])
 def test_a_learner_of_an_unserved_schema_is_refused_in_one_line_and_nothing_it_sends_is_taken(service, theirs, fix):
     cfg, svc = service
     for msg in (register(cfg, 1), Heartbeat(1, 1, step=3, step_time_s=0.01, tokens=96)):
