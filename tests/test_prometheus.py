@@ -70,6 +70,20 @@ def test_a_scrape_says_what_ddiloco_status_says(tmp_path):
     assert got[f"ddiloco_tokens_processed_total{shard}"] == status["processed_tokens"] > 0
     assert got[f"ddiloco_tokens_merged_total{shard}"] == pytest.approx(status["merged_tokens"])
     assert got['ddiloco_refused_messages_total{reason="malformed",shard="0"}'] == 0
+    # bytes each way, goodput's parts, rounds by why they closed, answers by quorum or grace, merge time
+    assert got[f"ddiloco_bytes_received_total{shard}"] == status["bytes_in"] > 0
+    assert got[f"ddiloco_bytes_sent_total{shard}"] == status["bytes_out"] > 0
+    busy, allocated = (
+        got[f"ddiloco_learner_busy_seconds_total{shard}"],
+        got[f"ddiloco_learner_allocated_seconds{shard}"],
+    )
+    assert busy / allocated == pytest.approx(status["goodput"])
+    closed = {k: v for k, v in got.items() if k.startswith("ddiloco_rounds_closed_total")}
+    assert closed and sum(closed.values()) == sum(status["rounds"]["closed"].values()) > 0
+    admitted = {k: v for k, v in got.items() if k.startswith("ddiloco_answers_admitted_total")}
+    assert sum(admitted.values()) == sum(status["rounds"]["admitted"].values()) > 0
+    assert got[f"ddiloco_merge_seconds_max{shard}"] >= got[f"ddiloco_merge_seconds_mean{shard}"] >= 0
+    assert got[f"ddiloco_merge_work_seconds_total{shard}"] == pytest.approx(status["load"]["work_total_s"])
     # ddiloco status renders the same status: the same learner count and goodput
     out = io.StringIO()
     Console(file=out, width=300).print(render(merge_views([status]), "test"))

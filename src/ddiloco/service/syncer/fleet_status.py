@@ -151,6 +151,16 @@ class LearnerMetrics:
         m = max(num_learners, len(self.busy.per_learner()))
         return self.busy.total() / (m * run_time_s) if run_time_s > 0 and m > 0 else None
 
+    def goodput_figures(self, num_learners: int, run_time_s: float) -> dict[str, Any]:
+        """The goodput and what it is made of: learner seconds in inner steps (``busy_s``) over
+        learner seconds allocated (M x the run's age; what is not busy is the goodput's loss)."""
+        m = max(num_learners, len(self.busy.per_learner()))
+        return {
+            "goodput": self.goodput(num_learners, run_time_s),
+            "learner_busy_s": self.busy.total(),
+            "learner_allocated_s": m * run_time_s,
+        }
+
     def append(self, records: list[dict[str, Any]]) -> None:
         for r in records:
             self.busy.add(r.get("learner"), r.get("incarnation"), r.get("busy_s"), r.get("time"))

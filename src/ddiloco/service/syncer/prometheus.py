@@ -32,6 +32,12 @@ COUNTS = (
 """The status counters of refused messages, by reason (``ddiloco_refused_messages_total{reason}``)."""
 
 
+def _table(d: dict[str, Any], key: str) -> dict[str, Any]:
+    """``d[key]`` when it is a table, else an empty one (a status from elsewhere may lack it)."""
+    value = d.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -87,6 +93,33 @@ def metric_families(status: dict[str, Any]) -> list[tuple[str, str, str, list[tu
             traffic.get(f"{d}_bytes_per_step"))  # fmt: skip
         one(f"one_off_bytes_{d}", "counter", f"One-off bytes (joins, hand-offs, final sync), {d}",
             traffic.get(f"one_off_{d}_bytes"))  # fmt: skip
+    one("bytes_received", "counter", "Bytes of every message received (learners, observers, refused ones too)",
+        status.get("bytes_in"))  # fmt: skip
+    one("bytes_sent", "counter", "Bytes of every message sent", status.get("bytes_out"))
+    one("learner_busy_seconds", "counter", "Learner seconds in inner steps, every incarnation (goodput's numerator)",
+        status.get("learner_busy_s"))  # fmt: skip
+    one("learner_allocated_seconds", "gauge", "Learner seconds allocated so far: M x the run's age (goodput's "
+        "denominator; less the busy seconds, its loss)", status.get("learner_allocated_s"))  # fmt: skip
+    rounds = _table(status, "rounds")
+    for key, name, help_, label in (
+        ("closed", "rounds_closed", "Rounds closed, by why (quorum, grace_over, all_answered, final, ...)", "reason"),
+        ("admitted", "answers_admitted", "Answers merged, by whether the quorum or the grace window took them", "by"),
+        ("refused", "contributions_refused", "Contributions refused by the merge's admission, by reason", "reason"),
+    ):
+        table = _table(rounds, key)
+        samples = [({**shard, label: str(k)}, v) for k, c in sorted(table.items()) if (v := _num(c)) is not None]
+        if samples:
+            out.append((PREFIX + name, "counter", help_, samples))
+    load = _table(status, "load")
+    for key, name, help_ in (
+        ("merge_s_mean", "merge_seconds_mean", "Mean syncer work per merged round, over the last rounds"),
+        ("merge_s_p95", "merge_seconds_p95", "95th percentile of the syncer's work per merged round"),
+        ("merge_s_max", "merge_seconds_max", "Longest syncer work per merged round, over the last rounds"),
+        ("write_s_mean", "write_seconds_mean", "Mean time to make a merged version durable"),
+        ("merge_share_of_interval", "merge_share_of_interval", "Merge work over the time between rounds of a fragment"),
+    ):
+        one(name, "gauge", help_, load.get(key))
+    one("merge_work_seconds", "counter", "The syncer's work on messages and merges so far", load.get("work_total_s"))
     refused = [({**shard, "reason": k}, v) for k in COUNTS if (v := _num(status.get(k))) is not None]
     if refused:
         out.append((PREFIX + "refused_messages", "counter", "Messages refused, by reason", refused))

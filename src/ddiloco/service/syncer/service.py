@@ -30,7 +30,7 @@ from ddiloco.core import robust
 from ddiloco.core.fragments import storage_bytes, tensor_pieces, write_fragment
 from ddiloco.core.messages import Contribution, FragmentRequest, FragmentUpdate
 from ddiloco.core.syncer import FragmentRecord, Syncer
-from ddiloco.core.tape import Rejection
+from ddiloco.core.tape import Rejection, RoundRecord
 from ddiloco.errors import DDiLoCoError
 from ddiloco.lifecycle import ProgressLines
 from ddiloco.protocol.config import RuntimeConfig
@@ -148,8 +148,9 @@ class SyncerService:
         self.counts = {
             "malformed": 0, "unknown_sender": 0, "impostor": 0, "rate_limited": 0, "refused_relay": 0,
             "superseded": 0, "foreign_state": 0, "implausible": 0, "other_schema": 0, "rejections_unlogged": 0,
-            "merges": 0, "messages": 0, "bytes_in": 0,
+            "merges": 0, "messages": 0, "bytes_in": 0, "bytes_out": 0,
         }  # fmt: skip
+        self.rounds: dict[str, dict[str, int]] = {"closed": {}, "admitted": {}, "refused": {}}
         # Connections that speak an older, served wire schema, answered in it (bounded: the oldest
         # entry goes first; a connection forgotten is answered in ours and sees one malformed reply).
         self._dialects: dict[bytes, int] = {}
@@ -255,6 +256,7 @@ class SyncerService:
             if not isinstance(r, Rejection) or self._rejection_rate.allow((r.learner, r.reason), now)
         ]
         self.counts["rejections_unlogged"] += len(out.tape) - len(kept)
+        self._count_rounds(out.tape)
         if out.persist:
             meta = self.session.meta()
             started = self.work_clock()
@@ -344,6 +346,21 @@ class SyncerService:
         self._count_traffic("up", identity, msg, frames)  # after: a Register binds its connection
         return not joining
 
+    def _count_rounds(self, records: list[Any]) -> None:
+        """Rounds closed by reason, answers admitted by the quorum or in grace, contributions
+        refused by reason (the status's ``rounds``; ``/metrics`` reads them)."""
+        for r in records:
+            if isinstance(r, RoundRecord):
+                closed = self.rounds["closed"]
+                closed[r.close_reason] = closed.get(r.close_reason, 0) + 1
+                for e in r.merged:
+                    if e.weight > 0:
+                        key = "grace" if e.in_grace else "quorum"
+                        self.rounds["admitted"][key] = self.rounds["admitted"].get(key, 0) + 1
+            elif isinstance(r, Rejection):
+                refused = self.rounds["refused"]
+                refused[r.reason] = refused.get(r.reason, 0) + 1
+
     def _speaks(self, identity: bytes, schema: int) -> None:
         """Answer ``identity`` in ``schema`` from now on (an older, served one; ours: forget it)."""
         self._dialects.pop(identity, None)
@@ -371,6 +388,8 @@ class SyncerService:
             self._peers = {peer: m for m, peer in self.session.identities.items()}  # rebuilt on a miss only
             learner = self._peers.get(identity)
         nbytes = sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
+        if direction == "down":
+            self.counts["bytes_out"] += nbytes
         self.traffic.count(msg, nbytes, direction, learner, final=self.session.end_stage is not None)
 
     def traffic_dict(self) -> dict[str, Any]:
@@ -573,11 +592,13 @@ class SyncerService:
             "run_end": self.session.end_stage,
             "end_reason": self.session.end_reason,
             "memory": self.memory(),
+            "rounds": {k: dict(v) for k, v in self.rounds.items()},  # a copy: a status is never changed after
+            "load": self.load.to_dict(),
             **fleet_status(self.session, now, shard=self.shard, run_time_s=self.run_age(), traffic=self.traffic_dict()),
             # shard 0 keeps the learners' books: the share of learner time in steps so far, by the summary's rule
             # (after the end: over the run's length, as the summary counts it)
             **(
-                {"goodput": self._learner_metrics.goodput(self.cfg.run.num_learners, self._end_age or self.run_age())}
+                self._learner_metrics.goodput_figures(self.cfg.run.num_learners, self._end_age or self.run_age())
                 if self.shard == 0
                 else {}
             ),  # fmt: skip
