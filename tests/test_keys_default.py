@@ -63,6 +63,24 @@ def test_train_gives_every_child_the_runs_keys_unless_insecure(tmp_path):
     assert all("--insecure" in p.argv and "--keys" not in p.argv for p in (plain.syncer, *plain.learners))
 
 
+def test_a_resumed_launch_gives_its_processes_the_runtime_settings_it_was_given(tmp_path):
+    """`ddiloco train --resume RUN_DIR --set runtime.X=...`: the syncer, learners and evaluator
+    get the new runtime settings (they were handed the saved config.toml, and ignored them); the
+    saved config keeps the run's own, and each process still checks the two agree."""
+    from ddiloco.config import load_config
+
+    first = launcher(tmp_path / "r")
+    saved = (tmp_path / "r" / "config.toml").read_text()
+    assert load_config(first.cfg_path).runtime.end_linger_s != 7.5
+    resumed = load_config(tmp_path / "r" / "config.toml", ["runtime.end_linger_s=7.5", "run.threads=2"])
+    again = Launcher(resumed, tmp_path / "r")
+    assert (tmp_path / "r" / "config.toml").read_text() == saved  # the run's own, unchanged
+    given = load_config(again.cfg_path)
+    assert given.runtime.end_linger_s == 7.5 and given.run.threads == 2
+    for p in (again.syncer, *again.learners, again.evaluator):
+        assert p.argv[-1] == str(again.cfg_path), p.name
+
+
 def a_run_whose_state_was_deleted(run_dir: Path) -> None:
     launcher(run_dir)  # run.json, config.toml, keys
     (run_dir / "metrics" / "run.jsonl").write_text('{"event": "run", "time": 0.0, "what": "start", "reason": ""}\n')

@@ -181,9 +181,14 @@ class Launcher:
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         (self.run_dir / "metrics").mkdir(exist_ok=True)
-        self.cfg_path = self.run_dir / "config.toml"
-        if not self.cfg_path.exists():
-            self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
+        saved = self.run_dir / "config.toml"
+        if not saved.exists():
+            saved.write_text(tomli_w.dumps(to_dict(cfg)))
+        # What this launch's processes are given: the run's config with this command's runtime.* and
+        # run.threads (a resumed run's --set; the saved config.toml keeps the run's own, and each
+        # process checks the two agree in everything else).
+        self.cfg_path = self.logs / "config.toml"
+        self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
         self.addr = f"tcp://{host}:{port or free_port(host)}"
         self.host = host
         self.on_status = on_status
