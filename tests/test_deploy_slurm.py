@@ -169,3 +169,75 @@ def test_submit_sizes_the_array_from_the_config_and_requeues_every_job(rig):
     learners = sbatch[1]
     assert learners[learners.index("--array") + 1] == "0-1"
     assert learners[learners.index("--gpus-per-node") + 1] == "8"
+
+
+# -- the restart logic, run for real with a stand-in learner ---------------------------------------
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# `python -m ddiloco ...` exits with the next code of FAKE_CODES (0 once they run out); the rest is python
+if [ "$1" = "-m" ] && [ "$2" = "ddiloco" ]; then
+    echo "$*" >> "$FAKE_DIR/runs"
+    n=$(wc -l < "$FAKE_DIR/runs")
+    code=$(echo "$FAKE_CODES" | cut -d' ' -f"$n")
+    exit "${code:-0}"
+fi
+exec REAL "$@"
+"""
+
+
+def learner_job(tmp: Path, codes: str, **extra: str) -> subprocess.Popen:
+    """learners.sbatch as element 1, its learner a stand-in exiting with ``codes`` in turn."""
+    fake = tmp / "fake"
+    fake.mkdir(exist_ok=True)
+    (fake / "python").write_text(FAKE_PYTHON.replace("REAL", sys.executable))
+    (fake / "python").chmod(0o755)
+    env = clean_env(tmp, SLURM_ARRAY_TASK_ID="1", LEARNER_RANKS_PER_NODE="1", LEARNER_NODES="1",
+                    FAKE_DIR=str(fake), FAKE_CODES=codes, **{"RESTART_BACKOFF_S": "0", **extra})  # fmt: skip
+    env.pop("DDILOCO_DRY_RUN")
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    # (output to a file: a background `sleep` of the script's may hold a pipe open after it exits)
+    with open(tmp / "job.log", "w") as log:
+        return subprocess.Popen(
+            ["bash", str(DEPLOY / "learners.sbatch")], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def runs(tmp: Path) -> int:
+    path = tmp / "fake" / "runs"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.parametrize(
+    "codes,exit_code,started",
+    [
+        ("0", 0, 1),  # the run ended
+        ("7 4 0", 0, 3),  # gave up, comm died: started again each time, until the end
+        ("5 130 0", 0, 3),  # no syncer answered; stopped by a signal of its own (not the job's)
+        ("7 2", 2, 2),  # a bad argument, config or key file: no restart fixes it
+        ("3", 3, 1),  # refused by the syncer
+        ("6", 6, 1),  # superseded
+        ("7 7 7 7", 7, 3),  # MAX_RESTARTS=2: three starts, then the job gives up with the learner's code
+    ],
+)
+def test_a_learner_process_is_started_again_only_for_what_a_restart_can_fix(rig, codes, exit_code, started):
+    job = learner_job(rig, codes, MAX_RESTARTS="2")
+    job.wait(timeout=120)
+    assert (job.returncode, runs(rig)) == (exit_code, started), (rig / "job.log").read_text()
+
+
+def test_a_signal_during_the_backoff_starts_nothing_new(rig):
+    """SIGTERM (scancel, a requeue) while the job waits to restart its learner: it exits 130 and
+    starts no process that Slurm would only SIGKILL."""
+    import signal
+    import time
+
+    job = learner_job(rig, "7 0", RESTART_BACKOFF_S="60")
+    deadline = time.monotonic() + 60
+    while runs(rig) < 1 and time.monotonic() < deadline:  # the first learner has exited 7 ...
+        time.sleep(0.05)
+    time.sleep(0.5)  # ... and the job is in its 60 s backoff
+    job.send_signal(signal.SIGTERM)
+    job.wait(timeout=60)
+    out = (rig / "job.log").read_text()
+    assert job.returncode == 130 and runs(rig) == 1, out
+    assert "nothing started again" in out

@@ -71,5 +71,5 @@ DDILOCO_DEPLOY_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 : "${VENV:=}"
 
 # How often a job restarts a learner, syncer or evaluator process that died (exit codes other
-# than 0, 3, 6 and 130 for a learner; see learners.sbatch) before the job gives up.
+# than 0, 2, 3, 6 and 130 for a learner; see learners.sbatch) before the job gives up.
 : "${MAX_RESTARTS:=20}"

@@ -117,8 +117,15 @@ ddl_watch_address() {  # background: stop CHILD (to be restarted) if the syncer'
     done
 }
 
+ddl_stop_if_asked() {  # a signal came while nothing ran (a backoff, a wait): start nothing new
+    if [ -n "$STOPPING" ]; then
+        ddl_log "stopping on the signal: nothing started again"
+        exit 130
+    fi
+}
+
 ddl_backoff() {  # sleep before restart number $1: 5 s, 10 s, 20 s ... at most 5 min
-    local n="$1" s=5
+    local n="$1" s="${RESTART_BACKOFF_S:-5}"
     while [ "$n" -gt 1 ] && [ "$s" -lt 300 ]; do
         s=$((s * 2))
         n=$((n - 1))
