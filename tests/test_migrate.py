@@ -23,8 +23,8 @@ from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.service.base.transport import InProcessNetwork
 from ddiloco.service.syncer.service import SyncerService
 from ddiloco.service.syncer.store.errors import StateError
-from ddiloco.service.syncer.store.frames import MARK_SIZE, _unpack_mark
-from ddiloco.service.syncer.store.migrate import migrate_state
+from ddiloco.service.syncer.store.frames import MARK_SIZE, MIRROR, _unpack_mark
+from ddiloco.service.syncer.store.migrate import check_state
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-3" / "run"
 
@@ -86,14 +86,33 @@ def test_the_cli_migrates_and_says_so_in_a_line_each(old_run):
     assert "is a syncer state folder, not a run folder" in not_run.stderr
 
 
-def test_a_store_held_by_a_running_syncer_is_not_migrated(old_run):
+def test_a_store_held_by_a_running_syncer_is_not_migrated_and_nothing_else_is_either(old_run):
     import fcntl
 
+    info = json.loads((old_run / "run.json").read_text())
+    (old_run / "run.json").write_text(json.dumps({**info, "format": 1}))  # a folder that needs both moves
     with open(old_run / "state" / "syncer.lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(StateError, match="in use by a running syncer: stop it, then migrate"):
-            migrate_state(old_run / "state")
+            migrate(old_run)
     assert json.loads((old_run / "state" / "FORMAT").read_text()) == {"format": 3}
+    assert json.loads((old_run / "run.json").read_text())["format"] == 1 and not (old_run / "state" / MIRROR).exists()
+    assert len(migrate(old_run)) == 2  # once the syncer has stopped: both
+
+
+def test_a_migration_cut_between_the_mirror_and_format_is_done_again_and_restores(old_run):
+    """A crash after the mirror was written, before FORMAT: the folder still reads as format 3
+    (the mirror a torn copy here), and a second run of the command finishes it."""
+    marks = (old_run / "state" / "durable.log").read_bytes()
+    (old_run / "state" / MIRROR).write_bytes(marks[: len(marks) // 2 + 3])
+    assert json.loads((old_run / "state" / "FORMAT").read_text()) == {"format": 3}
+    assert migrate(old_run) and (old_run / "state" / MIRROR).read_bytes() == marks
+    service = open_service(old_run)
+    try:
+        assert service.core.versions() == [marked_versions(old_run / "state")[p] for p in range(24)]
+    finally:
+        service.stop()
+        service.shutdown()
 
 
 @pytest.mark.parametrize("found", [1, 2, 5, "unreadable"])
@@ -101,7 +120,9 @@ def test_other_store_formats_are_refused_not_guessed(old_run, found):
     fmt = old_run / "state" / "FORMAT"
     fmt.write_text("{" if found == "unreadable" else json.dumps({"format": found}))
     with pytest.raises(StateError, match=f"format {found}; `ddiloco migrate` moves format 3 to 4 only"):
-        migrate_state(old_run / "state")
+        check_state(old_run / "state")
+    with pytest.raises(StateError, match=f"format {found}"):
+        migrate(old_run)
 
 
 def test_a_format_1_run_folder_is_refused_naming_migrate_and_migrates(tmp_path):

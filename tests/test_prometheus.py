@@ -114,6 +114,11 @@ def test_healthz_says_whether_the_syncers_loop_still_writes_its_status():
     assert health({"time": 100.0}, 130.0, 60.0) == (True, "ok: status written 30.0 s ago")
     assert health({"time": 100.0}, 190.0, 60.0) == (False, "stale: the syncer's loop last wrote its status 90 s "
                                                            "ago (limit 60 s)")  # fmt: skip
+    assert health({}, 130.0, 60.0, since=100.0)[0] and not health({}, 190.0, 60.0, since=100.0)[0]  # never written
+    from ddiloco.service.syncer.service import health_stale_s
+
+    assert health_stale_s(1.0, 3_000_000) == 60.0 and health_stale_s(5.0, 0) == 150.0
+    assert health_stale_s(1.0, 4 * 10**9) == 200.0  # a 1B-parameter fp32 model's final file at 20 MB/s
     status = {"shard": 0, "time": time.time(), "learners": [], "live": []}
     server = MetricsServer("127.0.0.1:0", lambda: status, stale_after_s=60.0)
     try:

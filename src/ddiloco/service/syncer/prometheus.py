@@ -129,9 +129,11 @@ def metric_families(status: dict[str, Any]) -> list[tuple[str, str, str, list[tu
     return out
 
 
-def health(status: dict[str, Any], now: float, stale_after_s: float) -> tuple[bool, str]:
-    """Whether the loop that wrote ``status`` (at its wall ``time``) still turns, and one line."""
-    age = now - float(status.get("time", now))
+def health(status: dict[str, Any], now: float, stale_after_s: float, since: float | None = None) -> tuple[bool, str]:
+    """Whether the loop that wrote ``status`` (at its wall ``time``; none yet: counted from
+    ``since``, when the server started) still turns, and one line."""
+    written = _num(status.get("time"))
+    age = now - (written if written is not None else since if since is not None else now)
     if age > stale_after_s:
         return False, f"stale: the syncer's loop last wrote its status {age:.0f} s ago (limit {stale_after_s:.0f} s)"
     return True, f"ok: status written {max(age, 0.0):.1f} s ago"
@@ -146,6 +148,8 @@ class _Server6(_Server):
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = 10  # an idle client does not hold a thread for good
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         pass  # a scrape every few seconds is not worth a log line
 
@@ -174,13 +178,14 @@ class MetricsServer:
                         family.add_metric([lab[k] for k in labels], value)
                     yield family
 
+        started = time.time()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StatusCollector())
         metrics_app = make_wsgi_app(registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
             if environ.get("PATH_INFO") == "/healthz":
-                ok, line = health(status(), time.time(), stale_after_s)
+                ok, line = health(status(), time.time(), stale_after_s, since=started)
                 start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
                 return [line.encode() + b"\n"]
             return metrics_app(environ, start_response)  # type: ignore[no-any-return]

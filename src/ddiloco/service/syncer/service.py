@@ -77,7 +77,18 @@ has no per-peer writable event to wait for)."""
 
 
 HEALTH_STALE_MIN_S = 60.0
-"""``/healthz`` fails once the loop's status is this old (or 30 status intervals, if longer)."""
+"""``/healthz`` fails once the loop's status is this old, at least (``health_stale_s``)."""
+SLOWEST_DISK_BYTES_PER_S = 20e6
+"""The slowest disk the loop's longest write (the final model's file) is allowed for."""
+
+
+def health_stale_s(status_interval_s: float, model_bytes: int) -> float:
+    """How old the loop's status may get before ``/healthz`` says the syncer is stuck: 60 s, 30
+    status intervals, or the time to write the whole model at 20 MB/s (the final model's file, the
+    loop's longest write: 200 s for a 1B-parameter fp32 model), whichever is longest."""
+    return max(HEALTH_STALE_MIN_S, 30 * status_interval_s, model_bytes / SLOWEST_DISK_BYTES_PER_S)
+
+
 MAX_DIALECTS = 4096
 """Most connections remembered as speaking an older wire schema."""
 MAX_SCHEMA = 1 << 16
@@ -374,7 +385,7 @@ class SyncerService:
         is answered with a refusal in the sender's own schema, so it stops with one line."""
         role = "observer" if e.kind == "FetchGlobal" or e.kind == "StatusRequest" else "learner"
         reason = refusal_reason(e.theirs, role)
-        self._count_bad("other_schema", f"refused {e.kind or 'a message'} from {identity!r}: {reason}")
+        self._count_bad("other_schema", f"refused {e.kind or 'a message'!r} from {identity!r}: {reason}")
         joining = e.kind in ("Register", "SettingsRequest")
         if joining and 2 <= e.theirs <= MAX_SCHEMA and self._join_rate.allow(who, self.clock.monotonic()):
             # (an older schema reads it as its own; a newer one reads ours if it serves it)
@@ -426,7 +437,7 @@ class SyncerService:
                 self.metrics = MetricsServer(
                     f"{host}:{int(port) + self.shard if int(port) else 0}",
                     lambda: self.last_status,
-                    stale_after_s=max(HEALTH_STALE_MIN_S, 30 * rt.status_interval_s),
+                    stale_after_s=health_stale_s(rt.status_interval_s, 4 * self._traffic_params),
                 )
             self._loop(rt, end)
         except BaseException as e:

@@ -5,14 +5,16 @@ kept it once. Every other file reads the same in both. So the migration writes t
 copy of ``durable.log`` (the restore accepts a torn last mark in either, and rewrites both when
 they differ), then ``FORMAT``. Each step is a temp file fsynced and renamed into place, so a
 crash at any point leaves either the format-3 folder (run it again) or the format-4 one; the
-folder's lock is held throughout, so a syncer running on it is never migrated under it.
+folders' locks are held throughout, so a syncer running on one is never migrated under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ddiloco.service.syncer.store.errors import StateError
@@ -39,45 +41,61 @@ def format_of(state_dir: Path) -> object:
         return "unreadable"
 
 
-def migrate_state(state_dir: Path) -> str | None:
-    """Migrate one state folder from format 3 to 4; what it did (None: it was format 4 already).
-    StateError for anything else: another format, a syncer holding it, a disk that refuses."""
+@contextlib.contextmanager
+def locked(state_dirs: list[Path]) -> Iterator[None]:
+    """Hold every state folder's lock (as a syncer does from restore to close): StateError, and
+    nothing held, if a running syncer holds any of them."""
+    with contextlib.ExitStack() as stack:
+        for d in state_dirs:
+            lock = stack.enter_context(open(d / LOCK, "a+"))
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StateError(f"{d} is in use by a running syncer: stop it, then migrate") from None
+        yield
+
+
+def check_state(state_dir: Path) -> bool:
+    """Whether the folder needs migrating (False: it is format 4 already); StateError when it is
+    of a format this build does not migrate, or damaged."""
     found = format_of(state_dir)
     if found == FORMAT:
-        return None
+        return False
     if found != PREVIOUS:
         raise StateError(
             f"{state_dir} holds syncer state of format {found}; `ddiloco migrate` moves format {PREVIOUS} to "
             f"{FORMAT} only: finish that run with the ddiloco that wrote it"
         )
-    with open(state_dir / LOCK, "a+") as lock:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StateError(f"{state_dir} is in use by a running syncer: stop it, then migrate") from None
-        try:
-            if not (state_dir / MARKS).exists():
-                raise StateError(
-                    f"{state_dir / MARKS} is missing from a format-{PREVIOUS} folder: it is damaged; restore it from "
-                    "a backup first"
-                )
-            marks = (state_dir / MARKS).read_bytes()
-            _replace(state_dir, MIRROR, marks)
-            _replace(state_dir, "FORMAT", json.dumps({"format": FORMAT}).encode())
-        except OSError as e:
-            raise StateError(f"cannot migrate {state_dir}: {e}") from None
+    if not (state_dir / MARKS).exists():
+        raise StateError(
+            f"{state_dir / MARKS} is missing from a format-{PREVIOUS} folder: it is damaged; restore it from a "
+            "backup first"
+        )
+    return True
+
+
+def migrate_state(state_dir: Path) -> str:
+    """Move one format-3 state folder (checked by ``check_state``, its lock held: ``locked``) to
+    format 4: the mirror first, FORMAT last, so a crash between them leaves a format-3 folder that
+    a second run migrates again."""
+    try:
+        marks = (state_dir / MARKS).read_bytes()
+        replace_whole(state_dir / MIRROR, marks)
+        replace_whole(state_dir / "FORMAT", json.dumps({"format": FORMAT}).encode())
+    except OSError as e:
+        raise StateError(f"cannot migrate {state_dir}: {e}") from None
     return f"{state_dir}: syncer state format {PREVIOUS} -> {FORMAT} ({MIRROR} written, {len(marks)} bytes of marks)"
 
 
-def _replace(d: Path, name: str, data: bytes) -> None:
-    """Write ``d/name`` whole or not at all: a temp file, fsynced, renamed, the folder fsynced."""
-    tmp = d / f"{name}.migrate.tmp"
+def replace_whole(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a temp file, fsynced, renamed, its folder fsynced."""
+    tmp = path.with_name(f"{path.name}.migrate.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, d / name)
-    fd = os.open(d, os.O_RDONLY)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
