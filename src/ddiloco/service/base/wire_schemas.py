@@ -4,9 +4,10 @@ A peer of an older schema is *served* when every difference since its schema is 
 default that the older peer can do without: its messages decode here (the fields it does not
 know take their defaults), and what this build sends it leaves those fields out and carries its
 schema number, so the older build decodes it as its own. A peer outside ``OLDEST_SERVED ..
-SCHEMA`` is refused: a joining one gets a ``JoinReply`` refusal in its own schema (its five
-``REFUSAL_FIELDS`` decode in every schema since 2) naming both versions, and nothing it sends is
-merged.
+SCHEMA`` is refused: a joining learner gets a ``JoinReply`` refusal in its own schema (its five
+``REFUSAL_FIELDS`` decode in every schema since 2) naming both versions; every message of such a
+peer is counted (``other_schema``) and taken nowhere, and an observer's request (an evaluator, an
+older ``ddiloco status``) is not answered: only the syncer's log says why.
 
 Adding a field with a default: bump ``SCHEMA`` and list the field under the new number in
 ``ADDED`` (with what an older peer misses). A change an older peer cannot do without (a new
