@@ -18,7 +18,6 @@ from test_security import SETTINGS, register
 
 from ddiloco.config import load_config
 from ddiloco.core.messages import Heartbeat
-from ddiloco.protocol.learner_session import LearnerSession
 from ddiloco.protocol.messages import GlobalState, JoinReply
 from ddiloco.service.base import wire
 from ddiloco.service.base.wire import SchemaMismatch, decode, decode_from, encode, refusal
@@ -153,9 +152,34 @@ def test_a_learner_of_an_unserved_schema_is_refused_in_one_line_and_nothing_it_s
     assert svc.counts["other_schema"] == 2 and svc.counts["malformed"] == 0 and 1 not in svc.core.learners
 
 
-def test_a_learner_that_cannot_read_its_syncer_stops_with_one_line():
-    session = LearnerSession.__new__(LearnerSession)  # (only the refusal's state matters here)
-    session.refused, session.gave_up, session.run_end = None, None, None
-    session.refuse("syncer tcp://h:5555 speaks wire schema 10, this learner speaks 8 and serves 7 to 8")
-    session.refuse("a later reason")
-    assert session.stopped and session.done and session.refused.startswith("syncer tcp://h:5555 speaks wire schema 10")
+def test_a_learner_whose_syncer_speaks_a_schema_it_does_not_serve_stops_with_one_line():
+    """The learner's comm thread meets a syncer of a newer schema it cannot read (one that does
+    not serve it): the learner stops at its join with one line naming both schemas."""
+    import threading
+
+    from test_library import ADDRESS, DictNet, cfg
+
+    import ddiloco
+    from ddiloco.errors import RefusedError
+    from ddiloco.service.base.transport import InProcessNetwork
+
+    net = InProcessNetwork()
+    syncer, done = net.syncer(ADDRESS), threading.Event()
+    newer = json.dumps({"v": 10, "type": "JoinReply", "fields": {}, "tensors": []}).encode()
+
+    def answer_in_a_newer_schema() -> None:
+        while not done.is_set():
+            for got in syncer.recv(0.05, 16):
+                syncer.send(got.identity, [newer])
+
+    t = threading.Thread(target=answer_in_a_newer_schema, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(RefusedError) as e:
+            ddiloco.Learner(DictNet(), ADDRESS, learner_id=0, config=cfg(), transport=net.learner)
+    finally:
+        done.set()
+        t.join(timeout=10)
+    said = str(e.value)
+    assert f"speaks wire schema 10, this learner speaks {SCHEMA} and serves {OLDEST_SERVED} to {SCHEMA}" in said
+    assert "run the syncer's ddiloco version here" in said and "\n" not in said
