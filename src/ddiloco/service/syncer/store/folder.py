@@ -32,6 +32,16 @@ def _write_all(fd: int, pieces: list[Any]) -> None:
             view = view[os.write(fd, view) :]
 
 
+def format_of(state_dir: Path) -> object:
+    """The format a state folder's FORMAT file says (None: there is none; "unreadable")."""
+    try:
+        return json.loads((state_dir / "FORMAT").read_bytes()[:256]).get("format")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return "unreadable"
+
+
 def has_state(d: Path) -> bool:
     """Whether ``d`` holds anything besides the lock file and a FORMAT.tmp that a crash left before
     its rename (a locked but fresh folder is empty)."""
@@ -205,17 +215,14 @@ class StateFolder:
     def _check_format(self) -> None:
         """Files of another format are refused with what to do, never read as if they were ours."""
         path = self.dir / "FORMAT"
-        try:
-            found = json.loads(path.read_bytes()[:256]).get("format")
-        except FileNotFoundError:
+        found = format_of(self.dir)
+        if found is None:
             if (self.dir / MARKS).exists() or (self.dir / MIRROR).exists():  # formats 3+ always have FORMAT
                 raise StateError(
                     f"{path} is missing but {self.dir} holds durable marks: the folder is damaged; restore it from a "
                     f'backup, or write {{"format": {FORMAT}}} into {path} if you know it is this format'
-                ) from None
+                )
             found = 1  # format 1 had no FORMAT file
-        except (OSError, ValueError, AttributeError):
-            found = "unreadable"
         if found == 3:
             run_dir = self.root.parent
             raise StateError(

@@ -17,7 +17,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ddiloco.service.base.durable import fsync_dir
 from ddiloco.service.syncer.store.errors import StateError
+from ddiloco.service.syncer.store.folder import format_of
 from ddiloco.service.syncer.store.frames import FORMAT, LOCK, MARKS, MIRROR
 
 PREVIOUS = 3
@@ -29,16 +31,6 @@ def state_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "state"
     shards = sorted(root.glob("shard-*"))
     return shards if shards else [root] if (root / "FORMAT").exists() else []
-
-
-def format_of(state_dir: Path) -> object:
-    """The format a state folder says it is (None: no FORMAT file; "unreadable")."""
-    try:
-        return json.loads((state_dir / "FORMAT").read_bytes()[:256]).get("format")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError):
-        return "unreadable"
 
 
 @contextlib.contextmanager
@@ -95,8 +87,4 @@ def replace_whole(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
