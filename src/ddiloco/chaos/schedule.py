@@ -49,6 +49,13 @@ class ChaosConfig:
     of hold:DURATION@TIME, cut:DURATION@TIME (TIME in seconds or % of runtime.duration_s),
     reset_every:PERIOD, reset_mean:MEAN, flap:UP/DOWN; e.g. '1:hold:30s@40%', '0:cut:30s@50%',
     '1:reset_mean:10s', '1:flap:10s/5s'."""
+    hosts: bool = False
+    """Real runtime (Linux, as root; ``ddiloco train`` only): every process on an emulated host of
+    its own, a network namespace joined to the others by a veth pair (ddiloco.link.hosts): the
+    syncer, each learner, the evaluator. A learner's link rate (``links``) then comes from the
+    kernel (tbf) and its delay, stalls and faults from the relay in the syncer's host; keys are
+    required. Set up at start, torn down at the end (what a crashed launcher left goes at the
+    next start)."""
 
     def validate(self, num_learners: int) -> None:
         require(0.0 <= self.downtime_fraction < 1.0, "chaos.downtime_fraction", self.downtime_fraction, "[0, 1)")

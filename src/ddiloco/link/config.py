@@ -189,6 +189,20 @@ def parse_link(text: str) -> LinkConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def split_rates(text: str) -> tuple[tuple[float, float], str]:
+    """A link string -> ((up, down) rate in bits per second, the string without its rates), for
+    a link whose rate the kernel gives (emulated hosts) and whose delay and faults the relay does.
+    The string is validated first (one line when it is bad)."""
+    cfg = parse_link(text)
+    kept = []
+    for raw in (t.strip() for t in text.split(",")):
+        key = raw.split("=", 1)[0].strip().lower() if "=" in raw else ""
+        if not raw or key.rpartition(".")[2] == "rate" or (not key and (_is(raw, RATE_UNITS) or raw.lower() == "inf")):
+            continue
+        kept.append(raw)
+    return (cfg.up.rate_bps, cfg.down.rate_bps), ",".join(kept)
+
+
 def _is(text: str, units: dict[str, float]) -> bool:
     m = _QUANTITY.match(text)
     return m is not None and m.group(3).lower() in units

@@ -95,23 +95,35 @@ def remove_stale() -> list[str]:
     return gone
 
 
+def _both_ways(rate: float | tuple[float, float]) -> tuple[float, float]:
+    if isinstance(rate, tuple):
+        return float(rate[0]), float(rate[1])
+    return float(rate), float(rate)
+
+
 class EmulatedHosts:
     """Hosts by name, each a namespace with one address on a shared /24; ``up`` makes them,
     ``down`` deletes them (a context manager does both)."""
 
     def __init__(
-        self, names: Sequence[str], rates_bps: Mapping[str, float] | None = None, subnet: str = "10.213.0.0/24"
+        self,
+        names: Sequence[str],
+        rates_bps: Mapping[str, float | tuple[float, float]] | None = None,
+        subnet: str = "10.213.0.0/24",
     ) -> None:
-        """``rates_bps``: a host's rate in bits per second, each way (missing or 0: none);
-        ``subnet``: a /24 of the hosts' addresses (keep it off the machine's own networks)."""
+        """``rates_bps``: a host's rate in bits per second, one number for both ways or (what it
+        sends, what it receives) (missing or 0: none); ``subnet``: a /24 of the hosts' addresses
+        (keep it off the machine's own networks)."""
         net = ipaddress.ip_network(subnet)
         if net.prefixlen != 24 or not net.is_private:
             raise ValueError(f"subnet {subnet}: a private /24 (e.g. 10.213.0.0/24)")
         if not 0 < len(names) <= MAX_HOSTS or len(set(names)) != len(names):
             raise ValueError(f"1 to {MAX_HOSTS} distinct host names")
         self.names = list(names)
-        self.rates = {n: float((rates_bps or {}).get(n, 0.0)) for n in self.names}
-        if any(not 0 <= r < 1e12 for r in self.rates.values()):
+        given = rates_bps or {}
+        self.rates = {n: _both_ways(given.get(n, 0.0)) for n in self.names}
+        """Each host's (send, receive) rate in bits per second (0: none)."""
+        if any(not 0 <= r < 1e12 for pair in self.rates.values() for r in pair):
             raise ValueError("rates are bits per second in [0, 1e12) (0: none)")
         hosts = list(net.hosts())
         self.addresses = {n: str(hosts[i]) for i, n in enumerate(self.names)}
@@ -147,9 +159,10 @@ class EmulatedHosts:
         _ip("link", "set", "eth0", "up", ns=ns)
         _ip("link", "set", f"p{i}", "master", "br0", ns=self.hub)
         _ip("link", "set", f"p{i}", "up", ns=self.hub)
-        rate = self.rates[name]
-        if rate > 0:  # its sends (eth0 out) and what it receives (the hub's end out towards it)
-            for where, dev in ((ns, "eth0"), (self.hub, f"p{i}")):
+        send, receive = self.rates[name]
+        # its sends (eth0 out) and what it receives (the hub's end out towards it)
+        for where, dev, rate in ((ns, "eth0", send), (self.hub, f"p{i}", receive)):
+            if rate > 0:
                 burst = max(32 * 1024, int(rate / 8 / 100))  # 10 ms of bytes, at least 32 KiB
                 _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit",
                     "burst", str(burst), "latency", "200ms")  # fmt: skip
@@ -165,6 +178,19 @@ class EmulatedHosts:
     def popen(self, name: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on host ``name``."""
         return subprocess.Popen(self.command(name, argv), **kwargs)
+
+    def local_addresses(self, name: str) -> set[str]:
+        """The local addresses of every TCP socket on host ``name``, listening or connected (what
+        its processes bound: its own address, or loopback for what stays inside it)."""
+        done = subprocess.run(self.command(name, ["ss", "-Htan"]), capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"ss on host {name}: {done.stderr.strip() or done.returncode}")
+        out = set()
+        for line in done.stdout.splitlines():
+            cols = line.split()
+            if len(cols) >= 4:  # State Recv-Q Send-Q Local:Port Peer:Port
+                out.add(cols[3].rsplit(":", 1)[0].strip("[]"))
+        return out
 
     def set_link(self, name: str, up: bool) -> None:
         """Cut host ``name`` off (a partition: its packets go nowhere, connections stall) or

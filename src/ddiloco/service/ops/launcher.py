@@ -13,6 +13,11 @@ Keys by default: the run's CURVE keys live in ``RUN_DIR/keys`` (made at the firs
 ``--resume``) and every child gets them, so that on loopback too a local process can neither take
 a learner id nor pose as the syncer; ``insecure`` turns that off. A resumed run whose syncer
 state is gone is refused here, in one line, before anything starts (``start_over`` starts it over).
+
+Emulated hosts (``chaos.hosts``): every child runs in a network namespace of its own (the
+syncer, each learner, the evaluator; the relays in the syncer's), made before the syncer starts
+and deleted after the last child is gone; a learner's link rate is its host's (the kernel's
+``tbf``), the relay adds only the delay, stalls and faults.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ import tomli_w
 from ddiloco.chaos.schedule import link_plan, make_schedule
 from ddiloco.config import Config, to_dict
 from ddiloco.errors import DDiLoCoError
+from ddiloco.link.config import split_rates
+from ddiloco.link.hosts import EmulatedHosts
+from ddiloco.link.hosts import unavailable as hosts_unavailable
 from ddiloco.report.accounting import STATES, uptime
 from ddiloco.report.rundir import prepare_run_dir
 from ddiloco.report.summary import is_injected, run_started_at, write_summary
@@ -48,6 +56,9 @@ from ddiloco.service.syncer.store import check_state
 from ddiloco.service.syncer.store import start_over as start_over_state
 
 log = logging.getLogger(__name__)
+
+HOSTS_PORT = 5600
+"""The syncer's port on its emulated host (its relays take the ports above it)."""
 
 
 def check_chaos_horizon(cfg: Config) -> None:
@@ -189,6 +200,10 @@ class Launcher:
         # process checks the two agree in everything else).
         self.cfg_path = self.logs / "config.toml"
         self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
+        self.hosts = self._emulated_hosts(cfg, insecure)
+        """Each role's network namespace (None: every process on this machine's loopback)."""
+        if self.hosts is not None:  # a fresh namespace: every port is free there
+            host, port = self.hosts.address("syncer"), port or HOSTS_PORT
         self.addr = f"tcp://{host}:{port or free_port(host)}"
         self.host = host
         self.on_status = on_status
@@ -205,7 +220,14 @@ class Launcher:
         self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)])
         # Chaos links: learner m talks to its relay, which forwards to the syncer (docs/runtime.md#link-emulator).
         relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s) if cfg.chaos.enabled else {}
-        ports = _distinct_free_ports(host, len(relayed), taken={int(self.addr.rsplit(":", 1)[1])})
+        if self.hosts is not None and not cfg.chaos.site_link:  # a link that is only a rate is its host's
+            relayed = {m: r for m, r in relayed.items() if split_rates(r[0])[1] or r[1]}
+        syncer_port = int(self.addr.rsplit(":", 1)[1])
+        ports = (
+            [syncer_port + 1 + i for i in range(len(relayed))]
+            if self.hosts is not None
+            else _distinct_free_ports(host, len(relayed), taken={syncer_port})
+        )
         self.link_routes = {m: (port, *relayed[m]) for m, port in zip(sorted(relayed), ports)}
         """Learner -> (its relay's port, link string, fault strings)."""
         self.link_plan_path = self.run_dir / "links.json"
@@ -222,6 +244,12 @@ class Launcher:
         self.evaluator = Proc(
             "evaluator", [*py, "evaluator", "--syncer", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)]
         )
+        if self.hosts is not None:  # each role in its host's namespace (the relays in the syncer's)
+            hosted = self.hosts
+            for p, where in [(self.syncer, "syncer"), (self.evaluator, "evaluator"),
+                             *((p, p.name) for p in self.learners),
+                             *([(self.links, "syncer")] if self.links else [])]:  # fmt: skip
+                p.argv = hosted.command(where, p.argv)
         self.books = [LearnerBook() for _ in self.learners]
         self.faults: list[dict] = []
         self._phases_said: set[tuple[int, str]] = set()  # (straggler entry, straggle | straggle_end) recorded
@@ -235,6 +263,23 @@ class Launcher:
         # A resumed run (train --resume) adds this session's accounting to the earlier ones'.
         self._previous_accounting = read_json(self.run_dir / "metrics" / "accounting.json")
 
+    @staticmethod
+    def _emulated_hosts(cfg: Config, insecure: bool) -> EmulatedHosts | None:
+        """The run's emulated hosts (not made yet), or None when chaos.hosts is off; one line
+        when they cannot be had here."""
+        if not (cfg.chaos.enabled and cfg.chaos.hosts):
+            return None
+        why = hosts_unavailable()
+        if why is not None:
+            raise DDiLoCoError(f"chaos.hosts: {why}; set chaos.hosts = false to run every process on loopback")
+        if insecure:
+            raise DDiLoCoError("chaos.hosts: the processes talk across emulated hosts, off loopback: keys are "
+                               "required; drop --insecure")  # fmt: skip
+        relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s)
+        rates = {f"learner-{m}": split_rates(spec)[0] for m, (spec, _) in relayed.items() if spec}
+        names = ["syncer", "evaluator", *(f"learner-{m}" for m in range(cfg.run.num_learners))]
+        return EmulatedHosts(names, rates)
+
     def _learner_addr(self, host: str, m: int) -> str:
         """The syncer's address as learner m dials it: its relay's when its link is emulated."""
         return f"tcp://{host}:{self.link_routes[m][0]}" if m in self.link_routes else self.addr
@@ -244,7 +289,13 @@ class Launcher:
         syncer, with the faults on the run's clock (``start_at``: when the run started)."""
         syncer = self.addr.removeprefix("tcp://")
         routes = [
-            {"name": f"link-{m}", "listen": f"{self.host}:{port}", "to": syncer, "link": spec, "faults": list(faults)}
+            {
+                "name": f"link-{m}",
+                "listen": f"{self.host}:{port}",
+                "to": syncer,
+                "link": split_rates(spec)[1] if self.hosts is not None else spec,
+                "faults": list(faults),
+            }
             for m, (port, spec, faults) in sorted(self.link_routes.items())
         ]
         return {"routes": routes, "site_link": self.cfg.chaos.site_link, "horizon_s": self.cfg.runtime.duration_s,
@@ -319,11 +370,15 @@ class Launcher:
         """Run until the syncer ends the run (or ``request_stop``); returns the summary, which
         is also in the run folder."""
         try:
+            if self.hosts is not None:
+                self.hosts.up()
             self._supervise()
         finally:
             end = self._stop_all()
             for p in self._procs():
                 p.kill_groups()  # whatever is left, in any path: no orphans
+            if self.hosts is not None:
+                self.hosts.down()
         return self.finish(end)
 
     def _procs(self) -> list[Proc]:
