@@ -4,6 +4,8 @@ ddiloco goodput [grid options]           goodput/uptime table over fleet sizes a
 ddiloco goodput --bands [--valley PATH]  ... and the prediction bands over the consistent set
 ddiloco goodput bandwidth [options]      cross-site bandwidth per training method
 ddiloco goodput calibrate [options]      least-squares fit to the paper's DP rows
+ddiloco goodput target [options]         a target run's goodput under learner losses, and the
+                                         local run that stands for it (--local-params)
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ from ddiloco.goodput.simulate import (
     PAPER_CHIPS,
     simulate_grid,
 )
+from ddiloco.goodput.target import LossCosts, Target, equivalent, long_run_goodput, predict
 from ddiloco.goodput.valley import band_strategies
 
-SUBCOMMANDS = ("grid", "bandwidth", "calibrate")
+SUBCOMMANDS = ("grid", "bandwidth", "calibrate", "target")
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
 
 
@@ -172,6 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check-seeds", type=int, default=20, help="seeds for the residuals")
     c.add_argument("--max-evals", type=int, default=250, help="objective evaluations")
     c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    t = sub.add_parser("target", help="a target run's goodput under learner losses; its local equivalent")
+    dt, dc = Target(), LossCosts()
+    t.add_argument("--params", default=f"{dt.params:g}", help="the target's parameters, e.g. 7e9")
+    t.add_argument("--step-time", default=f"{dt.step_s:g}s", help="its inner step time")
+    t.add_argument("--learners", type=int, default=dt.learners, help="its learners M")
+    t.add_argument("--loss-every", default=f"{dt.loss_every_s:g}s", help="one learner lost per this long, fleet-wide")
+    t.add_argument("--link", default="1gbit", help="each learner's link, e.g. 1gbit or 10gbit")
+    t.add_argument("--horizon", default="0s", help="the run's length from the first step (0: a long run's mean)")
+    t.add_argument("--restart-delay", default=f"{dc.restart_delay_s:g}s", help="a lost learner's wait to start again")
+    t.add_argument("--startup", default=f"{dc.startup_s:g}s", help="its start-up before it can fetch")
+    t.add_argument("--restart-moves", type=float, default=dc.restart_moves_n,
+                   help="what a restart with its save fetches before its first step, over N")  # fmt: skip
+    t.add_argument("--replace-moves", type=float, default=dc.replace_moves_n,
+                   help="what a replacement without state fetches before its first step, over N")  # fmt: skip
+    t.add_argument("--local-params", type=float, default=0.0, help="a local model's parameters: its equivalent run")
+    t.add_argument("--local-step-time", default="0.25s", help="the local model's inner step time")
+    t.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -188,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(a)
         if a.command == "grid":
             return _grid(a)
+        if a.command == "target":
+            return _target(a)
         build_parser().print_help()
         return 0
     except ConfigError as exc:
@@ -352,4 +374,52 @@ def _calibrate(a: argparse.Namespace) -> int:
         f"{cal.within3}/10 cells within 3 points, max |residual| {cal.max_abs:.1f}; "
         f"{cal.evals} evaluations in {cal.seconds:.1f} s"
     )
+    return 0
+
+
+def _target(a: argparse.Namespace) -> int:
+    from ddiloco.goodput.report import print_table
+    from ddiloco.link.config import parse_rate
+
+    try:
+        params = float(a.params)
+    except ValueError:
+        raise ConfigError(f"params = {a.params!r}: expected a number such as 7e9") from None
+    step_s, loss_every_s = parse_duration(a.step_time, "step_time"), parse_duration(a.loss_every, "loss_every")
+    target = Target(params, step_s, a.learners, loss_every_s, parse_rate(a.link, "link"))
+    costs = LossCosts(restart_delay_s=parse_duration(a.restart_delay, "restart_delay"),
+                      startup_s=parse_duration(a.startup, "startup"), restart_moves_n=a.restart_moves,
+                      replace_moves_n=a.replace_moves)  # fmt: skip
+    horizon = parse_duration(a.horizon, "horizon")
+    out: dict = {"target": asdict(target), "costs": asdict(costs), "transfer_steps": target.transfer_steps(),
+                 "long_run_goodput": long_run_goodput(target, costs)}  # fmt: skip
+    if horizon > 0:
+        out["horizon_s"] = horizon
+        out["prediction"] = asdict(predict(target, costs, horizon))
+    if a.local_params > 0:
+        eq = equivalent(target, a.local_params, parse_duration(a.local_step_time, "local_step_time"))
+        out["local"] = {"params": eq.local_params, "step_s": eq.local_step_s, "k": eq.k, "link_bps": eq.link_bps,
+                        "loss_every_s": eq.loss_every_s}  # fmt: skip
+    if a.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [
+        ("model (fp32)", f"{target.model_bytes / 1e9:,.1f} GB"),
+        ("one model over one link", f"{target.transfer_steps():,.1f} inner steps"),
+        ("restart (its save) costs", f"{costs.of('restart', target):,.0f} learner-s"),
+        ("replacement (no state) costs", f"{costs.of('replace', target):,.0f} learner-s"),
+        ("goodput, a long run", f"{out['long_run_goodput']:.1%}"),
+    ]
+    if "prediction" in out:
+        p = out["prediction"]
+        rows += [(f"goodput over {horizon:,.0f} s from the first step", f"{p['goodput']:.1%}"),
+                 ("... with the first join counted", f"{p['goodput_with_first_join']:.1%}")]  # fmt: skip
+    if "local" in out:
+        lo = out["local"]
+        rows += [("local: target seconds per local second (k)", f"{lo['k']:g}"),
+                 ("local: link rate", f"{lo['link_bps'] / 1e6:,.2f} Mbit/s"),
+                 ("local: one learner lost per", f"{lo['loss_every_s']:,.1f} s")]  # fmt: skip
+    print_table(f"{params:g} parameters, {target.learners} learners, {target.step_s:g} s a step, "
+                f"{target.link_bps / 1e9:g} Gbit/s each, one learner lost per {target.loss_every_s:g} s",
+                ("figure", "value"), rows)  # fmt: skip
     return 0
