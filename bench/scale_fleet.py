@@ -238,6 +238,7 @@ def worker_main(spec_path: Path) -> int:
     from ddiloco.config import load_config
     from ddiloco.protocol.learner_session import Registration
     from ddiloco.service.base.clock import SYSTEM_CLOCK
+    from ddiloco.service.base.keys import ClientKeys
     from ddiloco.service.base.transport import ZmqLearnerSocket, learner_identity
     from ddiloco.settings import EVERY_LEARNER, run_settings
     from ddiloco.training.layout import layout_of, param_spec
@@ -280,7 +281,8 @@ def worker_main(spec_path: Path) -> int:
         # Holds version 0 of every fragment: its registration says so and the syncer sends none.
         session.joined_once = True
         session.codec.held = dict.fromkeys(range(len(fragments)), 0)
-        sock = ZmqLearnerSocket(addresses, learner_identity(learner), rt.backoff_initial_s, rt.backoff_max_s, None)
+        keys = ClientKeys.load(spec["keys"], f"learner-{learner}") if spec.get("keys") else None
+        sock = ZmqLearnerSocket(addresses, learner_identity(learner), rt.backoff_initial_s, rt.backoff_max_s, keys)
         comm = comm_cls(session, addresses, sock, SYSTEM_CLOCK)
         comm.start()
         comms.append(comm)
@@ -351,9 +353,10 @@ def worker_main(spec_path: Path) -> int:
 # -- one cell ---------------------------------------------------------------------------------
 
 
-def config_toml(learners: int, encoding: str, hidden: int) -> str:
+def config_toml(learners: int, encoding: str, hidden: int, down_encoding: str | None = None) -> str:
     """The run's config: the synthetic MLP at ``hidden`` (100M at 10,000), P = 24 = H (one round
-    a step), both links in ``encoding``, a budget the cell never reaches."""
+    a step), the up-link in ``encoding`` and the down-link in ``down_encoding`` (None: the same),
+    a budget the cell never reaches."""
     return f"""\
 [run]
 num_learners = {learners}
@@ -371,7 +374,7 @@ final_eval = false
 num_fragments = {NUM_FRAGMENTS}
 sync_every = {NUM_FRAGMENTS}
 up_encoding = "{encoding}"
-down_encoding = "{encoding}"
+down_encoding = "{down_encoding or encoding}"
 
 [workload]
 factory = "ddiloco.workloads.synthetic:make_workload"
@@ -522,8 +525,13 @@ def _wait(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
             pass
 
 
-def cell_key(learners: int, shards: int, encoding: str, seconds: float, hidden: int) -> str:
-    return f"L{learners}-S{shards}-{encoding}-h{hidden}-{seconds:g}s"
+def cell_key(
+    learners: int, shards: int, encoding: str, seconds: float, hidden: int,
+    step_s: float = STEP_S, down_encoding: str | None = None, hosts: bool = False,
+) -> str:  # fmt: skip
+    """The cell's file name; what is not at its default is named (older cells keep their names)."""
+    extra = (f"-step{step_s:g}s" if step_s != STEP_S else "") + (f"-down{down_encoding}" if down_encoding else "")
+    return f"L{learners}-S{shards}-{encoding}-h{hidden}-{seconds:g}s{extra}" + ("-hosts" if hosts else "")
 
 
 def run_fleet_cell(
@@ -540,13 +548,16 @@ def run_fleet_cell(
     force: bool = False,
     keep_dir: bool = False,
     src: Path = ROOT / "src",
+    down_encoding: str | None = None,
+    hosts: bool = False,
 ) -> dict[str, Any]:
     """One cell: ``learners`` fake learners against ``shards`` syncer shard processes for a
     window of ``seconds`` after all are live (plus start-up and ``warmup_s``), both links in
     ``encoding``. Cached in ``cache_dir`` by its settings (``force``: measure again). Every
     process is killed (its process group) when the cell ends, whatever happened. ``src``: the
     ddiloco sources the syncers and the fake learners run (a checkout of a commit, so that a
-    working tree under edit does not move the measurement)."""
+    working tree under edit does not move the measurement). ``hosts``: every shard and every
+    fake-learner process on an emulated host of its own (ddiloco.link.hosts; root)."""
     if not (isinstance(learners, int) and learners >= 1):
         raise ValueError(f"learners = {learners!r}: must be an integer >= 1")
     if not (isinstance(shards, int) and 1 <= shards <= NUM_FRAGMENTS):
@@ -558,7 +569,7 @@ def run_fleet_cell(
     if not (isinstance(hidden, int) and hidden >= 1) or per_process < 1 or step_s <= 0:
         raise ValueError(f"hidden = {hidden!r}, per_process = {per_process!r}, step_s = {step_s!r}: out of range")
     cache_dir = Path(cache_dir)
-    path = cache_dir / f"{cell_key(learners, shards, encoding, seconds, hidden)}.json"
+    path = cache_dir / f"{cell_key(learners, shards, encoding, seconds, hidden, step_s, down_encoding, hosts)}.json"
     cached = _read_json(path)
     if cached is not None and cached.get("format") == FORMAT and not force:
         return cached
@@ -568,9 +579,20 @@ def run_fleet_cell(
     run_dir = Path(tempfile.mkdtemp(prefix="ddiloco-fleet-"))
     (run_dir / "logs").mkdir()
     config = run_dir / "fleet.toml"
-    config.write_text(config_toml(learners, encoding, hidden))
-    ports = [free_port() for _ in range(shards)]
-    addresses = [f"tcp://127.0.0.1:{p}" for p in ports]
+    config.write_text(config_toml(learners, encoding, hidden, down_encoding))
+    n_proc = math.ceil(learners / per_process)
+    emulated = None
+    if hosts:
+        from ddiloco.link.hosts import EmulatedHosts
+        from ddiloco.service.base.keys import make_keys
+
+        make_keys(run_dir / "keys", learners)  # off loopback, keys are required
+        emulated = EmulatedHosts([*(f"shard-{k}" for k in range(shards)), *(f"worker-{i}" for i in range(n_proc))])
+        emulated.up()
+        addresses = [f"tcp://{emulated.address(f'shard-{k}')}:5600" for k in range(shards)]
+    else:
+        addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(shards)]
+    on = lambda host, argv: emulated.command(host, argv) if emulated is not None else argv  # noqa: E731
     syncers: list[subprocess.Popen[bytes]] = []
     workers: list[subprocess.Popen[bytes]] = []
     logs: list[Any] = []
@@ -579,30 +601,29 @@ def run_fleet_cell(
             lf = open(run_dir / "logs" / f"syncer-{k}.log", "wb")
             logs.append(lf)
             cmd = [sys.executable, "-m", "ddiloco", "syncer", str(config), "--bind", addresses[k],
-                   "--run-dir", str(run_dir / "run"), "--shard", str(k), "--num-shards", str(shards)]  # fmt: skip
-            syncers.append(
-                subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=_env(src), start_new_session=True)
-            )
+                   "--run-dir", str(run_dir / "run"), "--shard", str(k), "--num-shards", str(shards),
+                   *(["--keys", str(run_dir / "keys")] if emulated is not None else [])]  # fmt: skip
+            syncers.append(subprocess.Popen(on(f"shard-{k}", cmd), stdout=lf, stderr=subprocess.STDOUT, env=_env(src),
+                                            start_new_session=True))  # fmt: skip
             # Shard 0 first: it makes the run folder the others then find.
             _await(lambda k=k: (run_dir / "run" / "status" / f"syncer-{k}.json").is_file(), syncers, run_dir, 180.0,
                    f"syncer shard {k} to start")  # fmt: skip
         started_s = time.monotonic() - cell_t0
-        n_proc = math.ceil(learners / per_process)
         ids = list(range(learners))
         for i in range(n_proc):
             spec = {
                 "index": i, "config": str(config), "addresses": addresses, "ids": ids[i::n_proc],
                 "step_s": step_s, "stagger_s": 0.02, "max_s": 600.0,
                 "out": str(run_dir / f"worker-{i}.json"),
+                "keys": str(run_dir / "keys") if emulated is not None else None,
             }  # fmt: skip
             sp = run_dir / f"worker-{i}.spec.json"
             sp.write_text(json.dumps(spec))
             lf = open(run_dir / "logs" / f"worker-{i}.log", "wb")
             logs.append(lf)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(sp)]
-            workers.append(
-                subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=_env(src), start_new_session=True)
-            )
+            workers.append(subprocess.Popen(on(f"worker-{i}", cmd), stdout=lf, stderr=subprocess.STDOUT, env=_env(src),
+                                            start_new_session=True))  # fmt: skip
 
         def all_live() -> bool:
             for k in range(shards):
@@ -624,6 +645,9 @@ def run_fleet_cell(
         time.sleep(1.2)  # the status files of the window's end (written every second)
         b = _snapshot(run_dir / "run", syncers, workers)
         hwm = [proc_hwm_mb(p.pid) for p in syncers]
+        # every process bound its host's address (its sockets, read while they still run)
+        foreign = {n: sorted(emulated.local_addresses(n) - {emulated.address(n)})
+                   for n in emulated.names} if emulated is not None else {}  # fmt: skip
         _kill(workers, signal.SIGTERM)
         _wait(workers, 20.0)
         _kill(syncers, signal.SIGKILL)  # their tapes are on disk (written through at once)
@@ -631,11 +655,16 @@ def run_fleet_cell(
         if any(d is None for d in docs):
             raise RuntimeError(f"a fake-learner process wrote no records: {_tail(run_dir / 'logs' / 'worker-0.log')}")
         tapes = [_tape(run_dir / "run", shards, k) for k in range(shards)]
-        result = _measure(learners, shards, encoding, seconds, hidden, a, b, hwm, docs, tapes)  # type: ignore[arg-type]
+        result = _measure(learners, shards, encoding, seconds, hidden, a, b, hwm, docs, tapes, step_s)  # type: ignore[arg-type]
+        result.update(down_encoding=down_encoding or encoding, hosts=hosts)
+        if emulated is not None:
+            result["foreign_addresses"] = foreign
         result.update(start_s=round(started_s, 1), live_s=round(live_s, 1), wall_s=round(time.monotonic() - cell_t0, 1))
     finally:
         _kill([*workers, *syncers], signal.SIGKILL)
         _wait([*workers, *syncers], 10.0)
+        if emulated is not None:
+            emulated.down()
         for lf in logs:
             lf.close()
         if keep_dir:
@@ -671,6 +700,7 @@ def _measure(
     hwm: list[float | None],
     docs: list[dict[str, Any]],
     tapes: list[list[dict[str, Any]]],
+    step_s: float = STEP_S,
 ) -> dict[str, Any]:
     from ddiloco.core import robust as robust_mod
     from ddiloco.core.config import DiLoCoConfig
@@ -758,7 +788,7 @@ def _measure(
         "params": params,
         "fragments": NUM_FRAGMENTS,
         "fragment_mb": r3(fragment_mb),
-        "step_s": STEP_S,
+        "step_s": step_s,
         "window_s": round(window, 2),
         "merges_per_s": r3(rounds / window),
         "contributions_merged_per_s": r3(merged_n / window),
@@ -850,6 +880,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--src", type=Path, default=ROOT / "src", help="ddiloco sources to run (e.g. `git archive HEAD src` unpacked)"
     )
+    parser.add_argument("--step-s", type=float, default=STEP_S, help="each fake learner's step (default 1 s)")
+    parser.add_argument("--down-encoding", default=None, choices=ENCODINGS, help="the down-link's (default: the up's)")
+    parser.add_argument("--hosts", action="store_true", help="every shard and fake-learner process on its own "
+                        "emulated host (network namespaces; root)")  # fmt: skip
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -879,9 +913,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         force=args.force,
                         keep_dir=args.keep,
                         src=args.src,
+                        step_s=args.step_s,
+                        down_encoding=args.down_encoding,
+                        hosts=args.hosts,
                     )
                 except (RuntimeError, ValueError) as e:
-                    log.error("cell %s: %s", cell_key(n, s, enc, args.seconds, args.hidden), e)
+                    log.error("cell %s: %s", cell_key(n, s, enc, args.seconds, args.hidden, args.step_s,
+                                                      args.down_encoding, args.hosts), e)  # fmt: skip
                     continue
                 log.info("cell %s: %.0f s", cell_key(n, s, enc, args.seconds, args.hidden), time.monotonic() - t0)
                 results.append(r)
