@@ -300,10 +300,10 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"config", "errors"},
     "config_reference": {"config", "methods"},
     "report": {"config", "core", "errors", "protocol"},
-    "goodput": {"chaos", "core", "errors", "protocol", "report"},
+    "goodput": {"chaos", "core", "errors", "link", "protocol", "report"},
     "sim": {"chaos", "config", "core", "errors", "link", "protocol", "report", "training", "workloads"},
     "service": {
-        *("chaos", "config", "core", "errors", "lifecycle", "protocol"),
+        *("chaos", "config", "core", "errors", "lifecycle", "link", "protocol"),
         *("report", "settings", "training", "workloads"),
     },
     "export": {"config", "errors", "report", "service", "training"},
