@@ -157,19 +157,19 @@ def namespace_of(pid: int) -> str | None:
 
 
 def bound_addresses() -> dict[str, list[str]]:
-    """Every ddiloco namespace of this process's harness descendants: its TCP sockets' local
-    addresses (``ss`` inside it), keyed by namespace name."""
+    """Every ddiloco namespace but the hubs: its TCP sockets' local addresses, by namespace name."""
     import subprocess
 
-    out: dict[str, list[str]] = {}
+    from ddiloco.link.hosts import namespace_addresses
+
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listed.splitlines():
-        ns = line.split(" ")[0]
-        if not ns.startswith("ddl") or ns.endswith("-hub"):
+    names = [line.split(" ")[0] for line in listed.splitlines()]
+    out = {}
+    for ns in (n for n in names if n.startswith("ddl") and not n.endswith("-hub")):
+        try:
+            out[ns] = sorted(namespace_addresses(ns))
+        except RuntimeError:  # it went between the listing and the look (a run's end)
             continue
-        done = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htan"], capture_output=True, text=True)
-        addrs = {c.split()[3].rsplit(":", 1)[0].strip("[]") for c in done.stdout.splitlines() if len(c.split()) >= 4}
-        out[ns] = sorted(addrs)
     return out
 
 

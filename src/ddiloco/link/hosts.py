@@ -101,6 +101,19 @@ def _both_ways(rate: float | tuple[float, float]) -> tuple[float, float]:
     return float(rate), float(rate)
 
 
+def namespace_addresses(ns: str) -> set[str]:
+    """The local addresses of every TCP socket in network namespace ``ns`` (``ss`` inside it)."""
+    done = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htan"], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"ss in {ns}: {done.stderr.strip() or done.returncode}")
+    out = set()
+    for line in done.stdout.splitlines():
+        cols = line.split()
+        if len(cols) >= 4:  # State Recv-Q Send-Q Local:Port Peer:Port
+            out.add(cols[3].rsplit(":", 1)[0].strip("[]"))
+    return out
+
+
 class EmulatedHosts:
     """Hosts by name, each a namespace with one address on a shared /24; ``up`` makes them,
     ``down`` deletes them (a context manager does both)."""
@@ -182,15 +195,7 @@ class EmulatedHosts:
     def local_addresses(self, name: str) -> set[str]:
         """The local addresses of every TCP socket on host ``name``, listening or connected (what
         its processes bound: its own address, or loopback for what stays inside it)."""
-        done = subprocess.run(self.command(name, ["ss", "-Htan"]), capture_output=True, text=True, timeout=30)
-        if done.returncode != 0:
-            raise RuntimeError(f"ss on host {name}: {done.stderr.strip() or done.returncode}")
-        out = set()
-        for line in done.stdout.splitlines():
-            cols = line.split()
-            if len(cols) >= 4:  # State Recv-Q Send-Q Local:Port Peer:Port
-                out.add(cols[3].rsplit(":", 1)[0].strip("[]"))
-        return out
+        return namespace_addresses(self.namespaces[name])
 
     def set_link(self, name: str, up: bool) -> None:
         """Cut host ``name`` off (a partition: its packets go nowhere, connections stall) or
