@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness.cells import CellCache, cell_key, source_digest  # noqa: E402  (bench/harness, beside this script)
 from harness.cluster import Launch  # noqa: E402
-from harness.files import read_json_dict, step_logs  # noqa: E402
+from harness.files import read_json_dict, read_jsonl, step_logs  # noqa: E402
 from harness.paths import CACHE, RESULTS  # noqa: E402
 from harness.sampling import descendants, read_proc, role_of  # noqa: E402
 from harness.tables import facts, met, publish, table  # noqa: E402
@@ -238,7 +238,7 @@ def run_cell(plan: Plan, work: Path) -> dict[str, Any]:
     watch.poll()
     summary = read_json_dict(run_dir / "summary.json")
     accounting = read_json_dict(run_dir / "metrics" / "accounting.json")
-    startup = [r for r in _jsonl(run_dir / "metrics" / "startup.jsonl") if r.get("role") == "learner"]
+    startup = [r for r in read_jsonl(run_dir / "metrics" / "startup.jsonl") if r.get("role") == "learner"]
     events = {what: event_figures(plan, watch, run_dir, m, what)  # type: ignore[arg-type]
               for m, what in ((RESTARTED, "restart"), (REPLACED, "replace")) if m < plan.learners}  # fmt: skip
     healthy = [m for m in range(plan.learners) if m not in (RESTARTED, REPLACED)]
@@ -253,12 +253,6 @@ def run_cell(plan: Plan, work: Path) -> dict[str, Any]:
         "median_step_s": statistics.median(durations) if durations else None,
         "roles": roles, "sockets": {k: sorted(v) for k, v in sockets.items()}, "host_addresses": host_addr,
     }  # fmt: skip
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    from harness.files import read_jsonl
-
-    return read_jsonl(path)
 
 
 # ----------------------------------------------------------------------------- figures

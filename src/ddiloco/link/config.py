@@ -159,15 +159,7 @@ def parse_link(text: str) -> LinkConfig:
     for raw in (t.strip() for t in text.split(",")):
         if not raw:
             continue
-        if "=" in raw:
-            key, value = (s.strip() for s in raw.split("=", 1))
-        elif _is(raw, RATE_UNITS) or raw.lower() == "inf":
-            key, value = "rate", raw
-        elif _is(raw, DELAY_UNITS):
-            key, value = "latency", raw
-        else:
-            raise ConfigError(f"{where}: {raw!r} is neither a rate nor a latency; use {LINK_SYNTAX}")
-        key = key.lower()
+        key, value = _item(raw, where)
         if key in LINK_KEYS:
             link[key] = parse_size(value, where)
             continue
@@ -194,13 +186,22 @@ def split_rates(text: str) -> tuple[tuple[float, float], str]:
     a link whose rate the kernel gives (emulated hosts) and whose delay and faults the relay does.
     The string is validated first (one line when it is bad)."""
     cfg = parse_link(text)
-    kept = []
-    for raw in (t.strip() for t in text.split(",")):
-        key = raw.split("=", 1)[0].strip().lower() if "=" in raw else ""
-        if not raw or key.rpartition(".")[2] == "rate" or (not key and (_is(raw, RATE_UNITS) or raw.lower() == "inf")):
-            continue
-        kept.append(raw)
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    kept = [raw for raw in items if _item(raw, text)[0].rpartition(".")[2] != "rate"]
     return (cfg.up.rate_bps, cfg.down.rate_bps), ",".join(kept)
+
+
+def _item(raw: str, where: str) -> tuple[str, str]:
+    """One item of a link string -> (its key, lower case; its value): a bare rate is ``rate``,
+    a bare delay ``latency``."""
+    if "=" in raw:
+        key, value = (s.strip() for s in raw.split("=", 1))
+        return key.lower(), value
+    if _is(raw, RATE_UNITS) or raw.lower() == "inf":
+        return "rate", raw
+    if _is(raw, DELAY_UNITS):
+        return "latency", raw
+    raise ConfigError(f"{where}: {raw!r} is neither a rate nor a latency; use {LINK_SYNTAX}")
 
 
 def _is(text: str, units: dict[str, float]) -> bool:

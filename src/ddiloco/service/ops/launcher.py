@@ -200,7 +200,9 @@ class Launcher:
         # process checks the two agree in everything else).
         self.cfg_path = self.logs / "config.toml"
         self.cfg_path.write_text(tomli_w.dumps(to_dict(cfg)))
-        self.hosts = self._emulated_hosts(cfg, insecure)
+        # Chaos links: learner m talks to its relay, which forwards to the syncer (docs/runtime.md#link-emulator).
+        relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s) if cfg.chaos.enabled else {}
+        self.hosts = self._emulated_hosts(cfg, insecure, relayed)
         """Each role's network namespace (None: every process on this machine's loopback)."""
         if self.hosts is not None:  # a fresh namespace: every port is free there
             host, port = self.hosts.address("syncer"), port or HOSTS_PORT
@@ -218,8 +220,6 @@ class Launcher:
             self.keys = run_keys(self.run_dir, cfg.run.num_learners)
             secure = ["--keys", str(self.keys)]
         self.syncer = Proc("syncer", [*py, "syncer", "--bind", self.addr, "--run-dir", rd, *secure, str(self.cfg_path)])
-        # Chaos links: learner m talks to its relay, which forwards to the syncer (docs/runtime.md#link-emulator).
-        relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s) if cfg.chaos.enabled else {}
         if self.hosts is not None and not cfg.chaos.site_link:  # a link that is only a rate is its host's
             relayed = {m: r for m, r in relayed.items() if split_rates(r[0])[1] or r[1]}
         syncer_port = int(self.addr.rsplit(":", 1)[1])
@@ -264,9 +264,11 @@ class Launcher:
         self._previous_accounting = read_json(self.run_dir / "metrics" / "accounting.json")
 
     @staticmethod
-    def _emulated_hosts(cfg: Config, insecure: bool) -> EmulatedHosts | None:
-        """The run's emulated hosts (not made yet), or None when chaos.hosts is off; one line
-        when they cannot be had here."""
+    def _emulated_hosts(
+        cfg: Config, insecure: bool, relayed: dict[int, tuple[str, tuple[str, ...]]]
+    ) -> EmulatedHosts | None:
+        """The run's emulated hosts (not made yet), each learner's rate from its link string in
+        ``relayed``, or None when chaos.hosts is off; one line when they cannot be had here."""
         if not (cfg.chaos.enabled and cfg.chaos.hosts):
             return None
         why = hosts_unavailable()
@@ -275,7 +277,6 @@ class Launcher:
         if insecure:
             raise DDiLoCoError("chaos.hosts: the processes talk across emulated hosts, off loopback: keys are "
                                "required; drop --insecure")  # fmt: skip
-        relayed = link_plan(cfg.chaos, cfg.run.num_learners, cfg.runtime.duration_s)
         rates = {f"learner-{m}": split_rates(spec)[0] for m, (spec, _) in relayed.items() if spec}
         names = ["syncer", "evaluator", *(f"learner-{m}" for m in range(cfg.run.num_learners))]
         return EmulatedHosts(names, rates)
