@@ -166,6 +166,14 @@ class DiLoCoConfig:
     robust_trust_full: float = 0.6
     """A learner of this trust or more keeps its full weight; below, its weight falls linearly
     to 0 at trust 0. Trust follows full-length answers only."""
+    robust_drift_limit: float = 3.0
+    """A learner's drift (``core/robust.py``: the push its answers repeat off the round's
+    centre over rounds, over the round's median drift) at this level or above takes its
+    answers' weight to 0 and its trust down as a misaligned answer would; from half of it the
+    weight falls linearly. 0 disables the drift history."""
+    robust_drift_decay: float = 0.9
+    """Per judged answer, a learner's drift history keeps this much of its past (it sees a
+    push repeated over about 1 / (1 - decay) answers; one that turns faster adds up less)."""
     max_speedup: float = 8.0
     """A contribution may not claim more steps than elapsed time allows at max_speedup x the
     fleet's median step time (plus one period of H steps)."""
@@ -267,6 +275,13 @@ class DiLoCoConfig:
             ">= 1, or 0 to disable",
         )
         _check(0 <= self.robust_trust_decay < 1, "robust_trust_decay", self.robust_trust_decay, "in [0, 1)")
+        _check(
+            self.robust_drift_limit >= 0,
+            "robust_drift_limit",
+            self.robust_drift_limit,
+            "> 0, or 0 to disable",
+        )
+        _check(0 < self.robust_drift_decay < 1, "robust_drift_decay", self.robust_drift_decay, "in (0, 1)")
         _check(
             0 < self.robust_trust_full <= 1,
             "robust_trust_full",

@@ -20,7 +20,17 @@ every round. So when a round closes with at least ``MIN_ANSWERS`` answers:
 - each learner's **trust** is an exponential average of its alignments over rounds, kept per
   learner id across incarnations and syncer restarts: a learner that is, round after round,
   less aligned than its peers loses weight in proportion, although no single answer crossed
-  the bound. Re-registering does not reset it.
+  the bound. Re-registering does not reset it;
+- each learner's **drift** is what it pushes the same way round after round beyond the
+  centre. One round cannot tell an attacker who stays inside the honest spread and pushes one
+  fixed direction ("a little is enough", Baruch et al. 2019) from an honest answer: its
+  alignment looks honest. Over rounds the two differ: an honest answer's part off the centre
+  is mostly noise that cancels, the attacker's adds up. Per learner and fragment the syncer
+  keeps a decayed sum of each answer's part off the centre (its size relative to the round's
+  median), folded into ``SKETCH_DIM`` floats by a sign sketch whose signs come from a seed the
+  learners do not know (``Drift``). Its consistent part's size, over the round's median
+  residual, is the learner's drift: above ``cfg.robust_drift_limit`` it is evidence, and its
+  trust falls as on a misaligned answer, until the push stops.
 
 With fewer answers there is no majority to define a centre: only the clipping against the
 fragment's history and the weight cap apply (``tolerance`` says so at start). Every function
@@ -32,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +52,19 @@ MIN_ANSWERS = 3
 CHUNK = 1 << 16
 """Elements per chunk when the centre is computed: the answers' chunks are stacked (answers x
 CHUNK floats), so the working set stays small whatever the fragment's size."""
+
+SKETCH_DIM = 1024
+"""Floats a learner's drift history keeps per fragment (4 KiB; a fleet of 64 learners over 24
+fragments holds 6 MiB). A sign sketch (element j of piece i adds to bucket j mod SKETCH_DIM,
+with a sign per element drawn from the syncer's secret seed, the row's sign times the
+bucket's) keeps inner products in expectation, with a relative error of about
+sqrt(2 / SKETCH_DIM) = 4% on a squared norm. What it misses: a push whose signed folds cancel,
+which only a learner knowing the seed can aim at (the seed never leaves the syncer and is drawn
+anew at each start); a push along the centre (that is the size bound's, ``robust_clip``)."""
+
+DRIFT_ROUNDS = 4
+"""Judged answers a learner needs in a fragment before its drift is evidence: with fewer the
+consistent part is estimated from too few rounds to tell from noise."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +77,60 @@ class Verdict:
     """Its cosine relative to the round's median cosine (1: as aligned as a typical answer)."""
     room: float
     """Its size bound over its size (|delta| per step): above 1 it fits, inf without a bound."""
+    residual: torch.Tensor | None = None
+    """The sketch of its part off the centre, at its clipped size over the round's median
+    (None: no centre, or no sketch asked for)."""
 
     @property
     def clip(self) -> float:
         """The factor that brings its delta within the size bound (1: it fits)."""
         return min(1.0, self.room)
+
+
+class Sketch:
+    """The sign sketch of one fragment's vectors (``SKETCH_DIM``): element j of piece i adds
+    to bucket j mod dim, signed by its row's sign times its bucket's, both drawn from ``seed``
+    and the piece (so a fragment's sketches of every round are comparable)."""
+
+    def __init__(self, seed: int, dim: int = SKETCH_DIM) -> None:
+        self.seed, self.dim = seed, dim
+        self._buckets: dict[int, torch.Tensor] = {}
+
+    def _signs(self, n: int, *key: int) -> torch.Tensor:
+        mixed = self.seed
+        for k in key:  # a fixed odd-multiplier mix: the same signs for the same piece every round
+            mixed = (mixed * 0x9E3779B97F4A7C15 + k + 1) % (1 << 63)
+        g = torch.Generator().manual_seed(mixed)
+        return torch.randint(0, 2, (n,), generator=g, dtype=torch.int64).mul_(2).sub_(1).float()
+
+    def fold(self, rows: torch.Tensor, piece: int, start: int) -> torch.Tensor:
+        """The sketch of ``rows`` (vectors x elements), the elements starting at element
+        ``start`` of ``piece`` (a multiple of ``CHUNK``): vectors x dim. The row signs are
+        drawn per ``CHUNK`` of the piece, so a vector folds the same whole or chunk by chunk."""
+        n, length = rows.shape
+        if piece not in self._buckets:
+            self._buckets[piece] = self._signs(self.dim, piece)
+        folded = torch.zeros(n, self.dim)
+        for offset in range(0, length, CHUNK):
+            part = rows[:, offset : offset + CHUNK]
+            blocks = -(-part.shape[1] // self.dim)
+            if blocks * self.dim != part.shape[1]:
+                part = torch.nn.functional.pad(part, (0, blocks * self.dim - part.shape[1]))
+            row_signs = self._signs(CHUNK // self.dim, piece, (start + offset) // CHUNK)[:blocks]
+            folded += torch.einsum("nbd,b->nd", part.reshape(n, blocks, self.dim), row_signs)
+        return folded.mul_(self._buckets[piece])
+
+
+@dataclass(frozen=True)
+class Centre:
+    """A round's centre as the answers see it."""
+
+    cosines: dict[int, float]
+    """Each answer's cosine with the centre."""
+    units: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Each answer's unit direction, sketched (empty without a sketch)."""
+    centre: torch.Tensor | None = None
+    """The centre's unit direction, sketched (None without a sketch)."""
 
 
 def _median_chunks(
@@ -80,19 +152,33 @@ def _median_chunks(
             yield i, s, e, units, centre
 
 
-def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]) -> dict[int, float]:
+def centre_of(
+    deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float], sketch: Sketch | None = None
+) -> Centre:
     """Each answer's cosine with the coordinate-wise median of the answers' unit directions,
     computed chunk by chunk (``deltas``: per learner, its outer gradient's pieces; ``norms``:
-    their total L2 norms, all positive)."""
+    their total L2 norms, all positive); with a ``sketch``, the units and the centre sketched
+    in the same pass."""
     learners = sorted(deltas)
     dots = dict.fromkeys(learners, 0.0)
     centre_sq = 0.0
-    for _, _, _, units, centre in _median_chunks(deltas, norms):
+    folded = torch.zeros(len(learners) + 1, sketch.dim) if sketch is not None else None
+    for i, s, _, units, centre in _median_chunks(deltas, norms):
         centre_sq += float(centre @ centre)
         for m, d in zip(learners, (units @ centre).tolist()):
             dots[m] += d
+        if sketch is not None and folded is not None:
+            folded += sketch.fold(torch.cat([units, centre.unsqueeze(0)]), i, s)
     scale = math.sqrt(centre_sq)
-    return {m: (dots[m] / scale if scale > 0 else 0.0) for m in learners}
+    cosines = {m: (dots[m] / scale if scale > 0 else 0.0) for m in learners}
+    if folded is None or scale <= 0:
+        return Centre(cosines)
+    return Centre(cosines, {m: folded[k] for k, m in enumerate(learners)}, folded[-1] / scale)
+
+
+def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]) -> dict[int, float]:
+    """Each answer's cosine with the coordinate-wise median of the answers' unit directions."""
+    return centre_of(deltas, norms).cosines
 
 
 def judge(
@@ -101,21 +187,25 @@ def judge(
     steps: Mapping[int, int],
     history: float | None,
     clip: float,
+    sketch: Sketch | None = None,
 ) -> dict[int, Verdict]:
     """Judge the answers of one round. ``history``: the fragment's reference |delta| per step
-    (None: not armed yet); ``clip``: the size bound in multiples of the reference (0: none).
+    (None: not armed yet); ``clip``: the size bound in multiples of the reference (0: none);
+    ``sketch``: the fragment's, to give each verdict its residual.
 
     The size reference is the round's median |delta| per step when the round has a centre
     (``MIN_ANSWERS``), else the history's. Alignment is only judged with a centre whose median
-    cosine is positive; otherwise every alignment is 1."""
+    cosine is positive; otherwise every alignment is 1. An answer's residual is its unit
+    direction's part off the centre, times its clipped |delta| per step over the reference."""
     per_step = {m: norms[m] / max(steps[m], 1) for m in deltas}
     judged = {m for m in deltas if norms[m] > 0}
-    cosines: dict[int, float] = {}
+    centre = Centre({})
     if len(judged) >= MIN_ANSWERS:
-        cosines = unit_median_cosines({m: deltas[m] for m in judged}, norms)
+        centre = centre_of({m: deltas[m] for m in judged}, norms, sketch)
         ref: float | None = statistics.median(per_step[m] for m in judged)
     else:
         ref = history
+    cosines = centre.cosines
     typical = statistics.median(cosines.values()) if cosines else 0.0
     verdicts = {}
     for m in deltas:
@@ -125,8 +215,66 @@ def judge(
         cos = cosines.get(m, math.nan)
         alignment = cos / typical if typical > 0 and m in cosines else 1.0
         bound = clip * ref if clip > 0 and ref is not None and ref > 0 else math.inf
-        verdicts[m] = Verdict(cos, alignment, bound / per_step[m] if per_step[m] > 0 else math.inf)
+        room = bound / per_step[m] if per_step[m] > 0 else math.inf
+        residual = None
+        if m in centre.units and centre.centre is not None and ref is not None and ref > 0:
+            size = per_step[m] * min(1.0, room) / ref
+            residual = (centre.units[m] - cos * centre.centre).mul_(size)
+        verdicts[m] = Verdict(cos, alignment, room, residual)
     return verdicts
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One learner's residuals in one fragment, decayed over its judged answers: the part of
+    what it sends off the centre that points the same way round after round.
+
+    With residuals r_a (a answers ago) and weights g^a: ``total`` = sum g^a r_a, ``weight`` =
+    sum g^a, ``weight_sq`` = sum g^2a, ``energy`` = sum g^2a |r_a|^2. If the residuals are a
+    fixed push c plus noise that does not repeat, E(|total|^2 - energy) = (weight^2 -
+    weight_sq) |c|^2: |c| is estimated without knowing the noise's size (``consistent``). Noise
+    alone gives about 0 however large; a push its size however hidden in one round."""
+
+    total: torch.Tensor
+    """sum g^a r_a (sketched)."""
+    weight: float = 0.0
+    """sum g^a."""
+    weight_sq: float = 0.0
+    """sum g^2a."""
+    energy: float = 0.0
+    """sum g^2a |r_a|^2."""
+    rounds: int = 0
+    """Judged answers it holds."""
+
+    @staticmethod
+    def empty(dim: int = SKETCH_DIM) -> Drift:
+        """A learner's drift before its first judged answer."""
+        return Drift(torch.zeros(dim))
+
+    def add(self, residual: torch.Tensor, decay: float) -> Drift:
+        """The drift after one more judged answer of residual ``residual`` (sketched)."""
+        return Drift(
+            self.total * decay + residual,
+            self.weight * decay + 1.0,
+            self.weight_sq * decay * decay + 1.0,
+            self.energy * decay * decay + float(residual @ residual),
+            self.rounds + 1,
+        )
+
+    def consistent(self) -> float:
+        """The estimated size of the push its residuals repeat (0 with fewer than 2 answers)."""
+        spread = self.weight * self.weight - self.weight_sq
+        if self.rounds < 2 or spread <= 0:
+            return 0.0
+        return math.sqrt(max(0.0, (float(self.total @ self.total) - self.energy) / spread))
+
+
+def drift_target(drift: float, limit: float) -> float:
+    """The trust a learner of ``drift`` (its consistent push over the round's median residual)
+    is pulled to: 1 up to half the limit, 0 at the limit or above, linear between."""
+    if limit <= 0:
+        return 1.0
+    return min(1.0, max(0.0, 2.0 - 2.0 * drift / limit))
 
 
 def trust_after(trust: float, alignment: float, decay: float) -> float:

@@ -54,6 +54,8 @@ class Pending:
     """The robust merge's size clipping, already applied to ``deltas`` and ``norms``."""
     alignment: float = 1.0
     """The robust merge's alignment of it (1: not judged against a centre)."""
+    drift: float = 0.0
+    """Its learner's drift in this fragment after it (``robust.Drift``; 0: not judged)."""
     claimed: float = 0.0
     """Its weight as its counters claim it, after the fleet's weight cap, before the robust
     merge's judgement: what the weight cap's reference records (the judgement is not pace)."""
@@ -84,6 +86,8 @@ class Screened:
     """In the order they were taken out (each is a strike for its sender)."""
     trust: dict[int, float] = field(default_factory=dict)
     """Per learner judged on a full-length answer, its trust after this round."""
+    drift: dict[int, robust.Drift] = field(default_factory=dict)
+    """Per learner judged on a full-length answer against a centre, its drift after this round."""
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Closed:
                     math.sqrt(sum(n * n for n in pd.norms)),
                     pd.shrunk,
                     pd.alignment,
+                    pd.drift,
                 )
             )
         return entries
@@ -367,12 +372,21 @@ class Round:
 
     # -- the close ---------------------------------------------------------------------------
 
-    def screen(self, recent: Sequence[float], merged_rounds: int, trust: Mapping[int, float]) -> Screened:
+    def screen(
+        self,
+        recent: Sequence[float],
+        merged_rounds: int,
+        trust: Mapping[int, float],
+        drifts: Mapping[int, robust.Drift] | None = None,
+        sketch: robust.Sketch | None = None,
+    ) -> Screened:
         """Take the answers ``out_of_line`` finds out of the round and rebuild the merge without
         them (``judge`` when robust). ``recent``: the fragment's recent |delta| per step;
-        ``merged_rounds``: its merged rounds with steps; ``trust``: each answer's sender's."""
+        ``merged_rounds``: its merged rounds with steps; ``trust``: each answer's sender's;
+        ``drifts``: their drifts in this fragment (absent: none yet); ``sketch``: the
+        fragment's (None: drift is not judged)."""
         if self.cfg.robust:
-            return self.judge(recent, merged_rounds, trust)
+            return self.judge(recent, merged_rounds, trust, drifts or {}, sketch)
         found = out_of_line(
             {
                 m: screened(pd.norms, pd.contribution.steps)
@@ -391,9 +405,17 @@ class Round:
         self.rebuild()
         return out
 
-    def judge(self, recent: Sequence[float], merged_rounds: int, trust: Mapping[int, float]) -> Screened:
+    def judge(
+        self,
+        recent: Sequence[float],
+        merged_rounds: int,
+        trust: Mapping[int, float],
+        drifts: Mapping[int, robust.Drift],
+        sketch: robust.Sketch | None,
+    ) -> Screened:
         """The robust merge (``core/robust.py``): refuse misaligned answers, clip oversized
-        ones, weigh each learner by its trust; rebuild the merge if anything changed."""
+        ones, weigh each learner by its trust and its drift; rebuild the merge if anything
+        changed."""
         cfg, out = self.cfg, Screened()
         judged = {m: pd for m, pd in self.pending.items() if pd.contribution.steps > 0}
         if not judged:
@@ -411,7 +433,9 @@ class Round:
             {m: pd.contribution.steps for m, pd in judged.items()},
             history,
             cfg.robust_clip,
+            sketch if cfg.robust_drift_limit > 0 else None,
         )
+        drifted = self._drifts(verdicts, judged, drifts, out)
         full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
         # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
         weights = [pd.weight for pd in judged.values() if pd.weight > 0]
@@ -422,8 +446,10 @@ class Round:
             pd, held = judged[m], trust[m]
             # Only full-length answers judge the learner: a few steps are mostly noise.
             full = pd.contribution.steps >= full_length and not math.isnan(v.cosine)
+            # Drift is evidence as a misalignment is: the trust falls to its target.
+            target = drifted.get(m, 1.0)
             if full:
-                held = out.trust[m] = robust.trust_after(held, v.alignment, cfg.robust_trust_decay)
+                held = out.trust[m] = robust.trust_after(held, min(v.alignment, target), cfg.robust_trust_decay)
             if full and v.alignment < cfg.robust_min_alignment:
                 del self.pending[m]
                 out.refused.append(
@@ -431,17 +457,55 @@ class Round:
                 )  # fmt: skip
                 changed = True
                 continue
-            changed = (
-                self._weigh(pd, v, robust.trust_factor(held, cfg.robust_trust_full), weight_cap, params) or changed
-            )
+            trusted = robust.trust_factor(held, cfg.robust_trust_full)
+            changed = self._weigh(pd, v, trusted, weight_cap, params, target) or changed
         if changed:
             self.rebuild()
         return out
 
+    def _drifts(
+        self,
+        verdicts: Mapping[int, robust.Verdict],
+        judged: Mapping[int, Pending],
+        drifts: Mapping[int, robust.Drift],
+        out: Screened,
+    ) -> dict[int, float]:
+        """Each full-length answer's residual added to its learner's drift (into ``out.drift``);
+        returns, per learner whose drift is evidence (``robust.DRIFT_ROUNDS``), the trust its
+        drift pulls it to (``robust.drift_target``). A drift is measured against the round's
+        median drift: honest learners on data of their own repeat a part of their push too (a
+        shard's own direction), and a minority cannot move the median."""
+        cfg = self.cfg
+        full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
+        for m, v in verdicts.items():
+            # (a few steps are mostly noise: they do not judge the learner)
+            if v.residual is not None and judged[m].contribution.steps >= full_length:
+                before = drifts.get(m, robust.Drift.empty(v.residual.numel()))
+                out.drift[m] = before.add(v.residual, cfg.robust_drift_decay)
+        pushes = {m: d.consistent() for m, d in out.drift.items() if d.rounds >= 2}
+        if len(pushes) < robust.MIN_ANSWERS:
+            return {}
+        typical = statistics.median(pushes.values())
+        targets = {}
+        for m, push in pushes.items():
+            level = push / typical if typical > 0 else 0.0
+            judged[m].drift = level
+            if out.drift[m].rounds >= robust.DRIFT_ROUNDS:
+                targets[m] = robust.drift_target(level, cfg.robust_drift_limit)
+        return targets
+
     def _weigh(
-        self, pd: Pending, v: robust.Verdict, trusted: float, weight_cap: float | None, params: Sequence[int]
+        self,
+        pd: Pending,
+        v: robust.Verdict,
+        trusted: float,
+        weight_cap: float | None,
+        params: Sequence[int],
+        drift_target: float = 1.0,
     ) -> bool:
-        """One kept answer's size and weight after its verdict; True if either changed."""
+        """One kept answer's size and weight after its verdict; True if either changed. Its
+        weight follows its learner's trust, its alignment and its drift's target (evidence
+        now: a pushing learner's answer loses its weight at once, its trust over rounds)."""
         cfg, changed = self.cfg, False
         if not math.isnan(v.cosine):
             pd.alignment = v.alignment
@@ -459,7 +523,7 @@ class Round:
             pd.norms, pd.shrunk, changed = [n * shrink for n in pd.norms], shrink, True
         if weight_cap is not None and pd.weight > weight_cap:
             pd.weight, pd.clipped, changed = weight_cap, True, True
-        factor = trusted * aligned
+        factor = trusted * min(aligned, drift_target)
         if factor < 1.0:
             pd.weight *= factor
             pd.clipped = changed = True

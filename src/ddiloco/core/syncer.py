@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.core import admission, fleet
+from ddiloco.core import admission, fleet, robust
 from ddiloco.core.admission import STRIKES, Admitting, Sender, Shape
 from ddiloco.core.codec import Chain
 from ddiloco.core.compress import decode, is_lossy
@@ -111,10 +111,19 @@ class Syncer:
         embedding_like: Sequence[bool],
         owned: Sequence[int] | None = None,
         take: bool = False,
+        sketch_seed: int = 0,
     ) -> None:
         """``take``: ``initial``'s tensors are the syncer's to keep (a driver that built the
-        model for this and lets it go): fp32 fragments are views of them, not copies."""
+        model for this and lets it go): fp32 fragments are views of them, not copies.
+        ``sketch_seed``: the robust merge's drift sketches' signs (``robust.Sketch``); a
+        runtime draws it anew at each start and tells no learner (one that knew it could aim a
+        push at what the sketch misses)."""
         self.cfg = cfg
+        self.sketch_seed = sketch_seed
+        # Per fragment, each learner's drift (the robust merge's history; in memory only: a
+        # restarted syncer rebuilds it within a few rounds, the trust it produced is kept).
+        self.drifts: dict[int, dict[int, robust.Drift]] = {}
+        self._sketches: dict[int, robust.Sketch] = {}
         self.layout = layout
         # A syncer shard owns a subset of the fragments; the others' rounds run elsewhere.
         self.owned = sorted(owned) if owned is not None else list(range(layout.num_fragments))
@@ -426,9 +435,14 @@ class Syncer:
         to the learners merged in it."""
         p = rnd.fragment
         frag = self.fragments[p]
-        screen = rnd.screen(frag.recent_norms, frag.screen_rounds, {m: self.learners[m].trust for m in rnd.pending})
-        for m, trust in screen.trust.items():
-            self.learners[m].trust = trust
+        drifts = self.drifts.setdefault(p, {})
+        if p not in self._sketches:
+            self._sketches[p] = robust.Sketch(self.sketch_seed * 1_000_003 + p)
+        trust = {m: self.learners[m].trust for m in rnd.pending}
+        screen = rnd.screen(frag.recent_norms, frag.screen_rounds, trust, drifts, self._sketches[p])
+        for m, trust_after in screen.trust.items():
+            self.learners[m].trust = trust_after
+        drifts.update(screen.drift)
         for c, why, detail in screen.refused:  # recorded with the round, each with a strike
             self._reject(c, why, detail, now, out)
         del self.rounds[p]

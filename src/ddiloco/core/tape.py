@@ -193,6 +193,9 @@ class MergedEntry:
     alignment: float = 1.0
     """The robust merge's alignment: its cosine with the round's centre over the round's median
     cosine (1 also when the round had no centre: fewer than 3 answers, or robust off)."""
+    drift: float = 0.0
+    """The robust merge's drift of its learner in this fragment after it: the push it repeats
+    over rounds off the centre, over the round's median drift (0: not judged)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -209,6 +212,7 @@ class MergedEntry:
             "norm": self.norm,
             "scaled": self.scaled,
             "alignment": self.alignment,
+            "drift": self.drift,
         }
 
     @property
@@ -242,6 +246,7 @@ class MergedEntry:
             norm=_float(d, "norm", 0.0),
             scaled=_float(d, "scaled", 1.0),
             alignment=_float(d, "alignment", 1.0),
+            drift=_float(d, "drift", 0.0),
         )
 
 

@@ -109,7 +109,11 @@ def restore_global(
             model = wl.build_model(cfg.run.seed)  # a fresh run (or a fragment never merged)
     params = synced_tensors(model)  # the parameters and the persistent buffers
     # values this process built, or a model given in code that its caller lets go, are the core's to keep
-    core = Syncer(cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=take or wl is not None)
+    # The drift sketches' signs: drawn anew at each start, told to no learner (robust.Sketch).
+    seed = secrets.randbits(62)
+    core = Syncer(
+        cfg.algo, layout.fragments, params, layout.embedding_like, owned, take=take or wl is not None, sketch_seed=seed
+    )
     return GlobalModel(layout, store, found, core, keys, spec, numel)
 
 

@@ -111,6 +111,7 @@ class FlightRecorder:
             "layout": session.registration.layout,
             "embedding_like": core.embedding_like(),
             "owned": core.owned,
+            "sketch_seed": core.sketch_seed,
             "shard": session.shard,
             "epoch": session.epoch,
             "run": session.run,
@@ -257,7 +258,8 @@ def replay(path: str | Path) -> Replay:
         layout = make_layout(specs, cfg.algo.fixed_fragments, cfg.algo.fragment_strategy, cfg.algo.sync_every)
         owned = [int(p) for p in start["owned"]]
         initial = {s.name: torch.zeros(s.shape) for s in specs}
-        core = Syncer(cfg.algo, layout, initial, [bool(x) for x in start["embedding_like"]], owned)
+        seed = int(start.get("sketch_seed", 0))  # (a recording made before the drift history has none)
+        core = Syncer(cfg.algo, layout, initial, [bool(x) for x in start["embedding_like"]], owned, sketch_seed=seed)
         tensors = st_load(records[0].frames[0])
         found = {}
         for key, (version, tokens, has_momentum) in start["versions"].items():
