@@ -124,7 +124,7 @@ def tampering_learner_main(kind: str, argv: list[str]) -> int:
     wl = load_workload(cfg.workload)
     # Per fragment, which pieces are parameters: the attacks move those and leave the buffers
     # (running statistics: hostile buffers are the protocol arm's and test_soak's).
-    is_param = [[pc.kind == "param" for pc in f] for f in layout_for(wl.build_model(0), wl, cfg.algo).fragments]
+    is_param = [[pc.kind == "param" for pc in f] for f in layout_for(wl.build_model(0), wl, cfg.algo).fragments.fragments]
     decode, encode = comm.decode, comm.encode
     counts = {"rewritten": 0, "untouched": 0}
 
