@@ -222,3 +222,15 @@ def test_a_served_optimizer_state_is_copied_a_budget_per_boundary_not_whole() ->
     want = {f"{i}.{k}": v for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
     assert problem is None and set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert all(got[k].data_ptr() != want[k].data_ptr() for k in want)  # copies, taken piece by piece
+
+
+def test_the_robust_merges_drift_history_is_a_sketch_per_learner_and_fragment() -> None:
+    """The drift history does not grow with the model: SKETCH_DIM floats per learner and
+    fragment, and each fragment's bucket signs (SKETCH_DIM per piece)."""
+    from ddiloco.core.robust import SKETCH_DIM
+
+    s, _ = run(dataclasses.replace(CFG, robust=True), rounds=6, leave_open=0)
+    held = s.held_bytes()
+    pieces = sum(len(s._sketches[p].held()) for p in s._sketches)
+    assert held["drift"] == (M * P + pieces) * SKETCH_DIM * 4
+    assert sum(storages(s).values()) == sum(held.values())

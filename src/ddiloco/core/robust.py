@@ -103,6 +103,10 @@ class Sketch:
         g = torch.Generator().manual_seed(mixed)
         return torch.randint(0, 2, (n,), generator=g, dtype=torch.int64).mul_(2).sub_(1).float()
 
+    def held(self) -> list[torch.Tensor]:
+        """The tensors it keeps (each piece's bucket signs)."""
+        return list(self._buckets.values())
+
     def fold(self, rows: torch.Tensor, piece: int, start: int) -> torch.Tensor:
         """The sketch of ``rows`` (vectors x elements), the elements starting at element
         ``start`` of ``piece`` (a multiple of ``CHUNK``): vectors x dim. The row signs are

@@ -657,11 +657,13 @@ class Syncer:
         a delayed optimizer's pending share included), ``chain`` (the served copy of a lossy
         down-link, where it is not the values themselves), ``chain_history`` (its last encoded
         changes, ``algo.chain_history``), ``past`` (buffers of past versions),
-        ``pending`` (open rounds' outer gradients, one per answer) and ``scratch`` (merge
-        buffers, open rounds' and the pool's). docs/runtime.md states the budget."""
+        ``pending`` (open rounds' outer gradients, one per answer), ``scratch`` (merge
+        buffers, open rounds' and the pool's) and ``drift`` (the robust merge's history: a
+        sketch per learner and fragment, and each fragment's sketch signs). docs/runtime.md
+        states the budget."""
 
         held: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("values", "momentum", "chain", "chain_history", "past", "pending", "scratch")
+            k: [] for k in ("values", "momentum", "chain", "chain_history", "past", "pending", "scratch", "drift")
         }
         for p in self.owned:
             f = self.fragments[p]
@@ -676,6 +678,8 @@ class Syncer:
             held["pending"] += [t for pd in rnd.pending.values() for t in pd.deltas]
             held["scratch"] += [rnd.scratch] if rnd.scratch is not None else []
         held["scratch"] += self._scratch_pool
+        held["drift"] += [d.total for p in self.owned for d in self.drifts.get(p, {}).values()]
+        held["drift"] += [t for p in self.owned if p in self._sketches for t in self._sketches[p].held()]
         # A change's exact buffers are the version's own tensors: counted where they are held.
         counted = {t.untyped_storage().data_ptr() for k, ts in held.items() if k != "chain_history" for t in ts}
         held["chain_history"] = [t for t in held["chain_history"] if t.untyped_storage().data_ptr() not in counted]
