@@ -207,6 +207,7 @@ def traffic_line(traffic: dict[str, Any] | None) -> str:
 MEMORY = (
     ("held_values", "values"), ("held_momentum", "momentum"), ("held_chain", "served copy"),
     ("held_past", "past versions"), ("held_pending", "open rounds"), ("held_scratch", "merge buffers"),
+    ("held_drift", "drift history"),
     ("unowned", "other shards' fragments"), ("model", "model given"), ("eval_copy", "evaluation copy"),
     ("send_queued", "send queues"),
 )  # fmt: skip
