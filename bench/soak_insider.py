@@ -124,7 +124,8 @@ def tampering_learner_main(kind: str, argv: list[str]) -> int:
     wl = load_workload(cfg.workload)
     # Per fragment, which pieces are parameters: the attacks move those and leave the buffers
     # (running statistics: hostile buffers are the protocol arm's and test_soak's).
-    is_param = [[pc.kind == "param" for pc in f] for f in layout_for(wl.build_model(0), wl, cfg.algo).fragments.fragments]
+    fragments = layout_for(wl.build_model(0), wl, cfg.algo).fragments.fragments
+    is_param = [[pc.kind == "param" for pc in f] for f in fragments]
     decode, encode = comm.decode, comm.encode
     counts = {"rewritten": 0, "untouched": 0}
 
@@ -185,8 +186,9 @@ def tampering_learner_main(kind: str, argv: list[str]) -> int:
     def adaptive(msg: Any, delta: list[torch.Tensor], adapted: bool) -> list[torch.Tensor]:
         """Its honest delta d turned into |d| (a u + b p): u = d's direction, p a fixed
         direction made orthogonal to u, |a u + b p| = ADAPTIVE_SIZE, cos(., u) =
-        ADAPTIVE_COSINE. Adapted: p turns slowly (ROTATION per answer) and b follows the
-        controller, which holds the attacker's drift at the honest 90th percentile."""
+        ADAPTIVE_COSINE. Adapted: p turns slowly (ROTATION per answer), and the push and the
+        excess size shrink by the controller's factor, which holds the attacker's drift at the
+        honest 90th percentile."""
         pair = unit_directions(msg.fragment, delta)
         first, second = pair[0::2], pair[1::2]
         k = turns[msg.fragment] = turns.get(msg.fragment, 0) + 1
@@ -199,8 +201,11 @@ def tampering_learner_main(kind: str, argv: list[str]) -> int:
         along = sum(float((pp * uu).sum()) for pp, uu in zip(push, u))
         ortho = [pp - along * uu for pp, uu in zip(push, u)]
         o_norm = math.sqrt(sum(float(o.norm()) ** 2 for o in ortho)) or 1.0
-        b = ADAPTIVE_SIZE * math.sqrt(1 - ADAPTIVE_COSINE**2) * (control.scale() if adapted else 1.0)
-        a = math.sqrt(max(ADAPTIVE_SIZE**2 - b * b, 0.0))
+        # The whole attack scales with the controller's factor f: its push (b) and its excess size
+        # along its own direction (a - 1), which would repeat its own residual a times over.
+        f = control.scale() if adapted else 1.0
+        b = ADAPTIVE_SIZE * math.sqrt(1 - ADAPTIVE_COSINE**2) * f
+        a = 1.0 + (ADAPTIVE_SIZE * ADAPTIVE_COSINE - 1.0) * f
         return [d_norm * (a * uu + b * oo / o_norm) for uu, oo in zip(u, ortho)]
 
     comm.decode, comm.encode = watch, rewrite
