@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_setup as soak  # noqa: E402  (the soak's settings, shared with bench/soak.py)
 from harness.cluster import Cluster  # noqa: E402  (bench/harness, beside this script)
 from harness.files import TapeReader  # noqa: E402
-from harness.paths import sets  # noqa: E402
+from harness.paths import ENV, sets  # noqa: E402
 from harness.tables import facts, publish  # noqa: E402
 
 ARMS = (
@@ -423,8 +423,9 @@ def run_one(work: Path, arm: str, rep: int, duration_s: float) -> dict[str, Any]
     for m in honest:
         c.learner(m, threads=1)
     if attack in (*INFLUENCE, *ADAPTIVE):  # real learner processes of this file, contributions rewritten
-        os.environ["DDILOCO_INSIDER_TAPE"] = str(run_dir / "state" / "tape.jsonl")
-        os.environ["DDILOCO_INSIDER_HONEST"] = ",".join(map(str, honest))
+        # (the cluster starts its processes in the harness's environment, ENV, not this one's)
+        ENV["DDILOCO_INSIDER_TAPE"] = str(run_dir / "state" / "tape.jsonl")
+        ENV["DDILOCO_INSIDER_HONEST"] = ",".join(map(str, honest))
         for m in attackers:
             tampering = [sys.executable, __file__, "--tampering-learner", attack, "--", *c.learner_args(m, threads=1)]
             c.start(f"learner-{m}", [*tampering, *c.extra])
