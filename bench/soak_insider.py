@@ -93,7 +93,8 @@ FLOOD_PER_S = 200
 def settings(rep: int, arm: str = "baseline") -> list[str]:
     honest, attackers, _, _ = SHAPES[arm]
     fleet = max(4, honest + attackers)  # the 4-learner arms keep the soak's 4 data shards
-    return [*soak.SETTINGS, f"run.seed={rep}", f"run.num_learners={fleet}", *EXTRA.get(arm, [])]
+    drift = EXTRA.get(arm, ["algo.robust_drift_limit=3"])  # (the drift history is off by default)
+    return [*soak.SETTINGS, f"run.seed={rep}", f"run.num_learners={fleet}", *drift]
 
 
 def attackers_of(arm: str) -> list[int]:

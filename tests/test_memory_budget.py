@@ -229,7 +229,7 @@ def test_the_robust_merges_drift_history_is_a_sketch_per_learner_and_fragment() 
     fragment, and each fragment's bucket signs (SKETCH_DIM per piece)."""
     from ddiloco.core.robust import SKETCH_DIM
 
-    s, _ = run(dataclasses.replace(CFG, robust=True), rounds=6, leave_open=0)
+    s, _ = run(dataclasses.replace(CFG, robust=True, robust_drift_limit=3.0), rounds=6, leave_open=0)
     held = s.held_bytes()
     pieces = sum(len(s._sketches[p].held()) for p in s._sketches)
     assert held["drift"] == (M * P + pieces) * SKETCH_DIM * 4

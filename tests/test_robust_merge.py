@@ -346,7 +346,11 @@ def unit_push(f: Fleet, seed: int = 9) -> torch.Tensor:
     return push / push.norm()
 
 
-@pytest.mark.parametrize("limit", [CFG.robust_drift_limit, 0.0])
+DRIFT = 3.0
+"""The drift limit the insider phase measured (off by default: algo.robust_drift_limit)."""
+
+
+@pytest.mark.parametrize("limit", [DRIFT, 0.0])
 def test_an_adaptive_insider_inside_the_honest_spread_loses_its_weight_once_its_push_repeats(limit):
     """Alignment about 0.76, 2.8x the honest size, one fixed direction, 1.4x tokens: no round
     refuses it or shrinks it much, but its drift (its push repeated) takes its weight to 0
@@ -374,7 +378,9 @@ def test_an_adaptive_insider_inside_the_honest_spread_loses_its_weight_once_its_
 
 
 def test_two_colluding_adaptive_insiders_of_eight_both_lose_their_weight():
-    f = Fleet(learners=8)
+    import dataclasses
+
+    f = Fleet(learners=8, cfg=dataclasses.replace(CFG, robust_drift_limit=DRIFT))
     push = unit_push(f)
     for _ in range(10):
         rec = f.honest_round_with({m: adaptive_delta(f, push) for m in (6, 7)})
@@ -385,12 +391,14 @@ def test_two_colluding_adaptive_insiders_of_eight_both_lose_their_weight():
 def test_honest_learners_with_a_direction_of_their_own_keep_their_weight():
     """Non-IID data: each honest learner repeats a part of its own (its shard's direction, half
     the noise's size). The drift is over the round's median drift, so that is the norm."""
-    f = Fleet(learners=5)
+    import dataclasses
+
+    f = Fleet(learners=5, cfg=dataclasses.replace(CFG, robust_drift_limit=DRIFT))
     own = {m: 0.4 * unit_push(f, seed=100 + m) for m in range(5)}
     for _ in range(12):
         rec = f.honest_round_with({m: f.honest_delta() + 0.1 * own[m] for m in range(5)})
         assert all(e.weight == 400 * 400 / 4 for e in rec.merged), [(e.learner, e.drift) for e in rec.merged]
-    assert max(e.drift for r in f.records for e in r.merged) < CFG.robust_drift_limit / 2
+    assert max(e.drift for r in f.records for e in r.merged) < DRIFT / 2
 
 
 def test_a_drift_estimates_the_push_a_learner_repeats_whatever_its_noise():

@@ -166,11 +166,15 @@ class DiLoCoConfig:
     robust_trust_full: float = 0.6
     """A learner of this trust or more keeps its full weight; below, its weight falls linearly
     to 0 at trust 0. Trust follows full-length answers only."""
-    robust_drift_limit: float = 3.0
+    robust_drift_limit: float = 0.0
     """A learner's drift (``core/robust.py``: the push its answers repeat off the round's
     centre over rounds, over the round's median drift) at this level or above takes its
     answers' weight to 0 and its trust down as a misaligned answer would; from half of it the
-    weight falls linearly. 0 disables the drift history."""
+    weight falls linearly. 0 (the default) disables the drift history. 3 is what the insider
+    phase measured (docs/results/insider.md); it is off by default because honest learners of
+    a heterogeneous fleet at quorum 1 reached drifts of 2.5 (90th percentile) to 23 in the
+    simulator and lost 9% of their merged tokens, and the quality benchmark has not measured
+    its honest cost yet."""
     robust_drift_decay: float = 0.9
     """Per judged answer, a learner's drift history keeps this much of its past (it sees a
     push repeated over about 1 / (1 - decay) answers; one that turns faster adds up less)."""
