@@ -648,8 +648,9 @@ def to_markdown(rep: dict[str, Any]) -> str:
         f"Command: `{rep['command']}` ({rep['date']}, {rep['machine']['cpus']} CPUs, "
         f"{rep['total_wall_s'] / 60:.0f} min). "
         f"Each run {s['duration_s']:.0f} s of training after start-up, {s['reps']} repetitions per arm (run.seed = "
-        "repetition), no kills; the soak's synthetic settings; the robust merge at its defaults (the drift history "
-        "off in `adaptive_off` only). Each arm's loss is over the attacker-free run of its shape (`baseline`: 3 "
+        "repetition), no kills; the soak's synthetic settings; the robust merge at its defaults with the drift "
+        "history on (`algo.robust_drift_limit = 3`, off by default) in every arm but `adaptive_off`. Each arm's "
+        "loss is over the attacker-free run of its shape (`baseline`: 3 "
         "honest learners of 4 data shards; `baseline5`: 3 of 5; `baseline8`: 6 of 8). Arms: see "
         "`bench/soak_insider.py`. Drift: the robust merge's drift of each merged answer (its learner's repeated "
         "push over the round's median; `algo.robust_drift_limit` = 3 takes the weight to 0, from 1.5 it falls).",
