@@ -435,8 +435,9 @@ class Round:
             cfg.robust_clip,
             sketch if cfg.robust_drift_limit > 0 else None,
         )
-        drifted = self._drifts(verdicts, judged, drifts, out)
+        # Only full-length answers (half the round's median steps) judge their learner.
         full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
+        drifted = self._drifts(verdicts, judged, drifts, full_length, out)
         # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
         weights = [pd.weight for pd in judged.values() if pd.weight > 0]
         weight_cap = None
@@ -468,6 +469,7 @@ class Round:
         verdicts: Mapping[int, robust.Verdict],
         judged: Mapping[int, Pending],
         drifts: Mapping[int, robust.Drift],
+        full_length: float,
         out: Screened,
     ) -> dict[int, float]:
         """Each full-length answer's residual added to its learner's drift (into ``out.drift``);
@@ -476,7 +478,6 @@ class Round:
         median drift: honest learners on data of their own repeat a part of their push too (a
         shard's own direction), and a minority cannot move the median."""
         cfg = self.cfg
-        full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
         for m, v in verdicts.items():
             # (a few steps are mostly noise: they do not judge the learner)
             if v.residual is not None and judged[m].contribution.steps >= full_length:
