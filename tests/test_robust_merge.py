@@ -197,12 +197,12 @@ def test_robust_off_keeps_the_norm_screen():
     assert f.refusals == []  # without the direction check a reversed delta passes: why robust is on
 
 
-def test_unit_median_cosines_match_a_direct_computation_across_chunks():
+def test_the_centres_cosines_match_a_direct_computation_across_chunks():
     g = torch.Generator().manual_seed(1)
     n = robust.CHUNK * 2 + 17  # three chunks, the last one short
     deltas = {m: [torch.randn(n, generator=g), torch.randn(5, generator=g)] for m in range(5)}
     norms = {m: float(torch.cat(d).norm()) for m, d in deltas.items()}
-    got = robust.unit_median_cosines(deltas, norms)
+    got = robust.centre_of(deltas, norms).cosines
     units = torch.stack([torch.cat(deltas[m]) / norms[m] for m in range(5)])
     centre = units.median(dim=0).values  # odd count: the middle value
     for m in range(5):

@@ -28,9 +28,9 @@ every round. So when a round closes with at least ``MIN_ANSWERS`` answers:
   is mostly noise that cancels, the attacker's adds up. Per learner and fragment the syncer
   keeps a decayed sum of each answer's part off the centre (its size relative to the round's
   median), folded into ``SKETCH_DIM`` floats by a sign sketch whose signs come from a seed the
-  learners do not know (``Drift``). Its consistent part's size, over the round's median
-  residual, is the learner's drift: above ``cfg.robust_drift_limit`` it is evidence, and its
-  trust falls as on a misaligned answer, until the push stops.
+  learners do not know (``Drift``). Its consistent part's size, over the round's median of
+  those sizes, is the learner's drift: above ``cfg.robust_drift_limit`` it is evidence, and
+  its trust falls as on a misaligned answer, until the push stops (off by default).
 
 With fewer answers there is no majority to define a centre: only the clipping against the
 fragment's history and the weight cap apply (``tolerance`` says so at start). Every function
@@ -59,8 +59,9 @@ fragments holds 6 MiB). A sign sketch (element j of piece i adds to bucket j mod
 with a sign per element drawn from the syncer's secret seed, the row's sign times the
 bucket's) keeps inner products in expectation, with a relative error of about
 sqrt(2 / SKETCH_DIM) = 4% on a squared norm. What it misses: a push whose signed folds cancel,
-which only a learner knowing the seed can aim at (the seed never leaves the syncer and is drawn
-anew at each start); a push along the centre (that is the size bound's, ``robust_clip``)."""
+which only a learner knowing the seed can aim at (the seed is sent to no learner, is drawn anew
+at each start, and lives in the syncer's memory and flight recording); a push along the centre
+(that is the size bound's, ``robust_clip``)."""
 
 DRIFT_ROUNDS = 4
 """Judged answers a learner needs in a fragment before its drift is evidence: with fewer the
@@ -180,10 +181,6 @@ def centre_of(
     return Centre(cosines, {m: folded[k] for k, m in enumerate(learners)}, folded[-1] / scale)
 
 
-def unit_median_cosines(deltas: Mapping[int, Sequence[torch.Tensor]], norms: Mapping[int, float]) -> dict[int, float]:
-    """Each answer's cosine with the coordinate-wise median of the answers' unit directions."""
-    return centre_of(deltas, norms).cosines
-
 
 def judge(
     deltas: Mapping[int, Sequence[torch.Tensor]],
@@ -274,8 +271,8 @@ class Drift:
 
 
 def drift_target(drift: float, limit: float) -> float:
-    """The trust a learner of ``drift`` (its consistent push over the round's median residual)
-    is pulled to: 1 up to half the limit, 0 at the limit or above, linear between."""
+    """The trust a learner of ``drift`` (its consistent push over the round's median one) is
+    pulled to: 1 up to half the limit, 0 at the limit or above, linear between."""
     if limit <= 0:
         return 1.0
     return min(1.0, max(0.0, 2.0 - 2.0 * drift / limit))

@@ -435,7 +435,8 @@ class Round:
             cfg.robust_clip,
             sketch if cfg.robust_drift_limit > 0 else None,
         )
-        # Only full-length answers (half the round's median steps) judge their learner.
+        # Only full-length answers (half the round's median steps) judge their learner: a few
+        # steps are mostly noise.
         full_length = statistics.median(pd.contribution.steps for pd in judged.values()) / 2
         drifted = self._drifts(verdicts, judged, drifts, full_length, out)
         # No answer outweighs robust_weight_cap x the round's median (with a majority to take it from).
@@ -445,7 +446,6 @@ class Round:
             weight_cap = cfg.robust_weight_cap * statistics.median(weights)
         for m, v in verdicts.items():
             pd, held = judged[m], trust[m]
-            # Only full-length answers judge the learner: a few steps are mostly noise.
             full = pd.contribution.steps >= full_length and not math.isnan(v.cosine)
             # Drift is evidence as a misalignment is: the trust falls to its target.
             target = drifted.get(m, 1.0)
