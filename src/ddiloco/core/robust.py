@@ -181,7 +181,6 @@ def centre_of(
     return Centre(cosines, {m: folded[k] for k, m in enumerate(learners)}, folded[-1] / scale)
 
 
-
 def judge(
     deltas: Mapping[int, Sequence[torch.Tensor]],
     norms: Mapping[int, float],
