@@ -110,6 +110,12 @@ def test_a_damaged_recording_is_one_clear_error(recorded, tmp_path):
         bad.write_bytes(data[:at] + new + data[at + len(old) + (len(new) - len(old)) :])
         with pytest.raises(RecordingError, match="header is damaged"):
             replay(bad)
+    # The drift sketch's seed that is not a number (the header keeps its length: quoted letters).
+    at = data.index(b'"sketch_seed": ') + len(b'"sketch_seed": ')
+    end = at + len(data[at:].split(b",", 1)[0])
+    bad.write_bytes(data[:at] + b'"' + b"z" * (end - at - 2) + b'"' + data[end:])
+    with pytest.raises(RecordingError, match="start state is damaged"):
+        replay(bad)
     bad.write_bytes(b"nope" + data[4:])
     with pytest.raises(RecordingError, match="not a ddiloco flight recording"):
         read_recording(bad)
