@@ -98,3 +98,17 @@ def test_a_restarted_syncers_zeros_are_no_restart_of_a_named_incarnation():
         {"time": 15.0, "learner": 0, "incarnation": 1, "tokens": 950},
     ]
     assert IncarnationCounters.of_records(records, "tokens")[0].total() == 950
+
+
+def test_clip_lowers_a_learners_sum_from_its_largest_readings_and_keeps_the_others():
+    c = IncarnationCounters()
+    for inc, v in ((1, 300.0), (2, 2.0**53), (3, 50.0)):
+        c.add(0, inc, v, 1.0)
+    c.add(1, 1, 700.0, 1.0)
+    assert c.clip(0, 1000.0) == pytest.approx(300.0 + 2.0**53 + 50.0 - 1000.0)
+    assert c.per_learner() == {0: 1000.0, 1: 700.0}
+    assert c.best(0, 1) == 300.0 and c.best(0, 3) == 50.0 and c.best(0, 2) == 650.0
+    assert c.clip(1, 1e9) == 0.0 and c.clip(0, 1000.0) == 0.0
+    restored = IncarnationCounters()
+    restored.load_state(c.state())
+    assert restored.total() == 1700.0

@@ -52,11 +52,11 @@ SPECS, LAYOUT, PARAMS = SESSION_SPECS, SESSION_LAYOUT, SESSION_PARAMS
 REGISTRATION, CFG, RT = SESSION_REGISTRATION, SESSION_CFG, SESSION_RT
 
 
-def syncer(keyed: bool = False) -> SyncerSession:
+def syncer(keyed: bool = False, budget: Budget | None = None, ended: str | None = None) -> SyncerSession:
     core = Syncer(
         CFG, LAYOUT, {"w": torch.zeros(3, 2), "b": torch.zeros(2)}, [False] * sum(len(f) for f in LAYOUT.fragments)
     )
-    return SyncerSession(core, RT, Budget(), REGISTRATION, 0.0, keyed=keyed)
+    return SyncerSession(core, RT, budget or Budget(), REGISTRATION, 0.0, keyed=keyed, ended=ended)
 
 
 def register(s: SyncerSession, m: int, peer: object, now: float = 0.0, incarnation: int = 1, key: bool = False):
@@ -745,3 +745,58 @@ def test_the_cap_is_the_upper_median_of_the_other_live_learners_rates(rates):
         others = [r for i, r in enumerate(rates) if i != m]
         want = 2.0 * statistics.median_high(others) if others else 77.0
         assert book.rate_cap(m, lambda: live, 11.0) == pytest.approx(want), (m, rates)
+
+
+def test_the_budget_is_overshot_by_at_most_one_learners_window_when_a_held_link_lands():
+    """Three learners at 1,000 tokens a second, a budget of 40,000: learner 0's heartbeats are
+    held for the liveness window just before the budget is reached, then land (cumulative).
+    The run ends on them, past the budget by at most one learner's window of tokens (and, with
+    learner 2 an insider claiming 2^53 from its first heartbeat, by at most its capped window)."""
+    window_s = CFG.liveness_timeout_s
+    for insider in (False, True):
+        s = syncer()
+        s.budget = Budget(processed_tokens=40_000)
+        peers = ("a", "b", "c")
+        for m, peer in enumerate(peers):
+            register(s, m, peer)
+        # it lands at 13.5 s, the fleet at 38,500 then: its window's tokens end the run
+        held_from, k = 13.5 - window_s, 0
+        while s.end_stage is None and k < 400:
+            k += 1
+            t = 0.25 * k
+            for m, peer in enumerate(peers):
+                if m == 0 and held_from <= t < held_from + window_s:
+                    continue  # held by the link
+                claim = 1000.0 * t if not (insider and m == 2) else 2**53
+                s.receive(peer, Heartbeat(m, 1, step=k, step_time_s=0.1, tokens=int(claim)), t)
+            s.tick(t)
+        assert s.end_stage is not None, "the budget ended the run"
+        over = s.processed_tokens() - 40_000
+        one_window = (RT.token_rate_spread if insider else 1.0) * 1000.0 * (window_s + 0.5)
+        assert 0 <= over <= one_window, (insider, over, one_window)
+        if not insider:
+            assert t == held_from + window_s, (t, over)  # the landing ended it
+
+
+def test_a_run_ended_by_a_count_nobody_vouched_for_goes_on_when_restarted_and_says_why():
+    """A restart on a run that ended: the store's counts are audited. Learner 2's 2^53 (what an
+    older syncer believed from one heartbeat) is lowered to the spread x the others' median, the
+    budget is no longer spent, and one line says why it stopped and that it goes on; an end
+    reached by honest counts stands."""
+    budget = Budget(processed_tokens=400_000)
+    reason = "9,007,199,254,743,192 tokens processed by the fleet, the budget is 400,000 (run.processed_tokens)"
+    s = syncer(budget=budget, ended=reason)
+    s.fleet.load_state({"best": [[0, 1, 1000], [1, 1, 1200], [2, 1, 2**53]]})
+    s.ended_at(2.0**53 + 2200)
+    line = s.reopen(5.0)
+    assert line is not None and reason in line and "learner 2 claimed 9,007,199,254,740,992" in line
+    assert "the run goes on" in line and "\n" not in line
+    assert s.end_stage is None and s.processed_tokens() == 1000 + 1200 + RT.token_rate_spread * 1200
+    register(s, 0, "a", 6.0)
+    assert s.fleet.progress[0].tokens == 1000  # its incarnation's count, as before
+    honest = syncer(budget=budget, ended="400,001 tokens processed")
+    honest.fleet.load_state({"best": [[0, 1, 200_000], [1, 1, 200_001]]})
+    assert honest.reopen(5.0) is None and honest.end_stage == "done"
+    capped = syncer(budget=budget, ended=reason)  # clipped, but still past the budget: the end stands
+    capped.fleet.load_state({"best": [[0, 1, 150_000], [1, 1, 150_000], [2, 1, 2**53]]})
+    assert capped.reopen(5.0) is None and capped.end_stage == "done"

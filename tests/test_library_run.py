@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import wait_for
 from torch import nn
 
 import ddiloco
@@ -465,3 +466,38 @@ def test_an_evaluation_hooks_metrics_become_tensorboard_scalars():
     rec = {"event": "eval", "time": 2.0, "merged_tokens": 10, "loss": 0.5, "metrics": {"accuracy": 0.9, "loss": 7}}
     assert scalar_records("eval", rec) == [("eval/loss", 0.5, 2.0), ("eval/merged_tokens", 10.0, 2.0),
                                            ("eval/accuracy", 0.9, 2.0)]  # fmt: skip
+
+
+def test_a_run_ended_on_a_count_nobody_vouched_for_goes_on_when_its_syncer_restarts(tmp_path, caplog):
+    """The store of a finished run made to hold what an older syncer believed (learner 1 at
+    2^53 tokens, the run ended on it early): a syncer restarted on the folder says in one line
+    why the run stopped and goes on (the run log says "resume"), instead of leaving."""
+    from ddiloco.report.tape import read_jsonl as lines
+    from ddiloco.service.syncer.store import SyncerStore
+
+    run_dir = tmp_path / "run"
+    config = cfg(f"run.processed_tokens={BUDGET}")
+    first = run_fleet(run_dir, config)
+    store = SyncerStore(run_dir, 0, 1, fsync=False)
+    found = store.restore(first.service.layout.fragments, first.service.core.owned)
+    assert found is not None and found.syncer_meta is not None
+    meta = {**found.syncer_meta, "fleet": {"best": [[0, 1, 40], [1, 1, 2**53]]}}
+    store.snapshot(found.fragments.values(), meta)
+    store.close()
+    runlog = run_dir / "metrics" / "run.jsonl"
+    reason = f"{2**53 + 40:,} tokens processed by the fleet, the budget is {BUDGET:,} (run.processed_tokens)"
+    records = [r for r in lines(runlog) if r["what"] != "end"]
+    records.append({"time": 5.0, "what": "end", "reason": reason, "processed_tokens": 2**53 + 40})
+    runlog.write_text("".join(json.dumps(r) + "\n" for r in records))
+    caplog.set_level(logging.WARNING)
+    torch.manual_seed(0)
+    again = ddiloco.SyncerServer(Net(), "inproc://again", run_dir, config=config, fsync=False,
+                                 transport=InProcessNetwork().syncer("inproc://again")).start()  # fmt: skip
+    try:
+        wait_for(lambda: lines(runlog)[-1]["what"] == "resume", 60, "the restarted syncer to resume the run")
+        said = [r.getMessage() for r in caplog.records if "the run goes on" in r.getMessage()]
+        assert len(said) == 1 and reason in said[0] and "learner 1 claimed 9,007,199,254,740,992" in said[0], said
+        assert not any("this run already ended" in r.getMessage() for r in caplog.records)
+        assert again.service.session.end_stage is None and again.service.session.processed_tokens() == 40 + 4 * 40
+    finally:
+        again.stop()

@@ -139,6 +139,21 @@ class IncarnationCounters:
                 self._best[key] = v
                 self._totals[m] = self._totals.get(m, 0.0) + v - old
 
+    def clip(self, learner: int, total: float) -> float:
+        """Lower ``learner``'s sum over its incarnations to at most ``total`` (an audit found more
+        than can be vouched for), taking the excess off its largest readings first; returns what
+        was taken off (0.0: it was within ``total``)."""
+        before = self._totals.get(learner, 0.0)
+        excess = before - max(0.0, total)
+        for key in sorted((k for k in self._best if k[0] == learner), key=lambda k: -self._best[k]):
+            if excess <= 0:
+                break
+            cut = min(excess, self._best[key])
+            self._best[key] -= cut
+            self._totals[learner] -= cut
+            excess -= cut
+        return before - self._totals.get(learner, 0.0)
+
     def incarnations(self, learner: int) -> int:
         """How many incarnations of ``learner`` have been seen."""
         return sum(1 for m, _, _ in self._best if m == learner)

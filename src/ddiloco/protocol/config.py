@@ -144,8 +144,9 @@ class RuntimeConfig:
     claims beyond are refused, counted as "implausible", and counted later only if the cap
     allows): raise it for a fleet that uneven."""
     lone_tokens_per_s: float = 1e6
-    """The cap while no other live learner has claimed a training rate (a fleet of one, the run's
-    first steps): tokens a second one learner is believed to process."""
+    """The cap for a learner with no other live learner (a fleet of one): tokens a second it is
+    believed to process. Beside live learners that have not claimed a rate yet (the run's first
+    heartbeats) its claims wait for theirs (then count, cumulatively)."""
     peer_state_interval_s: float = 5.0
     """The optimizer hand-off's pace: a learner serves its optimizer state at most once per this
     many seconds (others are refused at once, cheaply), and the syncer relays at most one request

@@ -16,7 +16,9 @@ new incarnation does not refill it), up to one liveness window's worth (a held l
 window of heartbeats at once), and each heartbeat's growth is believed up to what it holds.
 The cap is ``token_rate_spread`` times the (upper) median training rate the *other* live
 learners claim (a minority cannot move it; each one's rate is over the span of its own claims,
-so joining takes no part), or ``lone_tokens_per_s`` while none has claimed growth. What a
+so joining takes no part); ``lone_tokens_per_s`` for a learner alone; and 0 while the others
+are live but none has claimed growth yet (the run's first heartbeats: its claims wait for
+theirs, then count, cumulatively). What a
 heartbeat claims beyond that is refused (``refused_tokens``, one "implausible" note each); its
 next heartbeat, cumulative, claims it again, so a learner refused by a cap that was too low
 counts it later.
@@ -64,6 +66,13 @@ class Progress:
     """Tokens its next heartbeat may still grow by (the bucket: it fills from its registration,
     and a new incarnation of the learner goes on with its predecessor's, so registering again
     does not refill it)."""
+    filled: float = 0.0
+    """The syncer's time up to which the bucket has been filled (it stands still while the cap
+    is 0: that time fills it at the cap that follows)."""
+    deferred: bool = False
+    """Its last heartbeat came while its cap was 0: the time since ``filled`` counts in full
+    at the next cap, not only one window of it (what it trained while it waited for the
+    others' rates is not lost)."""
 
     def rate(self) -> float | None:
         """Tokens a second it claims to train at, over the span of its claims (None: no growth
@@ -82,6 +91,7 @@ class FleetBook:
         self.spread, self.lone_rate, self.window_s = token_rate_spread, lone_tokens_per_s, window_s
         self._rates_at: float | None = None
         self._rate_of: dict[int, float] = {}
+        self._live: set[int] = set()
         self._sorted: list[float] = []
         self.refused_tokens = 0.0
         """Tokens claimed beyond the bucket when they were claimed (a claim repeated by later
@@ -94,14 +104,17 @@ class FleetBook:
         the live learners' ids; the rates are sorted at most every ``RATES_REFRESH_S``, so a
         heartbeat costs a bisection, not a pass over the fleet."""
         if self._rates_at is None or not 0 <= now - self._rates_at < RATES_REFRESH_S:
-            ids = set(live())
-            self._rate_of = {m: r for m, p in self.progress.items() if m in ids and (r := p.rate()) is not None}
+            self._live = set(live())
+            self._rate_of = {m: r for m, p in self.progress.items() if m in self._live and (r := p.rate()) is not None}
             self._sorted = sorted(self._rate_of.values())
             self._rates_at = now
         rates, own = self._sorted, self._rate_of.get(learner)
         n = len(rates) - (own is not None)  # the others
         if n == 0:
-            return self.lone_rate
+            # Alone: the lone rate. Beside live learners that have not claimed a rate yet (the
+            # run's first heartbeats): nothing yet, or one insider's first claim would be believed
+            # at the lone rate and end a short run; its claims, cumulative, count once theirs do.
+            return self.lone_rate if not self._live - {learner} else 0.0
         k = n // 2  # the upper median of the others: rates without one copy of its own
         if own is not None and k >= bisect.bisect_left(rates, own):
             k += 1
@@ -115,17 +128,22 @@ class FleetBook:
         if old is None or old.incarnation != hb.incarnation:  # not seen registering (a restarted syncer)
             old = self._fresh(hb.learner, hb.incarnation, now)
         grown = max(0, hb.tokens - old.tokens)
+        filled = now if cap_per_s > 0 else old.filled
         if cap_per_s == math.inf:
             credit, allowed = math.inf, grown
         else:
-            credit = min(cap_per_s * self.window_s, old.credit + cap_per_s * max(0.0, now - old.heard))
+            span = max(0.0, now - old.filled)
+            depth = max(self.window_s, span) if old.deferred else self.window_s
+            credit = min(cap_per_s * depth, old.credit + cap_per_s * span)
             allowed = min(grown, int(credit))
         first = old.first if old.first is not None or hb.tokens <= 0 else (now, hb.tokens)
         self.progress[hb.learner] = Progress(
             hb.incarnation, hb.step, old.tokens + allowed, hb.busy_s, loss, hb.bytes_sent, hb.tokens, first, now,
-            credit - allowed,
+            credit - allowed, filled, cap_per_s == 0,
         )  # fmt: skip
         self._tokens.add(hb.learner, hb.incarnation, old.tokens + allowed, now)
+        if cap_per_s == 0:  # deferred, not refused: the others have no rate to vouch by yet
+            return 0.0
         self.refused_tokens += grown - allowed
         return float(grown - allowed)
 
@@ -143,20 +161,41 @@ class FleetBook:
         tokens = int(self._tokens.best(learner, incarnation))
         old = self.progress.get(learner)
         if old is None:
-            return Progress(incarnation, tokens=tokens, heard=now)
-        return Progress(incarnation, tokens=tokens, heard=min(old.heard, now), credit=old.credit)
+            return Progress(incarnation, tokens=tokens, heard=now, filled=now)
+        return Progress(
+            incarnation, tokens=tokens, heard=min(old.heard, now), credit=old.credit, filled=min(old.filled, now),
+            deferred=old.deferred,
+        )  # fmt: skip
+
+    def audit(self, age_s: float) -> list[tuple[int, float, float]]:
+        """Lower every learner's count over the run to what the syncer can vouch for once the
+        heartbeats are gone (a restart on a run that ended: its store's counts may hold a claim
+        no bucket checked, from an older syncer): ``spread`` times the upper median of the other
+        learners' counts (of those with any), or for a learner alone the lone rate times the
+        run's age ``age_s``. The cost: an honest learner that trained on long while the others
+        were down is cut too, and a finished run restarted goes on for what was cut. Returns
+        (learner, counted before, counted now) for each one lowered."""
+        totals = self._tokens.per_learner()
+        lowered = []
+        for m, count in totals.items():
+            others = sorted(v for k, v in totals.items() if k != m and v > 0)
+            bound = self.spread * others[len(others) // 2] if others else self.lone_rate * max(0.0, age_s)
+            if count > bound:
+                self._tokens.clip(m, bound)
+                lowered.append((m, count, bound))
+        return lowered
 
     def processed_tokens(self) -> float:
         """Tokens the fleet processed, over every learner and incarnation (as reported)."""
         return self._tokens.total()
 
     def tokens_per_step(self) -> float:
-        """The tokens one learner processes per inner step: the reported tokens over the reported
-        steps of every learner's current incarnation (0.0 before any step is reported; at most
-        ``MAX_TOKENS_F``, whatever the heartbeats claim)."""
-        steps = sum(p.step for p in self.progress.values())
-        tokens = sum(p.tokens for p in self.progress.values())
-        return min(MAX_TOKENS_F, tokens / steps) if steps > 0 else 0.0
+        """The tokens one learner processes per inner step: the lower median over the learners'
+        current incarnations of each one's claimed tokens over its reported steps (one insider of
+        three or more cannot move it; 0.0 before any step is reported; at most ``MAX_TOKENS_F``).
+        Claims, not the counts believed: those lag while the bucket waits for the others' rates."""
+        per = sorted(p.claimed / p.step for p in self.progress.values() if p.step > 0 and p.claimed > 0)
+        return min(MAX_TOKENS_F, per[(len(per) - 1) // 2]) if per else 0.0
 
     def state(self) -> dict[str, Any]:
         """What a restart needs to keep counting (JSON-able)."""

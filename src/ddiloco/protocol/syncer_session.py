@@ -624,6 +624,26 @@ class SyncerSession:
         if self.end_stage is not None:
             self._processed_at_end = processed_tokens
 
+    def reopen(self, now: float) -> str | None:
+        """A restart on a finished run (call after ``restore`` and ``ended_at``): audit the
+        fleet's counts (``FleetBook.audit``); when the end came from a count the syncer cannot
+        vouch for and the audited counts leave the budget unspent, the run goes on. Returns the
+        one line that says why it had stopped and why it goes on (None: the end stands)."""
+        if self.end_stage != "done":
+            return None
+        lowered = self.fleet.audit(self.run_age(now))
+        processed = self.fleet.processed_tokens()
+        if not lowered or self.budget.spent(processed, self.core.merged_tokens, self.run_age(now)) is not None:
+            return None
+        said = "; ".join(f"learner {m} claimed {before:,.0f}, counted as {after:,.0f}" for m, before, after in lowered)
+        line = (
+            f"the run had ended ({self.end_reason}) on counts the syncer cannot vouch for ({said}: at most "
+            "runtime.token_rate_spread x the other learners' median count, or runtime.lone_tokens_per_s x the "
+            f"run's age); the fleet has processed {processed:,.0f} tokens: the run goes on"
+        )
+        self.end_stage, self.end_reason, self._end_next, self._processed_at_end = None, "", math.inf, None
+        return line
+
     def _advance_end(self, now: float, out: SyncerOutput) -> None:
         """Move the run's end along: stop -> final sync -> done -> (linger) -> leave."""
         if self.end_stage is None:

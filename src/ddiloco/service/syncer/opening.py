@@ -149,6 +149,9 @@ def open_session(
         session.restore(g.found.fragments, g.found.syncer_meta, take=True)  # (the store's own tensors)
     if last is not None and isinstance(last.get("processed_tokens"), (int, float)):
         session.ended_at(float(last["processed_tokens"]))
+    if ended is not None and (why := session.reopen(start)) is not None:
+        log.warning("%s", why)  # one line: why it stopped, and why it goes on
+        ended = None
     return session, ended
 
 
