@@ -552,6 +552,10 @@ def final_arms(base: list[str], best: dict[str, list[str]]) -> dict[str, tuple[s
         # The robust merge's cost to honest runs (issue 18): the same arms with it off.
         "decoupled (robust off)": ("decoupled", [*base, *dec, "algo.robust=false"]),
         "decoupled chaos (robust off)": ("decoupled", [*base, *dec, *CHAOS, "algo.robust=false"]),
+        # The drift history's cost to honest runs (issue 34; off by default): with it on at the
+        # limit the insider benchmark measured.
+        "decoupled (drift 3)": ("decoupled", [*base, *dec, "algo.robust_drift_limit=3"]),
+        "decoupled chaos (drift 3)": ("decoupled", [*base, *dec, *CHAOS, "algo.robust_drift_limit=3"]),
         "hetero K=1": ("decoupled", [*base, *dec, *HETERO, *K1]),
         "hetero K=1 scaled": ("decoupled", [*base, *dec, *HETERO, *K1, "algo.staleness=scaled"]),
         # Every answer becomes a version of its own: the kept versions must cover two ticks' worth.
