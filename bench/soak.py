@@ -3,6 +3,7 @@
     python bench/soak.py --minutes 10                  # the report: attack run + its baseline (~22 min)
     python bench/soak.py --minutes 0.8 --no-baseline   # the CI variant (invariants only, ~1 min)
     python bench/soak.py --insider                     # the insider phase (bench/soak_insider.py, ~45 min)
+    python bench/soak.py --flood                       # the flood phase (bench/soak_flood.py, ~10 min)
 
 The attack run: the syncer, 3 honest learners (ids 0-2), an attacking learner (id 3, a process of
 bench/soak_roles.py holding learner-3's valid key, answering with corrupted contributions in rotation:
@@ -646,7 +647,16 @@ def main() -> int:
     ap.add_argument("--insider-s", type=float, default=90.0, help="insider phase: seconds of training per run")
     ap.add_argument("--reps", type=int, default=3, help="insider phase: repetitions per arm")
     ap.add_argument("--insider-arms", default="", help="insider phase: only these arms (comma-separated; a look)")
+    ap.add_argument("--flood", action="store_true", help="the flood phase (bench/soak_flood.py): 4 arms")
+    ap.add_argument("--flood-s", type=float, default=45.0, help="flood phase: seconds of flood per run")
     args = ap.parse_args()
+    if args.flood:
+        import soak_flood
+
+        reps = args.reps if "--reps" in sys.argv else 2
+        cmd = f"python bench/soak.py --flood --flood-s {args.flood_s:g} --reps {reps}"
+        work = Path(args.work) if args.work else CACHE / "flood"
+        return soak_flood.run_phase(work, args.flood_s, reps, Path(args.out), cmd)
     if args.insider:
         import soak_insider
 

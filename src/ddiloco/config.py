@@ -187,6 +187,15 @@ class Config:
             0 <= rt.eval_every_tokens < 1e18,
             "runtime.eval_every_tokens", rt.eval_every_tokens, ">= 0 merged tokens (0: automatic), finite",
         )  # fmt: skip
+        require(
+            type(rt.max_pending_connections) is int and 0 <= rt.max_pending_connections <= 1 << 20,
+            "runtime.max_pending_connections", rt.max_pending_connections,
+            "an integer in [0, 1048576] (0: no bound but ZeroMQ's)",
+        )  # fmt: skip
+        require(
+            0.1 <= rt.pending_connection_s <= 3600, "runtime.pending_connection_s", rt.pending_connection_s,
+            "in [0.1, 3600] seconds",
+        )  # fmt: skip
         require(1 <= rt.token_rate_spread < 1e9, "runtime.token_rate_spread", rt.token_rate_spread, ">= 1, finite")
         require(0 < rt.lone_tokens_per_s < 1e18, "runtime.lone_tokens_per_s", rt.lone_tokens_per_s, "> 0, finite")
         require(rt.local_state_max_age_s > 0, "runtime.local_state_max_age_s", rt.local_state_max_age_s, "> 0")

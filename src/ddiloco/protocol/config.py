@@ -136,6 +136,13 @@ class RuntimeConfig:
     max_fetches_per_s: float = 2.0
     """``FetchGlobal`` and ``StatusRequest`` the syncer answers per key per second (bursts of
     10; per connection without keys): each answer costs a copy of the model or of the fleet view."""
+    max_pending_connections: int = 256
+    """TCP connections to the syncer that have not started their handshake (sent ZeroMQ's
+    greeting and first handshake command, as every peer does at once) that it keeps: beyond,
+    the oldest are cut (an outsider's idle connections cost descriptors and the honest fleet's
+    merges). 0: no bound but ZeroMQ's handshake timeout (30 s)."""
+    pending_connection_s: float = 10.0
+    """How long such a connection may wait before it is cut."""
     token_rate_spread: float = 4.0
     """A learner's heartbeats are believed to process tokens at most this many times as fast as
     the median training rate the other live learners claim (over a token bucket of one liveness

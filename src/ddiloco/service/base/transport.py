@@ -24,6 +24,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from ddiloco.service.base.keys import ClientKeys, ServerKeys
+from ddiloco.service.base.pending import FIRST_COMMAND, GREETING, PendingGate
 
 log = logging.getLogger(__name__)
 Frames = list[Any]
@@ -37,6 +38,9 @@ ROUTER_HWM = 4
 """Messages ZeroMQ itself holds per peer at the syncer (its ``SNDHWM``): few, so that what waits
 for a slow link waits in our ``SendQueue``, bounded in bytes, where a newer version can replace
 it, and not in ZeroMQ's pipe, bounded only in messages (1,000 fragments of a GPT were 146 MB)."""
+GATE_EVERY_S = 0.25
+"""How often the syncer looks at the connections that have not started a handshake (each look
+reads the kernel's TCP_INFO of each: a few microseconds apiece)."""
 NO_DETAIL_RUN = 5
 """Handshakes in a row that a keyed client sees fail without detail before it calls its copy of
 the syncer's key wrong: a mechanism mismatch may also end a few attempts early (the server hangs
@@ -231,19 +235,25 @@ class ZmqSyncerSocket:
         max_frame_bytes: int = -1,
         keys: ServerKeys | None = None,
         queue_bytes: int = 512 << 20,
+        max_pending: int = 256,
+        pending_s: float = 10.0,
     ) -> None:
         """``max_frame_bytes`` > 0: a peer that sends a larger frame is disconnected by ZeroMQ
         before the frame is buffered (see ``wire.max_frame_bytes``). With ``keys``, CURVE
         authenticates and encrypts every connection and admits only the allowed keys.
-        ``queue_bytes``: each peer's ``SendQueue`` bound (``runtime.send_queue_mb``)."""
+        ``queue_bytes``: each peer's ``SendQueue`` bound (``runtime.send_queue_mb``).
+        ``max_pending``, ``pending_s``: TCP connections that have not started their handshake,
+        at most this many and this long (``pending.PendingGate``; 0: no bound but ZeroMQ's)."""
         self.auth = None
         self.keys = keys
         self.queue_bytes = queue_bytes
         self.queues: dict[bytes, SendQueue] = {}
         """Per peer (connection), what waits for its link; a queue that empties is removed."""
-        self.counts = {"send_dropped": 0, "send_dropped_bytes": 0, "send_replaced": 0, "send_unroutable": 0}
+        self.counts = {"send_dropped": 0, "send_dropped_bytes": 0, "send_replaced": 0, "send_unroutable": 0,
+                       "connections_cut": 0, "connections_pending": 0}  # fmt: skip
         """Messages dropped to fit a queue's bound (and their bytes), replaced unsent by a newer
-        version, and dropped because their peer's connection is gone."""
+        version, and dropped because their peer's connection is gone; connections cut before
+        their handshake started, and those waiting now (``pending.PendingGate``)."""
         self._warned = False
         ctx = zmq.Context.instance()
         if keys is not None:
@@ -268,15 +278,50 @@ class ZmqSyncerSocket:
         # and a peer whose connection is gone says EHOSTUNREACH (its queue is dropped).
         self.sock.setsockopt(zmq.SNDHWM, ROUTER_HWM)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.gate: PendingGate | None = None
+        self._watch: zmq.Socket[Any] | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._gated_at = 0.0
+        if address.startswith("tcp://") and max_pending > 0:
+            first = GREETING + FIRST_COMMAND["curve" if keys is not None else "null"]
+            self.gate = PendingGate(max_pending, pending_s, first)
+            self._watch = self.sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED,
+                addr=f"inproc://ddiloco-monitor-{next(_MONITORS)}",
+            )
+            self._watch.setsockopt(zmq.RCVHWM, 0)
+            self._poller.register(self._watch, zmq.POLLIN)
         try:
             self.sock.bind(address)
         except zmq.ZMQError:
             self.close()
             raise
 
+    def _guard(self) -> None:
+        """Read ZeroMQ's connection events, then (every ``GATE_EVERY_S``, or at once when twice
+        the bound wait) cut the connections that wait too long or too many without starting a
+        handshake."""
+        assert self.gate is not None and self._watch is not None
+        now = time.monotonic()
+        while self._watch.poll(0):
+            ev = recv_monitor_message(self._watch)
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self.gate.accepted(int(ev["value"]), now)
+            else:
+                self.gate.closed(int(ev["value"]))
+        if now - self._gated_at >= GATE_EVERY_S or self.gate.pending() > 2 * self.gate.max_pending:
+            self._gated_at = now
+            self.gate.check(now)
+            self.counts["connections_cut"] = self.gate.cut_count
+            self.counts["connections_pending"] = self.gate.pending()
+
     def recv(self, timeout_s: float, limit: int) -> list[Received]:
         out: list[Received] = []
-        if not self.sock.poll(int(timeout_s * 1000)):
+        ready = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self.gate is not None:
+            self._guard()
+        if self.sock not in ready and not self.sock.poll(0):
             return out
         while len(out) < limit:
             try:
@@ -340,6 +385,9 @@ class ZmqSyncerSocket:
 
     def close(self) -> None:
         self.queues.clear()
+        if self._watch is not None:
+            self.sock.disable_monitor()
+            self._watch.close(linger=0)
         self.sock.close(0)
         if self.auth is not None:
             self.auth.stop()

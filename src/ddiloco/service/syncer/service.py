@@ -763,7 +763,11 @@ def open_syncer(
     if transport is None:
         largest = max(t.numel() for t in synced_tensors(shape).values())  # a buffer is a frame too
         try:
-            zsock = ZmqSyncerSocket(bind, max_frame_bytes(largest), keys, int(cfg.runtime.send_queue_mb * (1 << 20)))
+            rt = cfg.runtime
+            zsock = ZmqSyncerSocket(
+                bind, max_frame_bytes(largest), keys, int(rt.send_queue_mb * (1 << 20)),
+                rt.max_pending_connections, rt.pending_connection_s,
+            )  # fmt: skip
         except zmq.ZMQError as e:
             raise DDiLoCoError(f"cannot bind the syncer to {bind}: {e} (is the port in use? pass another)") from None
         address = bytes(zsock.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
