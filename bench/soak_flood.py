@@ -5,8 +5,9 @@
 Three honest learners train against a keyed syncer (the soak's synthetic workload, real processes
 on loopback); in every arm but the baseline a flooder process starts with the measurement:
 
-- ``idle``: 10,000 TCP connections to the syncer that never send a byte, each reopened as soon
-  as the syncer cuts it (``runtime.max_pending_connections``, ``runtime.pending_connection_s``);
+- ``idle``: 10,000 slow TCP connections to the syncer without a key (each drips a ZeroMQ
+  greeting a byte every 5 s, never finishing it), each reopened as soon as the syncer cuts it
+  (``runtime.max_pending_connections``, ``runtime.pending_connection_s``), at most 2,000 a second;
 - ``idle_ungated``: the same with the bound off (``runtime.max_pending_connections=0``: only
   ZeroMQ's 30 s handshake timeout), to show what the bound buys;
 - ``malformed``: learner 3's key sends malformed frames as fast as the syncer takes them
@@ -21,6 +22,7 @@ Writes docs/results/flood.md and .json; each run is cached under bench/cache/flo
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import resource
@@ -57,14 +59,23 @@ def arm_settings(arm: str, rep: int) -> list[str]:
     return [*soak.SETTINGS, f"run.seed={rep}", *extra]
 
 
+GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+"""A valid ZMTP 3.0 greeting (CURVE, as the client): the flooder drips it a byte at a time."""
+DRIP_S = 5.0
+"""Each idle connection sends the next byte of its greeting every this many seconds (slow, not
+silent: a handshake that seems under way)."""
+
+
 def idle_flooder_main(addr: str, until: float, out: str) -> int:
-    """Hold ``IDLE_CONNECTIONS`` connections to ``addr`` that never send; reopen the cut ones."""
+    """Hold ``IDLE_CONNECTIONS`` slow connections to ``addr`` (each drips a greeting a byte
+    every ``DRIP_S``, never finishing it); reopen the cut ones."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, IDLE_CONNECTIONS + 1000), hard))
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)
     sel = selectors.DefaultSelector()
-    opened = cut = refused = peak = 0
+    opened = cut = refused = peak = dripped = 0
     budget, last = float(IDLE_CONNECTIONS), time.monotonic()
+    drip: collections.deque[tuple[float, socket.socket, int]] = collections.deque()  # (due, socket, next byte)
 
     def open_one() -> None:
         nonlocal opened, refused
@@ -73,6 +84,7 @@ def idle_flooder_main(addr: str, until: float, out: str) -> int:
         try:
             s.connect_ex((host, int(port)))
             sel.register(s, selectors.EVENT_READ)
+            drip.append((time.monotonic() + DRIP_S, s, 0))
             opened += 1
         except OSError:
             refused += 1
@@ -86,6 +98,16 @@ def idle_flooder_main(addr: str, until: float, out: str) -> int:
             budget -= 1
             open_one()
         peak = max(peak, len(sel.get_map()))
+        while drip and drip[0][0] <= now:
+            _, s, i = drip.popleft()
+            if s.fileno() < 0 or i >= len(GREETING):
+                continue  # cut meanwhile, or its greeting is out (it then waits, silent)
+            try:
+                s.send(GREETING[i : i + 1])
+                dripped += 1
+            except OSError:
+                continue
+            drip.append((now + DRIP_S, s, i + 1))
         for key, _ in sel.select(timeout=0.05):
             s = key.fileobj
             assert isinstance(s, socket.socket)
@@ -99,7 +121,9 @@ def idle_flooder_main(addr: str, until: float, out: str) -> int:
             sel.unregister(s)  # closed or reset by the syncer: cut
             s.close()
             cut += 1
-    Path(out).write_text(json.dumps({"opened": opened, "cut_seen": cut, "refused": refused, "peak_open": peak}))
+    Path(out).write_text(
+        json.dumps({"opened": opened, "cut_seen": cut, "refused": refused, "peak_open": peak, "bytes_dripped": dripped})
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ class FakeKernel:
     def __init__(self) -> None:
         self.got: dict[int, int | None] = {}
         self.cuts: list[int] = []
+        self.who: dict[int, object] = {}
 
     def received(self, fd: int) -> int | None:
         return self.got.get(fd, 0)
@@ -29,14 +30,18 @@ class FakeKernel:
         self.cuts.append(fd)
         return True
 
+    def identify(self, fd: int) -> object | None:
+        return self.who.get(fd, ((f"10.0.0.{fd}", 5555), ("peer", fd)))
+
 
 def test_silent_connections_beyond_the_bound_go_oldest_first_and_the_rest_after_the_grace():
     k = FakeKernel()
-    gate = PendingGate(max_pending=3, grace_s=10.0, first_bytes=264, received=k.received, cutter=k.cut)
+    gate = PendingGate(3, 10.0, 264, received=k.received, cutter=k.cut, identify=k.identify, port=5555)
     for fd in range(10, 16):
         gate.accepted(fd, now=float(fd - 10))
     k.got[14] = 300  # started its handshake: never cut, forgotten
     k.got[11] = None  # no TCP socket any more: forgotten, never touched
+    k.who[9] = (("10.0.0.9", 6000), ("peer", 9))
     assert gate.check(5.5) == 1 and k.cuts == [10]  # 4 silent > 3: the oldest goes, within its grace
     assert gate.pending() == 3  # 12, 13, 15
     assert gate.check(11.9) == 0
@@ -46,6 +51,11 @@ def test_silent_connections_beyond_the_bound_go_oldest_first_and_the_rest_after_
     gate.accepted(7, 30.0)
     gate.accepted(7, 40.0)  # a descriptor reused: the new connection's clock
     assert gate.check(49.0) == 0 and gate.check(50.0) == 1
+    gate.accepted(8, 60.0)
+    k.who[8] = (("10.0.0.8", 40000), ("syncer", 5555))  # reused meanwhile by a client socket of the process
+    assert gate.check(99.0) == 0 and gate.pending() == 0 and 8 not in k.cuts
+    gate.accepted(9, 100.0)  # accepted elsewhere (another local port): not this listener's
+    assert gate.pending() == 0
 
 
 def test_bytes_received_reads_the_kernels_count_and_is_none_for_what_is_no_tcp_socket():

@@ -204,7 +204,8 @@ def test_status_of_a_live_fleet_then_of_its_run_folder(tmp_path, capsys):
             ok = ok and all(ln["contribution_age_s"] is not None and ln["bytes_sent"] > 0 for ln in st["learners"])
             return st if ok and any(f["version"] > 0 for f in st["fragments"]) else None
 
-        wait_for(progressed, 120, "both learners' progress and a merge in the status")
+        # polled at 1 s: status requests are limited per key (runtime.max_fetches_per_s = 2, bursts of 10)
+        wait_for(progressed, 120, "both learners' progress and a merge in the status", poll=1.0)
         assert main(["status", server.address, "--json", "--timeout", "120"]) == 0
         view = json.loads(capsys.readouterr().out)
         assert [ln["state"] for ln in view["learners"]] == ["up", "up"]

@@ -11,10 +11,11 @@ first command, what an honest peer sends at once) within ``grace_s`` is cut, and
 ``max_pending`` such connections the oldest are cut at once. Cutting is ``shutdown(2)`` on a
 duplicate of the descriptor: ZeroMQ sees the connection end and closes its own descriptor.
 
-A descriptor that ZeroMQ closed and the kernel handed to a new connection before its monitor
-event was read may be taken for the old one: the new connection is cut only if it too has sent
-nothing for ``grace_s`` (an honest peer sends its greeting on connect), and a ZeroMQ peer
-reconnects by itself. A descriptor that is no TCP socket any more is forgotten, never touched.
+A descriptor that ZeroMQ closed may be handed by the kernel to another socket before its monitor
+event is read: each one is known by its (local, peer) addresses from when it was accepted (its
+local port must be the listening one), and one whose addresses differ since is forgotten, never
+cut (in the syncer's own process a client socket, say the evaluation hook's, may take it). A
+descriptor that is no TCP socket any more is forgotten too.
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def bytes_received(fd: int) -> int | None:
         dup.close()
 
 
+def identity(fd: int) -> tuple[object, object] | None:
+    """(local address, peer address) of TCP socket ``fd`` (None: no connected socket)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        return dup.getsockname(), dup.getpeername()
+    except OSError:
+        return None
+    finally:
+        dup.close()
+
+
 def cut(fd: int) -> bool:
     """End TCP connection ``fd`` (its owner sees it closed and lets its descriptor go)."""
     try:
@@ -78,17 +93,25 @@ class PendingGate:
         first_bytes: int,
         received: Callable[[int], int | None] = bytes_received,
         cutter: Callable[[int], bool] = cut,
+        identify: Callable[[int], object | None] = identity,
+        port: int | None = None,
     ) -> None:
+        """``port``: the listening port; a descriptor whose local port is another is no
+        connection accepted there (the descriptor was reused at once) and is left alone."""
         self.max_pending, self.grace_s, self.first_bytes = max_pending, grace_s, first_bytes
-        self._received, self._cut = received, cutter
-        self._pending: OrderedDict[int, float] = OrderedDict()
-        """Descriptor -> when it was accepted, oldest first."""
+        self._received, self._cut, self._identify, self.port = received, cutter, identify, port
+        self._pending: OrderedDict[int, tuple[float, object]] = OrderedDict()
+        """Descriptor -> (when it was accepted, its identity then), oldest first: a descriptor
+        whose identity has changed since was reused, and is forgotten, never cut."""
         self.cut_count = 0
         """Connections cut (too many waiting, or silent past the grace)."""
 
     def accepted(self, fd: int, now: float) -> None:
         self._pending.pop(fd, None)  # a descriptor reused: the new connection's clock
-        self._pending[fd] = now
+        who = self._identify(fd)
+        if who is None or (self.port is not None and _port_of(who) != self.port):
+            return  # gone already, or reused by a connection that was not accepted here
+        self._pending[fd] = (now, who)
 
     def closed(self, fd: int) -> None:
         self._pending.pop(fd, None)
@@ -101,16 +124,24 @@ class PendingGate:
         """Forget the connections that started their handshake, cut the silent ones past the
         grace and, beyond ``max_pending``, the oldest silent ones; returns how many were cut."""
         silent = []
-        for fd in list(self._pending):
+        for fd, (_, who) in list(self._pending.items()):
             got = self._received(fd)
-            if got is None or got >= self.first_bytes:
+            if got is None or got >= self.first_bytes or self._identify(fd) != who:
                 del self._pending[fd]  # started (ZeroMQ's handshake timeout bounds the rest), or no TCP socket
             else:
                 silent.append(fd)
         excess, cuts = len(silent) - self.max_pending, 0
         for i, fd in enumerate(silent):  # oldest first
-            if i < excess or now - self._pending[fd] >= self.grace_s:
+            if i < excess or now - self._pending[fd][0] >= self.grace_s:
                 del self._pending[fd]
                 cuts += self._cut(fd)
         self.cut_count += cuts
         return cuts
+
+
+def _port_of(who: object) -> int | None:
+    """The local port of an ``identity`` (None: not one)."""
+    if isinstance(who, tuple) and who and isinstance(who[0], tuple) and len(who[0]) >= 2:
+        port = who[0][1]
+        return port if isinstance(port, int) else None
+    return None

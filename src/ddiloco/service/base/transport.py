@@ -279,49 +279,61 @@ class ZmqSyncerSocket:
         self.sock.setsockopt(zmq.SNDHWM, ROUTER_HWM)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.gate: PendingGate | None = None
-        self._watch: zmq.Socket[Any] | None = None
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._gated_at = 0.0
+        self._guard_thread: threading.Thread | None = None
+        self._guard_stop = threading.Event()
         if address.startswith("tcp://") and max_pending > 0:
             first = GREETING + FIRST_COMMAND["curve" if keys is not None else "null"]
-            self.gate = PendingGate(max_pending, pending_s, first)
-            self._watch = self.sock.get_monitor_socket(
+            self.gate = PendingGate(max_pending, pending_s, first)  # (its port once bound, below)
+            watch = self.sock.get_monitor_socket(
                 zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED,
                 addr=f"inproc://ddiloco-monitor-{next(_MONITORS)}",
             )
-            self._watch.setsockopt(zmq.RCVHWM, 0)
-            self._poller.register(self._watch, zmq.POLLIN)
+            watch.setsockopt(zmq.RCVHWM, 0)
+            # A thread of its own: ZeroMQ accepts while the service's loop merges or writes, and
+            # its monitor drops the events it cannot deliver (1,000 queued), so the gate must not
+            # be paced by that loop. The thread owns the monitor socket from here on.
+            self._guard_thread = threading.Thread(
+                target=self._guard, args=(watch,), name="ddiloco-pending", daemon=True
+            )
         try:
             self.sock.bind(address)
         except zmq.ZMQError:
             self.close()
             raise
+        if self._guard_thread is not None and self.gate is not None:
+            endpoint = bytes(self.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
+            self.gate.port = int(endpoint.rsplit(":", 1)[1])
+            self._guard_thread.start()
 
-    def _guard(self) -> None:
-        """Read ZeroMQ's connection events, then (every ``GATE_EVERY_S``, or at once when twice
-        the bound wait) cut the connections that wait too long or too many without starting a
-        handshake."""
-        assert self.gate is not None and self._watch is not None
-        now = time.monotonic()
-        while self._watch.poll(0):
-            ev = recv_monitor_message(self._watch)
-            if ev["event"] == zmq.EVENT_ACCEPTED:
-                self.gate.accepted(int(ev["value"]), now)
-            else:
-                self.gate.closed(int(ev["value"]))
-        if now - self._gated_at >= GATE_EVERY_S or self.gate.pending() > 2 * self.gate.max_pending:
-            self._gated_at = now
-            self.gate.check(now)
-            self.counts["connections_cut"] = self.gate.cut_count
-            self.counts["connections_pending"] = self.gate.pending()
+    def _guard(self, watch: zmq.Socket[Any]) -> None:
+        """Read ZeroMQ's connection events as they come; every ``GATE_EVERY_S`` (at once when
+        twice the bound wait) cut the connections that wait too long or too many without
+        starting a handshake."""
+        assert self.gate is not None
+        gated_at = 0.0
+        try:
+            while not self._guard_stop.is_set():
+                ready = watch.poll(int(GATE_EVERY_S * 1000))
+                now = time.monotonic()
+                while ready and watch.poll(0):
+                    ev = recv_monitor_message(watch)
+                    if ev["event"] == zmq.EVENT_ACCEPTED:
+                        self.gate.accepted(int(ev["value"]), now)
+                    elif ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                        self.gate.closed(int(ev["value"]))
+                if now - gated_at >= GATE_EVERY_S or self.gate.pending() > 2 * self.gate.max_pending:
+                    gated_at = now
+                    self.gate.check(now)
+                    self.counts["connections_cut"] = self.gate.cut_count
+                    self.counts["connections_pending"] = self.gate.pending()
+        except zmq.ZMQError as e:  # the socket closed under it: the server is closing
+            log.debug("the pending-connection guard stops: %s", e)
+        finally:
+            watch.close(linger=0)
 
     def recv(self, timeout_s: float, limit: int) -> list[Received]:
         out: list[Received] = []
-        ready = dict(self._poller.poll(int(timeout_s * 1000)))
-        if self.gate is not None:
-            self._guard()
-        if self.sock not in ready and not self.sock.poll(0):
+        if not self.sock.poll(int(timeout_s * 1000)):
             return out
         while len(out) < limit:
             try:
@@ -385,9 +397,11 @@ class ZmqSyncerSocket:
 
     def close(self) -> None:
         self.queues.clear()
-        if self._watch is not None:
+        if self._guard_thread is not None:
+            self._guard_stop.set()
+            if self._guard_thread.is_alive():
+                self._guard_thread.join(timeout=5)
             self.sock.disable_monitor()
-            self._watch.close(linger=0)
         self.sock.close(0)
         if self.auth is not None:
             self.auth.stop()
