@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import soak_setup as soak  # noqa: E402  (the soak's settings, shared with bench/soak.py)
+from harness.cells import cached_runs  # noqa: E402
 from harness.cluster import Cluster  # noqa: E402  (bench/harness, beside this script)
 from harness.files import TapeReader  # noqa: E402
 from harness.paths import sets  # noqa: E402
@@ -274,22 +275,12 @@ def to_markdown(rep: dict[str, Any]) -> str:
 
 def run_phase(work: Path, duration_s: float, reps: int, out: Path, command: str) -> int:
     started = time.time()
-    work.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for rep in range(reps):  # repetition-major: an interrupted phase has whole repetitions first
-        for arm in ARMS:
-            cached = work / f"{arm}-{rep}.json"
-            if cached.exists():
-                r = json.loads(cached.read_text())
-                if r.get("duration_s") == duration_s:
-                    runs.append(r)
-                    continue
-            print(f"flood: {arm} repetition {rep} ({duration_s:.0f} s)", flush=True)
-            r = run_one(work, arm, rep, duration_s)
-            cached.write_text(json.dumps(r, indent=2, default=str))
-            print(f"  honest merges/s {r['honest_merges_per_s']:.2f}, syncer fds max {r['syncer_fds_max']}, "
-                  f"{r['syncer_counts']}", flush=True)  # fmt: skip
-            runs.append(r)
+
+    def say(r: dict[str, Any]) -> str:
+        fds = r["syncer_fds_max"]
+        return f"honest merges/s {r['honest_merges_per_s']:.2f}, syncer fds max {fds}, {r['syncer_counts']}"
+
+    runs = cached_runs(work, ARMS, reps, duration_s, run_one, say, "flood")
     rep = facts(command, total_wall_s=time.time() - started, work_dir=str(work), runs=runs)
     rep["summary"] = summarise(runs)
     publish(out, "flood", rep, to_markdown(rep), default=str)

@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import soak_setup as soak  # noqa: E402  (the soak's settings, shared with bench/soak.py)
+from harness.cells import cached_runs  # noqa: E402
 from harness.cluster import Cluster  # noqa: E402  (bench/harness, beside this script)
 from harness.files import TapeReader  # noqa: E402
 from harness.paths import ENV, sets  # noqa: E402
@@ -687,23 +688,12 @@ def to_markdown(rep: dict[str, Any]) -> str:
 
 def run_phase(work: Path, duration_s: float, reps: int, out: Path, command: str, arms: tuple[str, ...] = ARMS) -> int:
     started = time.time()
-    work.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for rep in range(reps):  # repetition-major: an interrupted phase has whole repetitions first
-        for arm in arms:
-            cached = work / f"{arm}-{rep}.json"
-            if cached.exists():
-                r = json.loads(cached.read_text())
-                if r.get("duration_s") == duration_s:
-                    runs.append(r)
-                    continue
-            print(f"insider: {arm} repetition {rep} ({duration_s:.0f} s)", flush=True)
-            r = run_one(work, arm, rep, duration_s)
-            r["duration_s"] = duration_s
-            cached.write_text(json.dumps(r, indent=2, default=str))
-            print(f"  eval loss {r['eval_loss']:.4f}, honest merges/min {r['honest_merges_per_min']:.1f}, "
-                  f"refusals {r['refusals']}", flush=True)  # fmt: skip
-            runs.append(r)
+
+    def say(r: dict[str, Any]) -> str:
+        return (f"eval loss {r['eval_loss']:.4f}, honest merges/min {r['honest_merges_per_min']:.1f}, "
+                f"refusals {r['refusals']}")  # fmt: skip
+
+    runs = cached_runs(work, arms, reps, duration_s, run_one, say, "insider")
     rep = facts(command, total_wall_s=time.time() - started, work_dir=str(work), runs=runs)
     rep["summary"] = summarise(runs, duration_s, reps)
     publish(out, "insider", rep, to_markdown(rep), default=str)

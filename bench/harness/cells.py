@@ -78,3 +78,35 @@ class CellCache:
             got = read_json(p)
             if isinstance(got, dict):
                 yield p, got
+
+
+def cached_runs(
+    work: Path,
+    arms: Iterable[str],
+    reps: int,
+    duration_s: float,
+    run_one: Callable[[Path, str, int, float], dict[str, Any]],
+    say: Callable[[dict[str, Any]], str],
+    phase: str,
+) -> list[dict[str, Any]]:
+    """Every (repetition, arm) run of a soak phase, repetition-major (an interrupted phase has
+    whole repetitions first), each cached as ``work/ARM-REP.json`` and taken back when it was
+    made at the same ``duration_s``; ``say``: the line printed after each new run."""
+    work.mkdir(parents=True, exist_ok=True)
+    arms = list(arms)
+    runs = []
+    for rep in range(reps):
+        for arm in arms:
+            cached = work / f"{arm}-{rep}.json"
+            if cached.exists():
+                r = json.loads(cached.read_text())
+                if r.get("duration_s") == duration_s:
+                    runs.append(r)
+                    continue
+            print(f"{phase}: {arm} repetition {rep} ({duration_s:.0f} s)", flush=True)
+            r = run_one(work, arm, rep, duration_s)
+            r["duration_s"] = duration_s
+            cached.write_text(json.dumps(r, indent=2, default=str))
+            print(f"  {say(r)}", flush=True)
+            runs.append(r)
+    return runs
