@@ -281,6 +281,7 @@ class ZmqSyncerSocket:
         self.gate: PendingGate | None = None
         self._guard_thread: threading.Thread | None = None
         self._guard_stop = threading.Event()
+        self._watch: zmq.Socket[Any] | None = None
         if address.startswith("tcp://") and max_pending > 0:
             first = GREETING + FIRST_COMMAND["curve" if keys is not None else "null"]
             self.gate = PendingGate(max_pending, pending_s, first)  # (its port once bound, below)
@@ -292,6 +293,7 @@ class ZmqSyncerSocket:
             # A thread of its own: ZeroMQ accepts while the service's loop merges or writes, and
             # its monitor drops the events it cannot deliver (1,000 queued), so the gate must not
             # be paced by that loop. The thread owns the monitor socket from here on.
+            self._watch = watch  # closed here if the thread never starts
             self._guard_thread = threading.Thread(
                 target=self._guard, args=(watch,), name="ddiloco-pending", daemon=True
             )
@@ -401,6 +403,10 @@ class ZmqSyncerSocket:
             self._guard_stop.set()
             if self._guard_thread.is_alive():
                 self._guard_thread.join(timeout=5)
+            elif self._watch is not None and self._guard_thread.ident is None:
+                # never started (the bind failed): its monitor socket is ours to close, or the
+                # keyed context's term() waits for it for ever
+                self._watch.close(linger=0)
             self.sock.disable_monitor()
         self.sock.close(0)
         if self.auth is not None:
