@@ -69,10 +69,13 @@ class Progress:
     filled: float = 0.0
     """The syncer's time up to which the bucket has been filled (it stands still while the cap
     is 0: that time fills it at the cap that follows)."""
-    deferred: bool = False
-    """Its last heartbeat came while its cap was 0: the time since ``filled`` counts in full
-    at the next cap, not only one window of it (what it trained while it waited for the
-    others' rates is not lost)."""
+
+    @property
+    def deferred(self) -> bool:
+        """Its last heartbeat came while its cap was 0 (the bucket's fill stood still since):
+        the time since ``filled`` counts in full at the next cap, not only one window of it
+        (what it trained while it waited for the others' rates is not lost)."""
+        return self.filled < self.heard
 
     def rate(self) -> float | None:
         """Tokens a second it claims to train at, over the span of its claims (None: no growth
@@ -139,7 +142,7 @@ class FleetBook:
         first = old.first if old.first is not None or hb.tokens <= 0 else (now, hb.tokens)
         self.progress[hb.learner] = Progress(
             hb.incarnation, hb.step, old.tokens + allowed, hb.busy_s, loss, hb.bytes_sent, hb.tokens, first, now,
-            credit - allowed, filled, cap_per_s == 0,
+            credit - allowed, filled,
         )  # fmt: skip
         self._tokens.add(hb.learner, hb.incarnation, old.tokens + allowed, now)
         if cap_per_s == 0:  # deferred, not refused: the others have no rate to vouch by yet
@@ -163,9 +166,8 @@ class FleetBook:
         if old is None:
             return Progress(incarnation, tokens=tokens, heard=now, filled=now)
         return Progress(
-            incarnation, tokens=tokens, heard=min(old.heard, now), credit=old.credit, filled=min(old.filled, now),
-            deferred=old.deferred,
-        )  # fmt: skip
+            incarnation, tokens=tokens, heard=min(old.heard, now), credit=old.credit, filled=min(old.filled, now)
+        )
 
     def audit(self, age_s: float) -> list[tuple[int, float, float]]:
         """Lower every learner's count over the run to what the syncer can vouch for once the

@@ -631,9 +631,10 @@ class SyncerSession:
         one line that says why it had stopped and why it goes on (None: the end stands)."""
         if self.end_stage != "done":
             return None
-        lowered = self.fleet.audit(self.run_age(now))
+        age = self.run_age(now)
+        lowered = self.fleet.audit(age)
         processed = self.fleet.processed_tokens()
-        if not lowered or self.budget.spent(processed, self.core.merged_tokens, self.run_age(now)) is not None:
+        if not lowered or self.budget.spent(processed, self.core.merged_tokens, age) is not None:
             return None
         said = "; ".join(f"learner {m} claimed {before:,.0f}, counted as {after:,.0f}" for m, before, after in lowered)
         line = (

@@ -20,11 +20,12 @@ descriptor that is no TCP socket any more is forgotten too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 TCPI_BYTES_RECEIVED = 128
 """Offset of ``tcpi_bytes_received`` (u64) in Linux's ``struct tcp_info`` (since Linux 4.1)."""
@@ -34,57 +35,57 @@ FIRST_COMMAND = {"curve": 200, "null": 27}
 """The first handshake command's bytes: CURVE's HELLO, or NULL's READY with no properties."""
 
 
-def bytes_received(fd: int) -> int | None:
-    """Payload bytes the kernel has received on TCP socket ``fd`` (None: no TCP socket, or gone)."""
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket | None]:
+    """A socket on a duplicate of ``fd`` for one look (None: ``fd`` is no socket any more);
+    closing the duplicate leaves ``fd`` to its owner."""
     try:
         dup = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return None
-    try:
-        if dup.type != socket.SOCK_STREAM or dup.family not in (socket.AF_INET, socket.AF_INET6):
+        yield None
+        return
+    with dup:
+        yield dup
+
+
+def bytes_received(fd: int) -> int | None:
+    """Payload bytes the kernel has received on TCP socket ``fd`` (None: no TCP socket, or gone)."""
+    with _borrowed(fd) as s:
+        if s is None or s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
             return None
-        info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCPI_BYTES_RECEIVED + 8)
+        try:
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCPI_BYTES_RECEIVED + 8)
+        except OSError:
+            return None
         if len(info) < TCPI_BYTES_RECEIVED + 8:
             return None
         return int(struct.unpack_from("<Q", info, TCPI_BYTES_RECEIVED)[0])
-    except OSError:
-        return None
-    finally:
-        dup.close()
 
 
 def identity(fd: int) -> tuple[object, object] | None:
     """(local address, peer address) of TCP socket ``fd`` (None: no connected socket)."""
-    try:
-        dup = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        return dup.getsockname(), dup.getpeername()
-    except OSError:
-        return None
-    finally:
-        dup.close()
+    with _borrowed(fd) as s:
+        try:
+            return None if s is None else (s.getsockname(), s.getpeername())
+        except OSError:
+            return None
 
 
 def cut(fd: int) -> bool:
     """End TCP connection ``fd`` (its owner sees it closed and lets its descriptor go)."""
-    try:
-        dup = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
-    try:
-        dup.shutdown(socket.SHUT_RDWR)
+    with _borrowed(fd) as s:
+        if s is None:
+            return False
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
         return True
-    except OSError:
-        return False
-    finally:
-        dup.close()
 
 
 class PendingGate:
     """The accepted connections that have not yet sent a handshake's first command (pure but
-    for the two calls it is given: ``received(fd)`` and ``cut(fd)``)."""
+    for the three calls it is given: ``received(fd)``, ``identify(fd)`` and ``cut(fd)``)."""
 
     def __init__(
         self,
