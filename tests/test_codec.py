@@ -156,11 +156,13 @@ def test_without_error_feedback_no_residual_is_kept() -> None:
     assert ln.codec.residual == {}
 
 
-@pytest.mark.parametrize("encoding", ["bf16", "int8", "int4", "int2"])
-def test_a_compressed_contribution_merges_as_its_decoded_delta(encoding: str) -> None:
+@pytest.mark.parametrize(
+    "encoding,density", [("bf16", 1.0), ("int8", 1.0), ("int4", 1.0), ("int2", 1.0), ("int2", 0.03), ("fp32", 0.01)]
+)
+def test_a_compressed_contribution_merges_as_its_decoded_delta(encoding: str, density: float) -> None:
     """Through the wire (the receiver decodes it), the merge equals that of the decoded delta sent
     in full precision."""
-    cfg = dataclasses.replace(CFG, up_encoding=encoding, down_encoding="fp32")
+    cfg = dataclasses.replace(CFG, up_encoding=encoding, up_density=density, down_encoding="fp32")
     a, b, ln = _syncer(cfg), _syncer(cfg), Learner(cfg)
     _join(a, ln, 0.0)
     _join(b, Learner(cfg), 0.0)
@@ -177,6 +179,31 @@ def test_a_compressed_contribution_merges_as_its_decoded_delta(encoding: str) ->
     assert a.fragments[0].version == b.fragments[0].version == 1
     for x, y in zip(a.fragments[0].values, b.fragments[0].values):
         assert torch.equal(x, y)
+
+
+def test_sparse_payloads_both_ways_keep_the_copies_together_and_carry_what_they_drop() -> None:
+    """Top-k both ways: the learner's residual holds what its sparse contribution dropped, and
+    the chain's next change carries what the last one did not send, so a learner on the chain
+    holds the served copy bit for bit and that copy follows the global values."""
+    cfg = dataclasses.replace(CFG, up_encoding="int2", up_density=0.03, down_encoding="int4", down_density=0.1)
+    assert cfg.up_payload == "int2+top123" and cfg.down_payload == "int4+top410" and cfg.compressed
+    s, ln = _syncer(cfg), Learner(cfg)
+    _join(s, ln, 0.0)
+    start = s.fragments[0].values[0].clone()
+    ln.train()
+    c = ln.contribute()
+    assert [e.encoding for e in c.encoded] == ["int2+top123", "fp32", "fp32"]
+    assert int((c.values[0] != 0).sum()) <= 123  # of 300 values
+    assert float(ln.codec.residual[0][0].norm()) > 0
+    for k in range(1, 8):
+        (u,) = _round(s, ln, float(k))
+        assert u.kind == "delta" and u.encoded[0].encoding == "int4+top410"
+        s.handle(ln.receive(u), k + 0.2)  # type: ignore[arg-type]
+        _held_equals_served(s, ln)
+    chain, frag = s.fragments[0].chain, s.fragments[0]
+    assert chain is not None
+    gap = (chain.served[0] - frag.values[0]).norm()
+    assert gap < (frag.values[0] - start).norm()  # what the chain did not send yet, not what it lost
 
 
 def test_versions_travel_as_a_chain_of_encoded_changes() -> None:

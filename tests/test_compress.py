@@ -10,7 +10,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, Encoded, check, decode, encode, encoded_nbytes
+from ddiloco.core.compress import (
+    BLOCK_SIZE,
+    CHUNK,
+    DATA_DTYPE,
+    ENCODINGS,
+    Encoded,
+    check,
+    decode,
+    density,
+    encode,
+    encoded_nbytes,
+    frame_nbytes,
+    index_nbytes,
+    kept,
+    parse,
+    positions,
+    sparse,
+)
 from ddiloco.errors import ConfigError
 
 torch.set_num_threads(1)
@@ -186,3 +203,109 @@ def test_int2_is_ternary_and_packs_four_per_byte() -> None:
     e = encode(t, "int2")
     assert e.data.numel() == 2 and e.nbytes == 2 + 4
     assert decode(e).tolist() == pytest.approx([3.0, -3.0, 0.0, 3.0, 0.0, 0.0, 3.0])
+
+
+# -- sparse: top-k of every chunk, in a value encoding, with 12-bit positions ---------------------
+
+
+@pytest.mark.parametrize("value", ENCODINGS)
+@pytest.mark.parametrize("numel", [0, 1, 40, 41, 4096, 4097, 3 * 4096 + 100, 65537])
+def test_sparse_keeps_the_largest_of_every_chunk(value: str, numel: int) -> None:
+    t = _sample(numel, seed=numel)
+    e = encode(t, sparse(value, 0.01))
+    assert e.encoding == f"{value}+top41" and check(e) is None
+    assert e.nbytes == encoded_nbytes(numel, e.encoding) == sum(frame_nbytes(numel, e.encoding))
+    out = decode(e)
+    went = torch.zeros(numel, dtype=torch.bool)
+    went[positions(e, 41)] = True
+    assert int(went.sum()) == kept(numel, e.encoding) == numel // CHUNK * 41 + min(41, numel % CHUNK)
+    assert bool((out[~went] == 0).all())  # nothing decodes where nothing went
+    if value == "fp32":
+        assert torch.equal(out[went], t[went])
+    for start in range(0, numel, CHUNK):  # each chunk: nothing left out is larger than what went
+        chunk, sent = t[start : start + CHUNK].abs(), went[start : start + CHUNK]
+        if bool((~sent).any()):
+            assert chunk[~sent].max() <= chunk[sent].min()
+
+
+def test_sparse_names_densities_and_sizes() -> None:
+    assert sparse("int2", 1.0) == "int2" and sparse("int2", 0.03) == "int2+top123"
+    assert sparse("int4", 1e-9) == "int4+top1" and sparse("fp32", 0.99999) == "fp32"
+    assert parse("int2+top41") == ("int2", 41) and parse("int4") == ("int4", 0)
+    bad_names = (
+        "int2+top0",
+        "int2+top4096",
+        "int2+top041",
+        "int2+top",
+        "int2+top4.1",
+        "top41",
+        "int3+top4",
+        "int2+top٤",
+    )
+    for bad in bad_names:
+        assert parse(bad) is None
+        with pytest.raises(ConfigError, match=r"\+top<k>"):
+            encoded_nbytes(10, bad)
+    assert density("int2+top41") == 41 / CHUNK and density("int8") == 1.0
+    n = 1 << 22  # 1 % at 2 bits and a 12-bit position: ~0.14 bits a value, ~220x below fp32's 32
+    assert 200 < encoded_nbytes(n, "fp32") / encoded_nbytes(n, "int2+top41") < 240
+    assert index_nbytes(0) == 0 and index_nbytes(1) == index_nbytes(2) == 3
+
+
+@pytest.mark.parametrize("value", ["int2", "int4", "fp32"])
+def test_sparse_keeps_non_finite_values_visible(value: str) -> None:
+    t = torch.zeros(5000)
+    t[4500] = 1.0
+    t[17] = math.nan
+    out = decode(encode(t, f"{value}+top1"))
+    assert not bool(torch.isfinite(out).all())
+
+
+def test_error_feedback_makes_top_k_lossless_over_rounds() -> None:
+    """Top-1 % at 2 bits loses 99 % of each round's values; with the residual carried, what was
+    sent over T rounds is T rounds' worth of the input less the last residual, which stays
+    bounded: the sum sent converges on the sum given (SparseLoCo's premise)."""
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(3 * CHUNK, generator=g)
+    residual, sent = torch.zeros_like(target), torch.zeros_like(target)
+    norms = []
+    for t in range(1, 401):
+        payload = target + residual
+        decoded = decode(encode(payload, "int2+top41"))
+        residual, sent = payload - decoded, sent + decoded
+        norms.append(float(residual.norm()))
+        assert torch.allclose(sent + residual, t * target, rtol=1e-4, atol=1e-3)  # nothing is lost
+    assert max(norms[200:]) <= 1.05 * max(norms[:200])  # the residual stays bounded
+    err = float((sent / 400 - target).norm() / target.norm())
+    assert err < 0.25  # without feedback, 1 % of the values (err ~0.99)
+    once = decode(encode(target, "int2+top41"))
+    assert float((once - target).norm() / target.norm()) > 0.9
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=400),
+    numel=st.integers(0, 9000),
+    value=st.sampled_from(ENCODINGS),
+    k=st.integers(1, 200),
+)
+def test_sparse_check_is_total_on_forged_payloads(data: bytes, numel: int, value: str, k: int) -> None:
+    """Any bytes as a sparse payload's parts: ``check`` answers (a reason or None), never raises,
+    and what it passes decodes to the right shape."""
+    name = f"{value}+top{k}"
+    n_scales, n_data, n_positions = frame_nbytes(numel, name)
+    raw = (data * (1 + (n_scales + n_data + n_positions) // max(1, len(data))))[: n_scales + n_data + n_positions]
+    raw = raw.ljust(n_scales + n_data + n_positions, b"\x00")
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+    dtype = DATA_DTYPE[value]
+    e = Encoded(
+        name,
+        (numel,),
+        torch.float32,
+        buf[n_scales : n_scales + n_data].clone().view(dtype),
+        buf[:n_scales].clone().view(torch.float32) if n_scales else None,
+        buf[n_scales + n_data :].clone(),
+    )
+    problem = check(e)
+    if problem is None:
+        assert decode(e).shape == (numel,)

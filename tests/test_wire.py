@@ -49,13 +49,19 @@ def _pieces(encoding: str) -> tuple[list[torch.Tensor], list[Encoded]]:
     return [compress.decode(e) for e in encoded], encoded
 
 
+def _sparse_pieces(encoding: str) -> tuple[list[torch.Tensor], list[Encoded]]:
+    """A parameter of one whole top-k chunk and a shorter one (4,480 values), and a buffer."""
+    encoded = [compress.encode(torch.randn(70, 64), encoding), compress.encode(torch.randn(3), "fp32")]
+    return [compress.decode(e) for e in encoded], encoded
+
+
 def compressed(encoding: str) -> Contribution:
-    values, encoded = _pieces(encoding)
+    values, encoded = (_sparse_pieces if "+" in encoding else _pieces)(encoding)
     return contribution(values, kind="delta", encoded=encoded)
 
 
 def compressed_update(encoding: str) -> FragmentUpdate:
-    values, encoded = _pieces(encoding)
+    values, encoded = (_sparse_pieces if "+" in encoding else _pieces)(encoding)
     return FragmentUpdate(1, 2, 6, values, 1300.0, 3, kind="delta", base_version=5, encoded=encoded)
 
 
@@ -64,11 +70,12 @@ MESSAGES = [
     Heartbeat(1, 5, 20, 0.125, tokens=4096, busy_s=12.5, loss=2.75, bytes_sent=1_000_000),
     contribution([torch.randn(3, 4), torch.randn(5)]),
     contribution([torch.randn(2)], kind="delta"),
-    *[compressed(enc) for enc in ("bf16", "int8", "int4", "int2")],
+    *[compressed(enc) for enc in ("bf16", "int8", "int4", "int2", "int2+top41", "fp32+top123")],
     Ack(1, 5, 2, 3),
     FragmentRequest(1, 2, 17),
     FragmentUpdate(1, 2, 5, [torch.randn(2, 2)], 1234.0, 3, 99, "join"),
     compressed_update("int4"),
+    compressed_update("int4+top41"),
     Register(1, 5, [["w", [2, 3]], ["b", [3]]], "abc123", [0, 4], 1234, "cuda:0"),
     Register(1, 5, [["w", [2]]], "abc", [], 1, "cpu", {"run.processed_tokens": 10**6, "algo.num_fragments": "auto"}),
     JoinReply(False, "model does not match", 15, 10, [0, 2]),
@@ -414,7 +421,7 @@ def _frames(msg) -> list[bytes]:
     return [bytes(memoryview(f)) for f in encode(msg)]
 
 
-@pytest.mark.parametrize("encoding", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("encoding", ["int8", "int4", "int2", "int2+top41", "bf16+top7"])
 def test_compressed_payloads_travel_as_their_codes(encoding):
     msg = compressed(encoding)
     frames = _frames(msg)
@@ -453,6 +460,52 @@ def test_a_wrong_block_count_or_encoding_is_refused():
     header["tensors"][0][2] = "int3"
     with pytest.raises(WireError, match="unsupported encoding"):
         decode([json.dumps(header).encode(), *frames[1:]])
+
+
+def _positions_frame(frame: bytes, encoding: str, numel: int, positions: list[int]) -> bytes:
+    """``frame`` (one sparse piece) with its packed positions replaced by ``positions``."""
+    n_scales, n_data, n_positions = compress.frame_nbytes(numel, encoding)
+    packed = compress._pack12(torch.tensor(positions)).numpy().tobytes()
+    assert len(packed) == n_positions
+    return frame[: n_scales + n_data] + packed
+
+
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda p: [p[1], p[0], *p[2:]], "not increasing"),  # unsorted in the first chunk
+        (lambda p: [p[0], p[0], *p[2:]], "not increasing"),  # a position twice
+        (lambda p: [*p[:-1], 4095], "outside its chunk"),  # the last chunk holds 384 values
+        (lambda p: [*p[:-1], 384], "outside its chunk"),
+    ],
+    ids=["unsorted", "repeated", "beyond-the-tail", "tail-edge"],
+)
+def test_hostile_sparse_positions_are_refused_with_a_reason(mutate, reason):
+    msg = compressed("int4+top41")
+    frames = _frames(msg)
+    e = msg.encoded[0]
+    local = compress._unpack12(e.indices)[: compress.kept(e.numel, e.encoding)].tolist()
+    frames[1] = _positions_frame(frames[1], e.encoding, e.numel, mutate(local))
+    with pytest.raises(WireError, match=reason):
+        decode(frames)
+
+
+def test_sparse_positions_padding_and_names_are_checked():
+    msg = compressed("int4+top41")
+    frames = _frames(msg)
+    header = json.loads(frames[0])
+    for bad in ("int4+top0", "int4+top4096", "int4+top041", "int4+top-1", "int3+top41", "int4+top٤١", "int4+top"):
+        header["tensors"][0][2] = bad
+        with pytest.raises(WireError, match="unsupported encoding"):
+            decode([json.dumps(header).encode(), *frames[1:]])
+    t = torch.randn(4097)
+    e = compress.encode(t, "int8+top40")  # 40 + 1 kept: an odd count, its last pair padded
+    assert compress.check(e) is None
+    n = compress.kept(e.numel, e.encoding)
+    assert n == 41 and e.indices is not None and e.indices.numel() == 63
+    forged = e.indices.clone()
+    forged[-1] |= 0x10  # the padding position's high bits
+    assert "padding" in str(compress.check(dataclasses.replace(e, indices=forged)))
 
 
 def test_values_and_their_codes_together_are_refused():

@@ -19,7 +19,7 @@ Which settings, and why (the rule itself is ``protocol.settings``):
 | ``algo.alpha``, ``algo.on_merged`` | how a received fragment is applied (overwrite, blend, or shift) |
 | ``algo.expert_weights`` | whether the learner counts and sends routed tokens per expert row |
 | ``algo.keep_versions`` | how far ahead a merged version may be before the learner ignores it |
-| ``algo.up_encoding``, ``algo.down_encoding``, ``algo.error_feedback`` | how payloads travel both ways |
+| ``algo.up_encoding``, ``algo.down_encoding``, ``algo.*_density``, ``algo.error_feedback`` | how payloads travel |
 
 ``ddiloco learner`` also trains with the run's seed (its data order) and inner optimizer, so it
 claims ``INNER_LOOP`` too: ``run.seed`` and the ``inner.*`` LR schedule and AdamW settings. A
@@ -51,6 +51,8 @@ EVERY_LEARNER = (
     "algo.keep_versions",
     "algo.up_encoding",
     "algo.down_encoding",
+    "algo.up_density",
+    "algo.down_density",
     "algo.error_feedback",
 )
 """What every learner must agree with the syncer on (and claims, when it was given a config)."""

@@ -118,7 +118,7 @@ class LearnerCodec:
             if residual is not None and self.cfg.error_feedback:
                 delta += residual[i]
             payload.append(delta)
-        encoded, decoded = encode_pieces(payload, pieces, self.cfg.up_encoding)
+        encoded, decoded = encode_pieces(payload, pieces, self.cfg.up_payload)
         kept = None
         if self.cfg.error_feedback:
             kept = [p - d if pc.kind == "param" else torch.empty(0) for p, d, pc in zip(payload, decoded, pieces)]

@@ -7,6 +7,10 @@
 - ``int4``: the same with levels [-7, 7], two values packed per byte; error <= absmax / 7 / 2.
 - ``int2``: the same with levels [-1, 0, 1] (ternary), four values packed per byte; error <=
   absmax / 2. For the ablation: the paper's pattern is 4-bit near-lossless, 2-bit clearly worse.
+- ``<value>+top<k>`` (``int2+top41``): sparse. Of every chunk of ``CHUNK`` values only the ``k``
+  largest in magnitude go, in the ``<value>`` encoding above (its blocks over the kept values),
+  each with its 12-bit position in its chunk (two positions per three bytes, in increasing
+  order). What is dropped is error feedback's to carry (SparseLoCo's top-k + 2-bit recipe).
 
 A block holding a non-finite value gets a non-finite scale, so it decodes to non-finite
 values and the receiver's finiteness check still rejects it (never silently finite garbage).
@@ -26,7 +30,13 @@ from ddiloco.errors import ConfigError
 
 Encoding = Literal["fp32", "bf16", "int8", "int4", "int2"]
 ENCODINGS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
-"""Names accepted by ``encode`` and ``encoded_nbytes``."""
+"""The value encodings: names accepted by ``encode`` and ``encoded_nbytes``, alone or as the
+``<value>`` of a sparse ``<value>+top<k>``."""
+
+CHUNK = 4096
+"""Values per top-k chunk of a sparse encoding (a position in it fits 12 bits)."""
+
+_TOP = "+top"
 
 BLOCK_SIZE = 128
 """Values per quantisation block (one float32 scale each) for the int encodings."""
@@ -64,6 +74,10 @@ class Encoded:
     ``ceil(numel / 4)`` bytes, value ``4i`` in the lowest two bits, stored as ``q + 1``)."""
     scales: torch.Tensor | None = None
     """float32 scale per block of ``BLOCK_SIZE`` values (int encodings), else None."""
+    indices: torch.Tensor | None = None
+    """Sparse encodings: the kept values' positions in their chunks, 12 bits each packed two per
+    three bytes (uint8, ``index_nbytes`` of them); ``data`` and ``scales`` then encode only the
+    kept values. None for a dense encoding."""
 
     @property
     def numel(self) -> int:
@@ -76,12 +90,48 @@ class Encoded:
         n = self.data.numel() * self.data.element_size()
         if self.scales is not None:
             n += self.scales.numel() * self.scales.element_size()
+        if self.indices is not None:
+            n += self.indices.numel()
         return n
 
 
+def parse(encoding: str) -> tuple[str, int] | None:
+    """``encoding`` as (its value encoding, values kept per chunk: 0 for dense), or None when it
+    names no encoding (a sparse one needs 1 <= k < CHUNK, written without leading zeros)."""
+    if encoding in ENCODINGS:
+        return encoding, 0
+    value, sep, k = encoding.partition(_TOP) if isinstance(encoding, str) else ("", "", "")
+    if sep and value in ENCODINGS and k.isascii() and k.isdigit() and k == str(int(k)) and 1 <= int(k) < CHUNK:
+        return value, int(k)
+    return None
+
+
+def sparse(value: str, density: float) -> str:
+    """The encoding that sends ``density`` of the values (rounded to a whole number per chunk, at
+    least one) in ``value``; ``value`` itself at density 1."""
+    _check(value)
+    k = max(1, round(density * CHUNK))
+    return value if k >= CHUNK else f"{value}{_TOP}{k}"
+
+
+def density(encoding: str) -> float:
+    """The share of values ``encoding`` sends (1 for a dense one)."""
+    _, k = _parsed(encoding)
+    return k / CHUNK if k else 1.0
+
+
+def _parsed(encoding: str) -> tuple[str, int]:
+    parsed = parse(encoding)
+    if parsed is None:
+        raise ConfigError(
+            f"unknown encoding {encoding!r}; allowed: {', '.join(ENCODINGS)}, or one of them "
+            f"+top<k> (1 <= k < {CHUNK}: sparse)"
+        )
+    return parsed
+
+
 def _check(encoding: str) -> None:
-    if encoding not in ENCODINGS:
-        raise ConfigError(f"unknown encoding {encoding!r}; allowed: {', '.join(ENCODINGS)}")
+    _parsed(encoding)
 
 
 def is_lossy(encoding: str) -> bool:
@@ -89,25 +139,46 @@ def is_lossy(encoding: str) -> bool:
     return encoding != "fp32"
 
 
+def kept(numel: int, encoding: str) -> int:
+    """How many of ``numel`` values ``encoding`` sends (all of them when dense)."""
+    _, k = _parsed(encoding)
+    if not k:
+        return numel
+    return numel // CHUNK * k + min(k, numel % CHUNK)
+
+
+def index_nbytes(count: int) -> int:
+    """Bytes of ``count`` packed 12-bit positions (two per three bytes)."""
+    return 3 * ((count + 1) // 2)
+
+
 def data_nbytes(numel: int, encoding: str) -> int:
-    """Bytes of an encoding's data frame for ``numel`` values (scales not included)."""
-    _check(encoding)
-    if encoding == "fp32":
-        return 4 * numel
-    if encoding == "bf16":
-        return 2 * numel
-    return math.ceil(numel / _PER_BYTE.get(encoding, 1))
+    """Bytes of an encoding's data for ``numel`` values (scales and positions not included)."""
+    value, k = _parsed(encoding)
+    n = kept(numel, encoding) if k else numel
+    if value == "fp32":
+        return 4 * n
+    if value == "bf16":
+        return 2 * n
+    return math.ceil(n / _PER_BYTE.get(value, 1))
 
 
 def num_blocks(numel: int) -> int:
-    """Scales an int encoding carries for ``numel`` values."""
+    """Scales an int encoding carries for ``numel`` (encoded) values."""
     return math.ceil(numel / BLOCK_SIZE)
+
+
+def frame_nbytes(numel: int, encoding: str) -> tuple[int, int, int]:
+    """The payload of ``numel`` values in ``encoding`` as (scales, data, positions) bytes."""
+    value, k = _parsed(encoding)
+    n = kept(numel, encoding)
+    scales = 4 * num_blocks(n) if value in _QMAX else 0
+    return scales, data_nbytes(numel, encoding), index_nbytes(n) if k else 0
 
 
 def encoded_nbytes(numel: int, encoding: str) -> int:
     """Payload bytes of a tensor of ``numel`` values in ``encoding`` (for cost models)."""
-    scales = 4 * num_blocks(numel) if encoding in _QMAX else 0
-    return data_nbytes(numel, encoding) + scales
+    return sum(frame_nbytes(numel, encoding))
 
 
 def _blocks(flat: torch.Tensor) -> torch.Tensor:
@@ -118,11 +189,69 @@ def _blocks(flat: torch.Tensor) -> torch.Tensor:
 
 def encode(t: torch.Tensor, encoding: str) -> Encoded:
     """Encode ``t`` (any floating dtype, any shape) for the wire."""
-    _check(encoding)
+    value, k = _parsed(encoding)
     flat = t.detach().reshape(-1).to(torch.float32)
-    shape, dtype = tuple(t.shape), t.dtype
+    if k:
+        positions = _top(flat, k)
+        e = _encode_dense(flat[positions], value, flat.data_ptr())
+        local = positions - positions.div(CHUNK, rounding_mode="floor") * CHUNK
+        return Encoded(encoding, tuple(t.shape), t.dtype, e.data, e.scales, _pack12(local))
+    e = _encode_dense(flat, encoding, t.data_ptr())
+    return Encoded(encoding, tuple(t.shape), t.dtype, e.data, e.scales)
+
+
+def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the ``k`` largest magnitudes of every chunk of ``flat`` (all of a shorter
+    last chunk's when it holds fewer), increasing. A non-finite value counts as the largest, so
+    it is sent and the receiver's finiteness check sees it."""
+    score = flat.abs().nan_to_num_(nan=math.inf)
+    full = flat.numel() // CHUNK * CHUNK
+    parts = []
+    if full:
+        body = score[:full].view(-1, CHUNK).topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        parts.append(body.add_(torch.arange(0, full, CHUNK)[:, None]).view(-1))
+    if full < flat.numel():
+        tail = score[full:]
+        parts.append(tail.topk(min(k, tail.numel()), sorted=False).indices.sort().values.add_(full))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _pack12(local: torch.Tensor) -> torch.Tensor:
+    """Positions in [0, 4096) packed two per three bytes (an odd count padded with a 0)."""
+    pad = local.numel() % 2
+    if pad:
+        local = torch.cat([local, local.new_zeros(1)])
+    a, b = local[0::2], local[1::2]
+    out = torch.empty(a.numel(), 3, dtype=torch.uint8)
+    out[:, 0] = a & 0xFF
+    out[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+    out[:, 2] = b >> 4
+    return out.view(-1)
+
+
+def _unpack12(packed: torch.Tensor) -> torch.Tensor:
+    """The positions ``_pack12`` packed (its padding included), as int64."""
+    u = packed.view(-1, 3).long()
+    out = torch.empty(u.shape[0], 2, dtype=torch.long)
+    out[:, 0] = u[:, 0] | ((u[:, 1] & 0xF) << 8)
+    out[:, 1] = (u[:, 1] >> 4) | (u[:, 2] << 4)
+    return out.view(-1)
+
+
+def positions(e: Encoded, k: int) -> torch.Tensor:
+    """The flat positions of a sparse ``e``'s kept values (from its chunk-local ones)."""
+    assert e.indices is not None, "sparse encodings carry positions"
+    n = kept(e.numel, e.encoding)
+    local = _unpack12(e.indices)[:n]
+    return local.add_(torch.arange(n).div_(k, rounding_mode="floor").mul_(CHUNK))
+
+
+def _encode_dense(flat: torch.Tensor, encoding: str, source_ptr: int) -> Encoded:
+    """``flat`` (float32) in a value encoding; ``source_ptr``: the caller's tensor's storage (an
+    fp32 payload must not alias it)."""
+    shape, dtype = tuple(flat.shape), torch.float32
     if encoding == "fp32":
-        return Encoded(encoding, shape, dtype, flat.clone() if flat.data_ptr() == t.data_ptr() else flat)
+        return Encoded(encoding, shape, dtype, flat.clone() if flat.data_ptr() == source_ptr else flat)
     if encoding == "bf16":
         return Encoded(encoding, shape, dtype, flat.to(torch.bfloat16))
 
@@ -159,7 +288,21 @@ def _unpack(e: Encoded) -> torch.Tensor:
 
 def decode(e: Encoded) -> torch.Tensor:
     """The float32 tensor that ``e`` encodes."""
-    _check(e.encoding)
+    value, k = _parsed(e.encoding)
+    if k:
+        values = _decode_dense(_values_of(e, value))
+        out = torch.zeros(e.numel, dtype=torch.float32)
+        out[positions(e, k)] = values
+        return out.view(e.shape)
+    return _decode_dense(e)
+
+
+def _values_of(e: Encoded, value: str) -> Encoded:
+    """A sparse ``e``'s kept values, as the dense encoding they are in."""
+    return Encoded(value, (kept(e.numel, e.encoding),), torch.float32, e.data, e.scales)
+
+
+def _decode_dense(e: Encoded) -> torch.Tensor:
     if e.encoding in ("fp32", "bf16"):
         return e.data.to(torch.float32).reshape(e.shape)
     assert e.scales is not None, "int encodings carry scales"
@@ -180,8 +323,38 @@ def check(e: Encoded) -> str | None:
     """Why ``e`` (from the network) is not a well-formed encoding, or None: the data and the
     scales must have the sizes its shape needs, the scales must be finite, >= 0 and at most
     ``MAX_SCALE``, and every code must be in its encoding's range (padding included)."""
-    if e.encoding not in ENCODINGS:
+    parsed = parse(e.encoding)
+    if parsed is None:
         return f"unknown encoding {e.encoding!r}"
+    value, k = parsed
+    if not k:
+        return _check_dense(e)
+    if e.indices is None or e.indices.dtype != torch.uint8 or e.indices.dim() != 1:
+        return f"{e.encoding} needs a flat uint8 tensor of positions"
+    n = kept(e.numel, e.encoding)
+    if e.indices.numel() != index_nbytes(n):
+        return f"{e.indices.numel()} bytes of positions for {n} kept values (expected {index_nbytes(n)})"
+    problem = _check_dense(_values_of(e, value))
+    if problem is not None:
+        return problem
+    local = _unpack12(e.indices)
+    if local.numel() > n and int(local[n]) != 0:
+        return "the positions' padding is not zero"
+    local = local[:n]
+    chunk = torch.arange(n).div_(k, rounding_mode="floor")
+    last = e.numel // CHUNK  # the shorter last chunk, when there is one
+    length = torch.where(chunk == last, e.numel - last * CHUNK, CHUNK)
+    if n and bool((local >= length).any()):
+        return "a position is outside its chunk"
+    if n > 1 and not bool(((local[1:] > local[:-1]) | (chunk[1:] != chunk[:-1])).all()):
+        return "positions in a chunk are not increasing (unsorted or repeated)"
+    return None
+
+
+def _check_dense(e: Encoded) -> str | None:
+    """``check`` for a dense encoding."""
+    if e.indices is not None:
+        return f"{e.encoding} carries no positions"
     n = e.numel
     if e.data.dtype != DATA_DTYPE[e.encoding] or e.data.dim() != 1:
         return f"{e.encoding} data must be a flat {DATA_DTYPE[e.encoding]} tensor"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, TypeGuard, get_args
 
-from ddiloco.core.compress import Encoding
+from ddiloco.core.compress import CHUNK, Encoding, is_lossy, sparse
 from ddiloco.errors import require, require_one_of
 
 # Each choice is a Literal type (what mypy and the config loader see); the allowed tuples are
@@ -201,6 +201,14 @@ class DiLoCoConfig:
     down_encoding: Encoding = "fp32"
     """How merged versions travel to the learners: lossy ones as encoded changes that chain from
     the version the syncer last served the learner (a learner off the chain gets it in full)."""
+    up_density: float = 1.0
+    """Share of each contribution's parameter values that travel (top-k by magnitude of every
+    4096, in ``up_encoding``, with their 12-bit positions); 1: all (dense). Below 1 pair it with
+    ``error_feedback``: what is not sent this time is otherwise lost."""
+    down_density: float = 1.0
+    """Share of each merged change's values that travel down the chain (as ``up_density``); what
+    is not sent stays in the change from what the syncer served, so the next change carries it
+    (the chain is its error feedback)."""
     error_feedback: bool = False
     """Whether a learner adds what its lossy encoding dropped (its residual) to its next
     contribution of that fragment."""
@@ -304,6 +312,10 @@ class DiLoCoConfig:
         _check(self.takeover_after_s > 0, "takeover_after_s", self.takeover_after_s, "> 0")
         _one_of("up_encoding", self.up_encoding, ENCODING_NAMES)
         _one_of("down_encoding", self.down_encoding, ENCODING_NAMES)
+        for name in ("up_density", "down_density"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, name, v,
+                   f"in (0, 1]: the share of values sent (1: all; 1/{CHUNK} at least one per {CHUNK})")  # fmt: skip
         _check(_is_int(self.chain_history) and 0 <= self.chain_history <= 64, "chain_history", self.chain_history,
                "an integer in [0, 64]")  # fmt: skip
 
@@ -313,9 +325,20 @@ class DiLoCoConfig:
         return None if self.num_fragments == "auto" else int(self.num_fragments)
 
     @property
+    def up_payload(self) -> str:
+        """The encoding contributions' parameters travel in (``compress``: ``up_encoding``,
+        sparse below ``up_density`` 1)."""
+        return sparse(self.up_encoding, self.up_density)
+
+    @property
+    def down_payload(self) -> str:
+        """The encoding merged changes travel in (``down_encoding`` at ``down_density``)."""
+        return sparse(self.down_encoding, self.down_density)
+
+    @property
     def compressed(self) -> bool:
         """Whether payloads travel as deltas against the learner's base (either direction lossy)."""
-        return self.up_encoding != "fp32" or self.down_encoding != "fp32"
+        return is_lossy(self.up_payload) or is_lossy(self.down_payload)
 
     @property
     def quorum_size(self) -> int | None:

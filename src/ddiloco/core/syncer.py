@@ -133,7 +133,7 @@ class Syncer:
             history = deque([Version(0, vals, -math.inf)], maxlen=cfg.keep_versions + 1)
             outer = OuterNesterov(cfg.outer_lr, cfg.outer_momentum, delayed=cfg.staleness == "delayed")
             frag = FragmentState(0, history, outer, norm=norm_of(vals))
-            if is_lossy(cfg.down_encoding):
+            if is_lossy(cfg.down_payload):
                 frag.chain = Chain(0, vals, start=0, keep=cfg.chain_history)
             self.fragments.append(frag)
         flat = list(embedding_like)
@@ -479,7 +479,7 @@ class Syncer:
             new_values[i] = value
         frag.push(Version(frag.version, new_values, now), self._keep_past_values, self._buffers[p])
         if frag.chain is not None:
-            frag.chain.advance(frag.version, new_values, self.layout.fragments[p], self.cfg.down_encoding)
+            frag.chain.advance(frag.version, new_values, self.layout.fragments[p], self.cfg.down_payload)
         frag.norm = norm_of(new_values)
         frag.tokens_merged += sum(tokens(pd) for pd in closed.pending)
         frag.last_merged, frag.last_grace_s = sum(1 for w in weights if w > 0), rnd.grace_s

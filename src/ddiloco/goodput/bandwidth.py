@@ -28,14 +28,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ddiloco.core.compress import BLOCK_SIZE, ENCODINGS, encoded_nbytes
+from ddiloco.core.compress import BLOCK_SIZE, CHUNK, ENCODINGS, encoded_nbytes, parse
 from ddiloco.errors import ConfigError
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.traffic import HEADER_BYTES, TENSOR_SPEC_BYTES, dp_ring_bytes, ratio
 
-_WHOLE_BLOCKS = 1024 * BLOCK_SIZE  # a length every encoding's blocks divide: no rounding in the rate
-BITS_PER_VALUE: dict[str, float] = {e: 8.0 * encoded_nbytes(_WHOLE_BLOCKS, e) / _WHOLE_BLOCKS for e in ENCODINGS}
-"""Wire bits per value of each encoding of ``ddiloco.core.compress``, scales included."""
+_WHOLE_BLOCKS = 2 * BLOCK_SIZE * CHUNK  # a length every encoding's blocks, chunks and position pairs divide
+
+
+def bits_per_value(encoding: str) -> float:
+    """Wire bits per value of ``encoding`` (``ddiloco.core.compress``: a value encoding, or a
+    sparse ``<value>+top<k>``), scales and positions included: exact for whole chunks."""
+    if parse(encoding) is None:
+        raise ConfigError(
+            f"encoding {encoding!r}: must be one of {', '.join(ENCODINGS)}, or one of them +top<k> "
+            f"(sparse: the k largest of every {CHUNK} values, 1 <= k < {CHUNK})"
+        )
+    return 8.0 * encoded_nbytes(_WHOLE_BLOCKS, encoding) / _WHOLE_BLOCKS
+
+
+BITS_PER_VALUE: dict[str, float] = {e: bits_per_value(e) for e in ENCODINGS}
+"""Wire bits per value of each value encoding of ``ddiloco.core.compress``, scales included."""
 METHODS = ("data-parallel", "DiLoCo", "Streaming DiLoCo", "Decoupled DiLoCo")
 
 
@@ -76,10 +89,9 @@ class BandwidthConfig:
                 f"fragments (P) = {self.fragments}: must be <= sync_every (H) = "
                 f"{self.sync_every}, at most one fragment is due per step"
             )
-        for name in ("encoding", "dp_encoding"):
-            v = getattr(self, name)
-            if v not in BITS_PER_VALUE:
-                raise ConfigError(f"{name} = {v!r}: must be one of {', '.join(BITS_PER_VALUE)}")
+        if self.dp_encoding not in BITS_PER_VALUE:  # a ring all-reduce sums dense buffers
+            raise ConfigError(f"dp_encoding = {self.dp_encoding!r}: must be one of {', '.join(BITS_PER_VALUE)}")
+        bits_per_value(self.encoding)
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,7 @@ def required_bandwidth(cfg: BandwidthConfig) -> list[Requirement]:
     """Bandwidth each method in ``METHODS`` needs to keep compute fully overlapped."""
     n, s, t = cfg.params, cfg.sites, cfg.step_s
     ring = dp_ring_bytes(1.0, s, bytes_per_value=1.0)  # share of the buffer each site sends in a ring all-reduce
-    b_dp, b = BITS_PER_VALUE[cfg.dp_encoding], BITS_PER_VALUE[cfg.encoding]
+    b_dp, b = BITS_PER_VALUE[cfg.dp_encoding], bits_per_value(cfg.encoding)
     frag_interval = cfg.sync_every / cfg.fragments
     rows = [
         ("data-parallel", dp_ring_bytes(n, s, b_dp / 8) * 8, 1.0, 1.0, 1),
@@ -201,9 +213,8 @@ def traffic_per_step(
                     ("shards", shards)):  # fmt: skip
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{name} = {v!r}: must be an integer >= 1")
-    for name, e in (("encoding", encoding), ("down_encoding", down_encoding)):
-        if e not in BITS_PER_VALUE:
-            raise ConfigError(f"{name} = {e!r}: must be one of {', '.join(BITS_PER_VALUE)}")
+    for e in (encoding, down_encoding):
+        bits_per_value(e)  # one line naming the encoding and the allowed ones
     if tensors < 0 or heartbeat_interval_s <= 0 or (step_s is not None and not step_s > 0):
         raise ConfigError("tensors must be >= 0, heartbeat_interval_s and step_s > 0")
     h, p = float(sync_every), float(fragments)

@@ -19,8 +19,15 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from ddiloco.chaos import parse_distribution, parse_duration
+from ddiloco.core.compress import sparse
 from ddiloco.errors import ConfigError
-from ddiloco.goodput.bandwidth import BITS_PER_VALUE, BandwidthConfig, required_bandwidth, traffic_per_step
+from ddiloco.goodput.bandwidth import (
+    BITS_PER_VALUE,
+    BandwidthConfig,
+    bits_per_value,
+    required_bandwidth,
+    traffic_per_step,
+)
 from ddiloco.goodput.calibrate import (
     PAPER_DDILOCO,
     PAPER_DP,
@@ -161,10 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fragments", "-P", type=int, default=d.fragments, help="fragments P")
     b.add_argument("--sync-every", "-H", type=int, default=d.sync_every, help="H")
     b.add_argument("--overlap", "--tau", type=int, default=d.overlap, help="tau (steps)")
-    b.add_argument("--encoding", default=d.encoding, choices=list(BITS_PER_VALUE))
+    b.add_argument("--encoding", default=d.encoding, help=f"one of {', '.join(BITS_PER_VALUE)}")
     b.add_argument("--dp-encoding", default=d.dp_encoding, choices=list(BITS_PER_VALUE))
-    b.add_argument("--down-encoding", default=None, choices=list(BITS_PER_VALUE),
+    b.add_argument("--down-encoding", default=None,
                    help="encoding of the merged versions the syncer sends (default: --encoding)")  # fmt: skip
+    b.add_argument("--density", type=float, default=1.0,
+                   help="algo.up_density: share of values a contribution sends (top-k, with positions)")  # fmt: skip
+    b.add_argument("--down-density", type=float, default=None,
+                   help="algo.down_density (default: --density)")  # fmt: skip
     b.add_argument("--tensors", type=int, default=0, help="tensors in the model (their header specs)")
     b.add_argument("--heartbeat", default="0.5s", help="runtime.heartbeat_interval_s (heartbeat overhead)")
     b.add_argument("--shards", type=int, default=1, help="syncer shards (each exchanges heartbeats)")
@@ -310,6 +321,14 @@ def _band_set(a: argparse.Namespace) -> dict:
     }
 
 
+def _payload(encoding: str, density: float, field: str) -> str:
+    """The payload encoding that ``encoding`` at ``density`` names (as ``algo.*_payload``)."""
+    if not (0 < density <= 1):
+        raise ConfigError(f"{field} = {density!r}: must be in (0, 1] (the share of values sent)")
+    bits_per_value(encoding)
+    return sparse(encoding, density)
+
+
 def _bandwidth(a: argparse.Namespace) -> int:
     from ddiloco.goodput.report import bandwidth_rows, bandwidth_title, print_table, step_rows
 
@@ -324,12 +343,14 @@ def _bandwidth(a: argparse.Namespace) -> int:
         fragments=a.fragments,
         sync_every=a.sync_every,
         overlap=a.overlap,
-        encoding=a.encoding,
+        encoding=_payload(a.encoding, a.density, "density"),
         dp_encoding=a.dp_encoding,
     )
+    down = _payload(a.down_encoding or a.encoding, a.density if a.down_density is None else a.down_density,
+                    "down_density")  # fmt: skip
     reqs = required_bandwidth(cfg)
     step = traffic_per_step(
-        round(params), cfg.fragments, cfg.sync_every, cfg.sites, cfg.encoding, a.down_encoding,
+        round(params), cfg.fragments, cfg.sync_every, cfg.sites, cfg.encoding, down,
         tensors=a.tensors, step_s=cfg.step_s, heartbeat_interval_s=parse_duration(a.heartbeat, "heartbeat"),
         shards=a.shards,
     )  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ddiloco.core.compress import data_nbytes
+from ddiloco.core.compress import frame_nbytes
 
 EVAL_TRAFFIC_SHARE = 0.1
 """The share of the learners' steady traffic the evaluator's automatic cadence keeps to
@@ -228,9 +228,11 @@ class RuntimeConfig:
 
 
 def value_bytes(encoding: str) -> float:
-    """Bytes per value of a payload in ``encoding`` (its data, scales left out)."""
+    """Bytes per value of a payload in ``encoding`` (its data and a sparse one's positions,
+    scales left out)."""
     n = 1 << 16
-    return data_nbytes(n, encoding) / n
+    _, data, positions = frame_nbytes(n, encoding)
+    return (data + positions) / n
 
 
 def auto_eval_tokens(sync_every: int, up_encoding: str, down_encoding: str, tokens_per_step: float) -> float:

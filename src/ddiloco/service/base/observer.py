@@ -268,7 +268,7 @@ class GlobalCopy:
 def cadence_of(cfg: Config, every_tokens: float | None = None) -> EvalCadence:
     """A run's evaluation cadence (``runtime.eval_every_tokens``, unless ``every_tokens``)."""
     every = cfg.runtime.eval_every_tokens if every_tokens is None else every_tokens
-    return EvalCadence(every, cfg.algo.sync_every, cfg.algo.up_encoding, cfg.algo.down_encoding)
+    return EvalCadence(every, cfg.algo.sync_every, cfg.algo.up_payload, cfg.algo.down_payload)
 
 
 def here() -> str:

@@ -496,26 +496,30 @@ def _tensor_frames(msg: Any, name: str, plan: _Plan, specs: list[list[Any]], fra
 
 
 def _encoded_frame(e: Encoded) -> Any:
-    """One frame for an encoded piece: its scales (float32), if any, then its data."""
+    """One frame for an encoded piece: its scales (float32), if any, its data, then a sparse
+    one's positions."""
     t = e.data.detach().cpu().contiguous()
     data = t.view(_NP_VIEW.get(t.dtype, t.dtype)).numpy()
-    if e.scales is None:
+    if e.scales is None and e.indices is None:
         return data
-    return np.concatenate([e.scales.detach().cpu().contiguous().numpy().view(np.uint8), data.view(np.uint8)])
+    parts = [data.view(np.uint8)]
+    if e.scales is not None:
+        parts.insert(0, e.scales.detach().cpu().contiguous().numpy().view(np.uint8))
+    if e.indices is not None:
+        parts.append(e.indices.detach().cpu().contiguous().numpy())
+    return np.concatenate(parts)
 
 
 def _decode_encoded(where: str, encoding: str, shape: list[int], buf: memoryview) -> Encoded:
     """An encoded piece from its frame (sizes already checked), checked before it is decoded."""
-    n = math.prod(shape)
+    n_scales, n_data, n_positions = compress.frame_nbytes(math.prod(shape), encoding)
     raw = np.frombuffer(buf, dtype=np.uint8)
-    scales = None
-    if encoding in ("int8", "int4", "int2"):
-        cut = 4 * compress.num_blocks(n)
-        scales = torch.from_numpy(raw[:cut].copy().view(np.float32))
-        raw = raw[cut:]
-    dtype = compress.DATA_DTYPE[encoding]
-    data = torch.from_numpy(raw.copy().view(_NP_DTYPE[_DTYPE_NAMES[dtype]])).view(dtype)
-    e = Encoded(encoding, tuple(shape), torch.float32, data, scales)
+    scales = torch.from_numpy(raw[:n_scales].copy().view(np.float32)) if n_scales else None
+    value = encoding.partition("+")[0]  # a sparse encoding's values are in its value encoding
+    dtype = compress.DATA_DTYPE[value]
+    data = torch.from_numpy(raw[n_scales : n_scales + n_data].copy().view(_NP_DTYPE[_DTYPE_NAMES[dtype]])).view(dtype)
+    indices = torch.from_numpy(raw[n_scales + n_data :].copy()) if n_positions else None
+    e = Encoded(encoding, tuple(shape), torch.float32, data, scales, indices)
     problem = compress.check(e)
     if problem is not None:
         raise WireError(f"{where}: {problem}")
@@ -715,8 +719,7 @@ def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str,
             raise WireError(f"{where}: tensor index {_show(key)} is not an integer")
     else:
         _check_str(key, where=f"{where} key")
-    allowed = compress.ENCODINGS if f in plan.encoded else DTYPES
-    if not isinstance(dtype, str) or dtype not in allowed:
+    if not isinstance(dtype, str) or not (compress.parse(dtype) if f in plan.encoded else dtype in DTYPES):
         what = "encoding" if f in plan.encoded else "dtype"
         raise WireError(f"{where}[{_show(key)}]: unsupported {what} {_show(dtype)}")
     if not (

@@ -236,7 +236,7 @@ class Learner:
                 # (before the comm thread registers: it claims the versions it took back)
                 local = self._local_dir, self.session, self.params, self.optimizer, self.cfg.runtime
                 algo = self.cfg.algo
-                chain = algo.chain_history if algo.down_encoding != "fp32" else 0  # no chain: no versions rule
+                chain = algo.chain_history if algo.down_payload != "fp32" else 0  # no chain: no versions rule
                 self._saver = open_local_state(*local, chain_history=chain)
                 if self.session.restored_runs is not None:
                     self.startup.mark("restore")
