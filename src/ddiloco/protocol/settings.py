@@ -23,11 +23,26 @@ from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import LearnerOutput, Send
 from ddiloco.protocol.messages import JoinReply, RunEnd, RunSettings, SettingsRequest, SyncerHeartbeat
 
+UNSAID_AT: dict[str, Any] = {"algo.up_density": 1.0, "algo.down_density": 1.0}
+"""Settings newer than some peers of this wire schema, left out of the settings a syncer sends
+and a learner claims while they hold the value those peers behave as: an older learner joins a
+newer run that does not use them, and an older syncer takes a newer learner that does not
+(one that does is refused: "unknown to the syncer")."""
+
+
+def said(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` less those at their ``UNSAID_AT`` value."""
+    return {k: v for k, v in settings.items() if k not in UNSAID_AT or v != UNSAID_AT[k]}
+
 
 def first_difference(run: Mapping[str, Any], claimed: Mapping[str, Any]) -> str | None:
     """The first setting (in the run's order) on which ``claimed`` differs from ``run``, as
     ``"KEY is A on this learner and B on the syncer"``; a claimed key the run does not have is
-    one too. None when every claimed setting agrees (unclaimed ones are not checked)."""
+    one too. None when every claimed setting agrees (unclaimed ones are not checked; an
+    ``UNSAID_AT`` one left out is at that value)."""
+    if claimed:  # a learner given a config: what either side leaves unsaid is at its old value
+        run = {**{k: v for k, v in UNSAID_AT.items() if k not in run}, **run}
+        claimed = {**{k: v for k, v in UNSAID_AT.items() if k not in claimed}, **claimed}
     for key, value in run.items():
         if key in claimed and claimed[key] != value:  # 24 == 24.0: TOML and JSON may type a number apart
             return f"{key} is {claimed[key]!r} on this learner and {value!r} on the syncer"
