@@ -193,7 +193,7 @@ def test_sparse_payloads_both_ways_keep_the_copies_together_and_carry_what_they_
     ln.train()
     c = ln.contribute()
     assert [e.encoding for e in c.encoded] == ["int2+top123", "fp32", "fp32"]
-    assert int((c.values[0] != 0).sum()) <= 123  # of 300 values
+    assert int((c.values[0] != 0).sum()) <= 9  # of 300 values: 3 % of them
     assert float(ln.codec.residual[0][0].norm()) > 0
     for k in range(1, 8):
         (u,) = _round(s, ln, float(k))

@@ -8,7 +8,7 @@
 - ``int2``: the same with levels [-1, 0, 1] (ternary), four values packed per byte; error <=
   absmax / 2. For the ablation: the paper's pattern is 4-bit near-lossless, 2-bit clearly worse.
 - ``<value>+top<k>`` (``int2+top41``): sparse. Of every chunk of ``CHUNK`` values only the ``k``
-  largest in magnitude go, in the ``<value>`` encoding above (its blocks over the kept values),
+  largest in magnitude go (of a shorter last chunk its share of k, at least one), in the ``<value>`` encoding above (its blocks over the kept values),
   each with its 12-bit position in its chunk (two positions per three bytes, in increasing
   order). What is dropped is error feedback's to carry (SparseLoCo's top-k + 2-bit recipe).
 
@@ -144,7 +144,13 @@ def kept(numel: int, encoding: str) -> int:
     _, k = _parsed(encoding)
     if not k:
         return numel
-    return numel // CHUNK * k + min(k, numel % CHUNK)
+    return numel // CHUNK * k + _tail_kept(numel % CHUNK, k)
+
+
+def _tail_kept(length: int, k: int) -> int:
+    """Values kept of a last chunk of ``length`` < CHUNK values: its share of k, at least one (so
+    a small tensor, a bias or a norm's scale, is as sparse as the rest, not sent whole)."""
+    return min(length, max(1, round(k * length / CHUNK))) if length else 0
 
 
 def index_nbytes(count: int) -> int:
@@ -201,8 +207,8 @@ def encode(t: torch.Tensor, encoding: str) -> Encoded:
 
 
 def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """The positions of the ``k`` largest magnitudes of every chunk of ``flat`` (all of a shorter
-    last chunk's when it holds fewer), increasing. A non-finite value counts as the largest, so
+    """The positions of the ``k`` largest magnitudes of every chunk of ``flat`` (of a shorter last
+    chunk, its share of k), increasing. A non-finite value counts as the largest, so
     it is sent and the receiver's finiteness check sees it."""
     score = flat.abs().nan_to_num_(nan=math.inf)
     full = flat.numel() // CHUNK * CHUNK
@@ -212,7 +218,7 @@ def _top(flat: torch.Tensor, k: int) -> torch.Tensor:
         parts.append(body.add_(torch.arange(0, full, CHUNK)[:, None]).view(-1))
     if full < flat.numel():
         tail = score[full:]
-        parts.append(tail.topk(min(k, tail.numel()), sorted=False).indices.sort().values.add_(full))
+        parts.append(tail.topk(_tail_kept(tail.numel(), k), sorted=False).indices.sort().values.add_(full))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 

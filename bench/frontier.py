@@ -1,0 +1,398 @@
+"""Frontier benchmark: quality and bytes from the same runs (issue 37).
+
+    python bench/frontier.py                 # the benchmark (~7 CPU-hours; resumes from its cells)
+    python bench/frontier.py --report        # the report from the cached cells only (trains nothing)
+    python bench/frontier.py --quick         # a few-minute smoke version (not a result)
+
+The regime is the quality benchmark's (bench/quality.py: a d = 64 byte-level GPT of ~0.24M
+parameters, M = 4 learners at batch 8 x 64 bytes, 4.1M tokens, simulated in virtual time by
+the same code a real run executes). Each cell is one method at one H with one payload:
+
+- methods: Decoupled DiLoCo and synchronous DiLoCo, each at its inner LR from the quality
+  report's sweep (``INNER_LR``);
+- H in ``H_GRID``;
+- payloads (``PAYLOADS``): fp32; int4 both ways with error feedback; the k largest of every
+  4,096 values (3 % and 1 %) at 2 bits both ways with error feedback.
+
+Every cell gets the same search, in the same order: the outer LR and momentum over
+``SEARCH`` on seed 0 (the configurations tried are counted in the report). The best of them
+(lowest eval loss) then runs on the other seeds. Data-parallel runs at the quality report's LR
+on every seed. Each ratio is paired by seed, with a 95% t-interval.
+
+Bytes are counted at the simulated wire (``protocol.traffic``: what the service meter counts for
+real processes): *payload* bytes per learner per inner step each way are the contributions
+(up) and merged versions (down) with their message headers; *wire* bytes add requests, acks and
+heartbeats (the steady state). Both are set against data-parallel's fp32 ring all-reduce of the
+same model (``dp_ring_bytes``). Every run is cached in bench/cache/frontier/ (one JSON per run,
+keyed by its settings and the code digest), so an interrupted benchmark resumes.
+Writes docs/results/frontier.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.cells import CellCache, digest  # noqa: E402
+from harness.paths import RESULTS, ROOT  # noqa: E402
+from harness.tables import machine, table, utc_now  # noqa: E402
+from harness.tables import publish as _publish  # noqa: E402
+from quality import COMMON, TOKENS, M, ci95, code_digest  # noqa: E402  (the same regime, the same code digest)
+
+CACHE_VERSION = 1
+"""Bump when a change outside src/ddiloco makes cached runs stale."""
+H_GRID = (12, 24)
+"""H of every cell (the issue's {12, 24, 48} less 48: the budget is 8 CPU-hours)."""
+SEEDS = (0, 1, 2)
+INNER_LR = {"decoupled": 0.004, "diloco": 0.008}
+"""Each method's inner LR from the quality report's sweep (docs/results/quality.json "best")."""
+DP_LR = 0.0113137
+"""Data-parallel's LR from the same sweep."""
+SEARCH = tuple((lr, mom) for mom in (0.8, 0.9) for lr in (0.5, 0.7, 1.0))
+"""(outer LR, outer momentum) tried for every cell on seed 0, in this order."""
+PAYLOADS: dict[str, list[str]] = {
+    "fp32": ["algo.up_encoding=fp32", "algo.down_encoding=fp32", "algo.error_feedback=false"],
+    "int4+EF": ["algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true"],
+    "top3%+int2+EF": [
+        "algo.up_encoding=int2",
+        "algo.down_encoding=int2",
+        "algo.up_density=0.03",
+        "algo.down_density=0.03",
+        "algo.error_feedback=true",
+    ],
+    "top1%+int2+EF": [
+        "algo.up_encoding=int2",
+        "algo.down_encoding=int2",
+        "algo.up_density=0.01",
+        "algo.down_density=0.01",
+        "algo.error_feedback=true",
+    ],
+}
+METHODS = ("decoupled", "diloco")
+
+Job = tuple[str, str, tuple[str, ...]]
+"""(label, method, overrides)."""
+
+
+def run_one(job: Job) -> dict[str, Any]:
+    """Run one configuration in this worker process: its eval loss and its bytes."""
+    import torch
+
+    torch.set_num_threads(1)
+    from ddiloco.config import load_config
+    from ddiloco.methods import PRESETS
+    from ddiloco.protocol.traffic import traffic_figures
+    from ddiloco.sim.run import simulate
+
+    label, method, overrides = job
+    cfg = load_config(None, [*overrides, f"run.method={method}", "run.threads=1"], base=PRESETS[method])
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = simulate(cfg)
+    out = {
+        "label": label,
+        "method": method,
+        "overrides": list(overrides),
+        "wall_s": time.perf_counter() - t0,
+        "cpu_s": time.process_time() - c0,
+        **result.summary(),
+    }
+    traffic = getattr(result, "traffic", None)
+    if traffic:
+        out["bytes"] = bytes_per_step(traffic)
+        out["traffic_figures"] = {k: v for k, v in traffic_figures(traffic).items() if k != "learners"}
+    return out
+
+
+def bytes_per_step(traffic: dict[str, Any]) -> dict[str, float | None]:
+    """Payload and wire bytes per learner per inner step each way, from a run's traffic dict
+    (steps and bytes summed over the learners), and data-parallel's fp32 ring per step."""
+    from ddiloco.protocol.traffic import STEADY, dp_ring_bytes
+
+    steps = 0
+    sums = {"payload_up": 0, "payload_down": 0, "wire_up": 0, "wire_down": 0}
+    for entry in traffic.get("by_learner", {}).values():
+        steps += int(entry.get("steps", 0))
+        for d in ("up", "down"):
+            cells = entry.get(d, {})
+            sums[f"wire_{d}"] += sum(c["bytes"] for k, c in cells.items() if k in STEADY)
+            sums[f"payload_{d}"] += sum(c["bytes"] for k, c in cells.items() if k in ("contribution", "version"))
+    out: dict[str, float | None] = {k: (v / steps if steps else None) for k, v in sums.items()}
+    out["steps"] = steps
+    out["dp_ring"] = dp_ring_bytes(traffic["params"], traffic["learners"]) if traffic.get("params") else None
+    return out
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class Runner:
+    """Jobs on a process pool, each run at most once: cached by settings and code digest."""
+
+    def __init__(self, cells: CellCache, workers: int, code: str) -> None:
+        self.cells, self.code = cells, code
+        self.pool = ProcessPoolExecutor(max_workers=workers) if workers else None
+        self.trained = 0
+
+    def key(self, method: str, overrides: Iterable[str]) -> str:
+        blob = {"v": CACHE_VERSION, "method": method, "over": sorted(overrides), "code": self.code}
+        return f"{method}-" + digest(blob, 16)
+
+    def cached(self, job: Job) -> dict[str, Any] | None:
+        hit = self.cells.get(self.key(job[1], job[2]))
+        return hit if hit is not None and hit.get("code") == self.code else None
+
+    def run(self, jobs: list[Job]) -> list[dict[str, Any] | None]:
+        """Every job's result, in order (None for one not cached when there is no pool: --report)."""
+        results: list[dict[str, Any] | None] = [self.cached(j) for j in jobs]
+        todo = {i: j for i, j in enumerate(jobs) if results[i] is None}
+        if not todo or self.pool is None:
+            return results
+        pending: dict[Future[dict[str, Any]], int] = {self.pool.submit(run_one, j): i for i, j in todo.items()}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                i = pending.pop(f)
+                r = {**f.result(), "code": self.code}
+                self.cells.put(self.key(jobs[i][1], jobs[i][2]), r)
+                self.trained += 1
+                results[i] = r
+                b = r.get("bytes", {})
+                print(
+                    f"  {r['label']:<44} loss {r['eval_loss']:.4f}  merged {r['merged_share']:.1%}  "
+                    f"payload {b.get('payload_up') or 0:,.0f}/{b.get('payload_down') or 0:,.0f} B/step  "
+                    f"({r['wall_s']:.0f} s)",
+                    flush=True,
+                )
+        return results
+
+
+def cell_jobs(base: list[str], method: str, h: int, payload: str, seed: int, lr: float, mom: float) -> Job:
+    over = (
+        *base,
+        f"algo.sync_every={h}",
+        f"inner.lr={INNER_LR[method]}",
+        f"algo.outer_lr={lr}",
+        f"algo.outer_momentum={mom}",
+        *PAYLOADS[payload],
+        f"run.seed={seed}",
+    )
+    return (f"{method} H={h} {payload} ({lr}, {mom}) seed {seed}", method, over)
+
+
+def dp_job(base: list[str], seed: int) -> Job:
+    return (f"dp seed {seed}", "dp", (*base, f"inner.lr={DP_LR}", f"run.seed={seed}"))
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def summarise(
+    cells: dict[tuple[str, int, str], dict[str, Any]], dp: dict[int, dict[str, Any]], grid: list[tuple[float, float]]
+) -> list[dict[str, Any]]:
+    """One row per cell: its search, its best configuration on every seed, and its figures."""
+    rows = []
+    for (method, h, payload), cell in cells.items():
+        runs = [r for r in cell["seeds"] if r is not None]
+        row: dict[str, Any] = {
+            "method": method,
+            "H": h,
+            "payload": payload,
+            "settings": [*PAYLOADS[payload], f"algo.sync_every={h}", f"inner.lr={INNER_LR[method]}"],
+            "configurations_tried": sum(r is not None for r in cell["search"]),
+            "configurations_planned": len(grid),
+            "search": [
+                {"outer_lr": lr, "outer_momentum": mom, "eval_loss": r["eval_loss"] if r else None}
+                for (lr, mom), r in zip(grid, cell["search"])
+            ],
+            "best": {"outer_lr": cell["best"][0], "outer_momentum": cell["best"][1]} if cell["best"] else None,
+            "seeds": [int(r["overrides"][-1].split("=")[1]) for r in runs],
+        }
+        if runs:
+            row["eval_loss"] = statistics.fmean(r["eval_loss"] for r in runs)
+            paired = [r["eval_loss"] / dp[s]["eval_loss"] for r, s in zip(runs, row["seeds"]) if s in dp]
+            if paired:
+                row["over_dp"], lo, hi = ci95(paired)
+                row["over_dp_ci95"] = [lo, hi]
+            row["merged_share"] = statistics.fmean(r["merged_share"] for r in runs)
+            row["rejected"] = sum(int(r.get("rejected", 0)) for r in runs)
+            b = [r["bytes"] for r in runs if r.get("bytes")]
+            for k in ("payload_up", "payload_down", "wire_up", "wire_down"):
+                vals = [x[k] for x in b if x.get(k)]
+                row[k] = statistics.fmean(vals) if vals else None
+                ring = b[0]["dp_ring"] if b else None
+                row[f"{k}_x_fewer"] = ring / row[k] if ring and row[k] else None
+            row["_runs"] = runs
+        rows.append(row)
+    # against fp32 Decoupled (or DiLoCo) at the same H, paired by seed
+    by = {(r["method"], r["H"], r["payload"]): r for r in rows}
+    for r in rows:
+        ref = by.get((r["method"], r["H"], "fp32"))
+        if ref and "_runs" in r and "_runs" in ref:
+            ref_by_seed = dict(zip(ref["seeds"], ref["_runs"]))
+            pairs = [(x, ref_by_seed[s]) for x, s in zip(r["_runs"], r["seeds"]) if s in ref_by_seed]
+            paired = [x["eval_loss"] / y["eval_loss"] for x, y in pairs]
+            if paired:
+                r["over_fp32_same_h"], lo, hi = ci95(paired)
+                r["over_fp32_same_h_ci95"] = [lo, hi]
+    for r in rows:
+        r.pop("_runs", None)
+    return rows
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    lines = [
+        "# Frontier: quality and bytes from the same runs",
+        "",
+        f"`{rep['command']}` · {rep['date']} · code {rep['code_digest']} · {rep['runs']} runs "
+        f"({rep['runs_trained_this_invocation']} trained by this invocation)",
+        "",
+        "Regime: the quality benchmark's (d = 64 byte-level GPT, ~0.24M parameters, M = 4, 4.1M tokens). "
+        "Every cell: the outer LR and momentum searched over the same "
+        f"{len(SEARCH)} configurations on seed 0 (`SEARCH`), the best on seeds {', '.join(map(str, SEEDS))}. "
+        "Ratios paired by seed with 95% t-intervals. Bytes per learner per inner step, counted at the "
+        "simulated wire; x fewer is against data-parallel's fp32 ring all-reduce of the same model.",
+        "",
+    ]
+    rows = []
+    for r in rep["rows"]:
+        rows.append(
+            [
+                r["method"],
+                r["H"],
+                r["payload"],
+                f"{r['configurations_tried']}/{r['configurations_planned']}",
+                f"({r['best']['outer_lr']}, {r['best']['outer_momentum']})" if r.get("best") else "-",
+                len(r["seeds"]),
+                f(r.get("eval_loss"), ".4f"),
+                f(r.get("over_dp"), ".4f")
+                + (f" [{r['over_dp_ci95'][0]:.3f}, {r['over_dp_ci95'][1]:.3f}]" if r.get("over_dp_ci95") else ""),
+                f(r.get("over_fp32_same_h"), ".4f")
+                + (
+                    f" [{r['over_fp32_same_h_ci95'][0]:.3f}, {r['over_fp32_same_h_ci95'][1]:.3f}]"
+                    if r.get("over_fp32_same_h_ci95")
+                    else ""
+                ),
+                f(r.get("payload_up"), ",.0f"),
+                f(r.get("payload_down"), ",.0f"),
+                f(r.get("payload_up_x_fewer"), ",.0f"),
+                f(r.get("payload_down_x_fewer"), ",.0f"),
+                f(r.get("wire_up_x_fewer"), ",.0f"),
+                f(r.get("wire_down_x_fewer"), ",.0f"),
+                f(r.get("merged_share"), ".3f"),
+                r.get("rejected", "-"),
+            ]
+        )
+    lines += table(
+        [
+            "method",
+            "H",
+            "payload",
+            "configs",
+            "best (outer LR, mom.)",
+            "seeds",
+            "eval loss",
+            "/ DP",
+            "/ fp32 same method and H",
+            "payload up B/step",
+            "payload down B/step",
+            "x fewer up",
+            "x fewer down",
+            "wire x fewer up",
+            "wire x fewer down",
+            "merged share",
+            "refused",
+        ],
+        rows,
+    )
+    dp = rep.get("dp", {})
+    lines += ["", f"Data-parallel: eval loss {f(dp.get('eval_loss'), '.4f')} over {dp.get('seeds', 0)} seeds."]
+    if rep.get("partial"):
+        lines += ["", f"**Partial**: {rep['partial']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2, help="runs at once (one thread each)")
+    ap.add_argument("--report", action="store_true", help="write the report from cached cells only")
+    ap.add_argument("--quick", action="store_true", help="a smoke version: 150k tokens, one config, one seed")
+    ap.add_argument("--methods", default=",".join(METHODS), help="methods to run, in this order")
+    ap.add_argument("--h", default=",".join(map(str, H_GRID)), help="H values to run, in this order")
+    ap.add_argument("--out", default=str(RESULTS), help="folder for frontier.md/.json")
+    args = ap.parse_args()
+    tokens = 150_000 if args.quick else TOKENS
+    seeds = (0,) if args.quick else SEEDS
+    grid = list(SEARCH[:1] if args.quick else SEARCH)
+    base = [*COMMON, f"run.num_learners={M}", f"run.processed_tokens={tokens}"]
+    code = code_digest()
+    cells_dir = ROOT / "bench" / "cache" / "frontier" / ("quick" if args.quick else "")
+    runner = Runner(CellCache(cells_dir), 0 if args.report else args.workers, code)
+    started = time.time()
+    methods = [m for m in args.methods.split(",") if m]
+    hs = [int(h) for h in args.h.split(",") if h]
+    print(f"code {code}; cells in {cells_dir}", flush=True)
+
+    dp_runs = runner.run([dp_job(base, s) for s in seeds])
+    dp = {s: r for s, r in zip(seeds, dp_runs) if r is not None}
+    cells: dict[tuple[str, int, str], dict[str, Any]] = {}
+    missing = 0
+    for method in methods:
+        for h in hs:
+            # the search of every payload at this (method, H) in one batch, so the workers stay busy
+            jobs = [cell_jobs(base, method, h, p, 0, lr, mom) for p in PAYLOADS for lr, mom in grid]
+            found = iter(runner.run(jobs))
+            for p in PAYLOADS:
+                tried = [next(found) for _ in grid]
+                done = [(cfg, r) for cfg, r in zip(grid, tried) if r is not None]
+                best = min(done, key=lambda x: x[1]["eval_loss"])[0] if len(done) == len(grid) else None
+                first: list[dict[str, Any] | None] = [tried[grid.index(best)]] if best else []
+                cells[(method, h, p)] = {"search": tried, "best": best, "seeds": first}
+                missing += sum(r is None for r in tried)
+            more = [
+                cell_jobs(base, method, h, p, s, *cells[(method, h, p)]["best"])
+                for p in PAYLOADS
+                if cells[(method, h, p)]["best"]
+                for s in seeds[1:]
+            ]
+            results = iter(runner.run(more))
+            for p in PAYLOADS:
+                if cells[(method, h, p)]["best"]:
+                    got = [next(results) for _ in seeds[1:]]
+                    missing += sum(r is None for r in got)
+                    cells[(method, h, p)]["seeds"] += got
+    rows = summarise(cells, dp, grid)
+    rep = {
+        "command": "python bench/frontier.py" + (" --quick" if args.quick else ""),
+        "date": utc_now(),
+        "machine": machine(python=True, workers=args.workers),
+        "code_digest": code,
+        "wall_s_this_invocation": time.time() - started,
+        "runs_trained_this_invocation": runner.trained,
+        "runs": sum(1 for _ in runner.cells.cells()),
+        "regime": {"common": base, "inner_lr": INNER_LR, "dp_lr": DP_LR, "search": SEARCH, "payloads": PAYLOADS},
+        "dp": {
+            "eval_loss": statistics.fmean(r["eval_loss"] for r in dp.values()) if dp else None,
+            "seeds": len(dp),
+        },
+        "rows": rows,
+        "partial": f"{missing} runs of the plan are not cached yet" if missing else None,
+    }
+    _publish(Path(args.out), "frontier", rep, markdown(rep), indent=1)
+    if runner.pool:
+        runner.pool.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
