@@ -56,8 +56,10 @@ INNER_LR = {"decoupled": 0.004, "diloco": 0.008}
 """Each method's inner LR from the quality report's sweep (docs/results/quality.json "best")."""
 DP_LR = 0.0113137
 """Data-parallel's LR from the same sweep."""
-SEARCH = tuple((lr, mom) for mom in (0.8, 0.9) for lr in (0.5, 0.7, 1.0))
-"""(outer LR, outer momentum) tried for every cell on seed 0, in this order."""
+SEARCH = tuple((lr, mom) for mom in (0.9, 0.8, 0.0) for lr in (0.5, 1.0))
+"""(outer LR, outer momentum) tried for every cell on seed 0, in this order: the quality report's
+choices (0.5 with 0.8 or 0.9) and their neighbours up, and no momentum (SparseLoCo's choice
+with error feedback, which itself carries the past updates forward)."""
 PAYLOADS: dict[str, list[str]] = {
     "fp32": ["algo.up_encoding=fp32", "algo.down_encoding=fp32", "algo.error_feedback=false"],
     "int4+EF": ["algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true"],

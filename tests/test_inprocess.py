@@ -75,12 +75,19 @@ class Fleet:
 
 
 COMPRESSED = ("algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true")
+SPARSE = (  # top-k both ways through the real driver and the wire: 3 % up at 2 bits, 10 % down at 4
+    "algo.up_encoding=int2",
+    "algo.down_encoding=int4",
+    "algo.up_density=0.03",
+    "algo.down_density=0.1",
+    "algo.error_feedback=true",
+)
 
 
 EAGER = ("algo.on_merged=eager",)  # the learner's moves and shifts through the real driver
 
 
-@pytest.mark.parametrize("extra", [(), COMPRESSED, EAGER], ids=["fp32", "int4", "eager"])
+@pytest.mark.parametrize("extra", [(), COMPRESSED, SPARSE, EAGER], ids=["fp32", "int4", "sparse", "eager"])
 def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path, extra):
     faults = FaultInjector(seed=7, drop=0.10, duplicate=0.05, delay=0.05, delay_s=1.5)
     fleet = Fleet(tmp_path, faults, extra)
@@ -134,7 +141,7 @@ def test_syncer_and_learners_keep_their_invariants_on_a_faulty_network(tmp_path,
             assert learner is not None and learner.session is not None
             assert learner.session.core.kept_tokens > 0  # merges kept the steps since the contribution
             assert all(bool(torch.isfinite(t).all()) for t in learner.params.values())
-    if extra == COMPRESSED:
+    if extra in (COMPRESSED, SPARSE):
         # Lost, duplicated and delayed versions never leave a learner's copy apart from the
         # syncer's: wherever a learner holds the version the chain serves, the bits are the same.
         same = 0
