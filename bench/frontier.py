@@ -12,7 +12,8 @@ the same code a real run executes). Each cell is one method at one H with one pa
   report's sweep (``INNER_LR``);
 - H in ``H_GRID``;
 - payloads (``PAYLOADS``): fp32; int4 both ways with error feedback; the k largest of every
-  4,096 values (3 % and 1 %) at 2 bits both ways with error feedback.
+  4,096 values (3 % and 1 %) at 2 bits both ways with error feedback, and 3 % at 4 bits (the
+  12-bit positions dominate a sparse payload: 4-bit values cost ~15 % more than 2-bit ones).
 
 Every cell gets the same search, in the same order: the outer LR and momentum over
 ``SEARCH`` on seed 0 (the configurations tried are counted in the report). The best of them
@@ -66,6 +67,13 @@ PAYLOADS: dict[str, list[str]] = {
     "top3%+int2+EF": [
         "algo.up_encoding=int2",
         "algo.down_encoding=int2",
+        "algo.up_density=0.03",
+        "algo.down_density=0.03",
+        "algo.error_feedback=true",
+    ],
+    "top3%+int4+EF": [
+        "algo.up_encoding=int4",
+        "algo.down_encoding=int4",
         "algo.up_density=0.03",
         "algo.down_density=0.03",
         "algo.error_feedback=true",
@@ -319,9 +327,54 @@ def markdown(rep: dict[str, Any]) -> str:
     )
     dp = rep.get("dp", {})
     lines += ["", f"Data-parallel: eval loss {f(dp.get('eval_loss'), '.4f')} over {dp.get('seeds', 0)} seeds."]
+    if rep.get("plot"):
+        lines += ["", f"![the frontier]({rep['plot']})"]
     if rep.get("partial"):
         lines += ["", f"**Partial**: {rep['partial']}"]
     return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """The frontier: loss over data-parallel against how many times fewer payload bytes than
+    data-parallel (the smaller of up and down), one curve per method and H. None without
+    matplotlib (pip install 'ddiloco[plot]')."""
+    try:
+        from ddiloco.report.plotting import pyplot
+
+        plt = pyplot()
+    except Exception as e:  # noqa: BLE001  (the report stands without its figure)
+        print(f"no plot: {e}")
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for method in METHODS:
+        for h in sorted({r["H"] for r in rows}):
+            pts = sorted(
+                (min(r["payload_up_x_fewer"], r["payload_down_x_fewer"]), r["over_dp"], r["payload"])
+                for r in rows
+                if r["method"] == method
+                and r["H"] == h
+                and r.get("over_dp")
+                and r.get("payload_up_x_fewer")
+                and r.get("payload_down_x_fewer")
+            )
+            if not pts:
+                continue
+            name = {"decoupled": "Decoupled DiLoCo", "diloco": "DiLoCo"}[method]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if method == "decoupled" else "s--",
+                    label=f"{name}, H = {h}")  # fmt: skip
+            for x, y, label in pts:
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("payload bytes per learner per step: x fewer than data-parallel (fp32 ring)")
+    ax.set_ylabel("eval loss / data-parallel (paired by seed)")
+    ax.set_title("Quality against bytes, same runs (0.24M GPT, M = 4, 4.1M tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def main() -> int:
@@ -390,6 +443,8 @@ def main() -> int:
         "rows": rows,
         "partial": f"{missing} runs of the plan are not cached yet" if missing else None,
     }
+    figure = plot(rows, Path(args.out) / "frontier.png")
+    rep["plot"] = figure.name if figure else None
     _publish(Path(args.out), "frontier", rep, markdown(rep), indent=1)
     if runner.pool:
         runner.pool.shutdown()
