@@ -517,3 +517,30 @@ def test_values_and_their_codes_together_are_refused():
     header["tensors"] += spec
     with pytest.raises(WireError, match="both values and encoded"):
         decode([json.dumps(header).encode(), *frames[1:], *extra[1:]])
+
+
+def test_a_sparse_piece_that_would_decode_past_the_receivers_largest_piece_is_refused_before_decoding():
+    """A sparse frame is ~1/9,000 of what it decodes to: the receiver bounds the values (its
+    layout's largest piece), not only the frame's bytes."""
+    numel = 1 << 24  # 64 MiB as float32, from a frame of ~7 KiB
+    e = compress.encode(torch.zeros(numel), "int2+top1")
+    msg = contribution([compress.decode(e)], kind="delta", encoded=[e])
+    frames = _frames(msg)
+    assert len(frames[1]) < 8_000
+    with pytest.raises(WireError, match="more than this model's largest piece"):
+        decode(frames, max_numel=numel - 1)
+    assert decode(frames, max_numel=numel).values[0].shape == (numel,)  # within the bound: decoded
+
+
+def test_an_empty_sparse_piece_travels_and_long_encoding_names_are_refused():
+    msg = compressed("int2+top41")
+    empty = compress.encode(torch.zeros(0), "int2+top41")
+    msg = dataclasses.replace(msg, values=[*msg.values, torch.zeros(0)], encoded=[*msg.encoded, empty])
+    out = decode(_frames(msg))
+    assert out.values[-1].numel() == 0
+    frames = _frames(compressed("int4+top41"))
+    header = json.loads(frames[0])
+    header["tensors"][0][2] = "int4+top" + "4" * 5000  # past Python's int() digit limit
+    with pytest.raises(WireError, match="unsupported encoding"):
+        decode([json.dumps(header).encode(), *frames[1:]])
+    assert compress.parse("int4+top" + "1" * 5000) is None

@@ -191,4 +191,6 @@ class Chain:
                 out.append(e.data)
                 if e.scales is not None:
                     out.append(e.scales)
+                if e.indices is not None:
+                    out.append(e.indices)
         return out

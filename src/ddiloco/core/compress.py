@@ -8,8 +8,9 @@
 - ``int2``: the same with levels [-1, 0, 1] (ternary), four values packed per byte; error <=
   absmax / 2. For the ablation: the paper's pattern is 4-bit near-lossless, 2-bit clearly worse.
 - ``<value>+top<k>`` (``int2+top41``): sparse. Of every chunk of ``CHUNK`` values only the ``k``
-  largest in magnitude go (of a shorter last chunk its share of k, at least one), in the ``<value>`` encoding above (its blocks over the kept values),
-  each with its 12-bit position in its chunk (two positions per three bytes, in increasing
+  largest in magnitude go (of a shorter last chunk its share of k, at least one), in the
+  ``<value>`` encoding above (its blocks over the kept values), each with its 12-bit position in
+  its chunk (two positions per three bytes, in increasing
   order). What is dropped is error feedback's to carry (SparseLoCo's top-k + 2-bit recipe).
 
 A block holding a non-finite value gets a non-finite scale, so it decodes to non-finite
@@ -101,7 +102,8 @@ def parse(encoding: str) -> tuple[str, int] | None:
     if encoding in ENCODINGS:
         return encoding, 0
     value, sep, k = encoding.partition(_TOP) if isinstance(encoding, str) else ("", "", "")
-    if sep and value in ENCODINGS and k.isascii() and k.isdigit() and k == str(int(k)) and 1 <= int(k) < CHUNK:
+    digits = sep and len(k) <= 4 and k.isascii() and k.isdigit()  # short: int() of 5,000 digits raises
+    if digits and value in ENCODINGS and k == str(int(k)) and 1 <= int(k) < CHUNK:
         return value, int(k)
     return None
 

@@ -89,6 +89,7 @@ _MAX_DIGITS = 24  # characters of an integer literal the parser may convert (2**
 _MAX_FLOAT_CHARS = 64  # characters of a float literal (repr needs at most 24)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)  # always matches: linear
 _LONG_NUMBER = re.compile(rb"\d{%d}" % (_MAX_DIGITS + 1))
+_MAX_ENCODING_CHARS = 16  # the longest encoding name ("bf16+top4095" has 12)
 _BUG = "decode bug"  # prefix of a WireError that wraps an unexpected exception (the fuzz tests look for it)
 
 
@@ -514,11 +515,13 @@ def _decode_encoded(where: str, encoding: str, shape: list[int], buf: memoryview
     """An encoded piece from its frame (sizes already checked), checked before it is decoded."""
     n_scales, n_data, n_positions = compress.frame_nbytes(math.prod(shape), encoding)
     raw = np.frombuffer(buf, dtype=np.uint8)
-    scales = torch.from_numpy(raw[:n_scales].copy().view(np.float32)) if n_scales else None
     value = encoding.partition("+")[0]  # a sparse encoding's values are in its value encoding
+    # an int encoding carries its scales, an empty tensor of them for an empty piece
+    scales = torch.from_numpy(raw[:n_scales].copy().view(np.float32)) if value in ("int8", "int4", "int2") else None
     dtype = compress.DATA_DTYPE[value]
     data = torch.from_numpy(raw[n_scales : n_scales + n_data].copy().view(_NP_DTYPE[_DTYPE_NAMES[dtype]])).view(dtype)
-    indices = torch.from_numpy(raw[n_scales + n_data :].copy()) if n_positions else None
+    sparse = compress.density(encoding) < 1  # its positions, even none (an empty piece)
+    indices = torch.from_numpy(raw[n_scales + n_data :].copy()) if sparse else None
     e = Encoded(encoding, tuple(shape), torch.float32, data, scales, indices)
     problem = compress.check(e)
     if problem is not None:
@@ -588,29 +591,35 @@ def _parse(raw: bytes) -> Any:
         raise WireError(f"header is not JSON: {e}" if not isinstance(e, WireError) else f"header: {e}") from None
 
 
-def decode(frames: Any) -> Any:
-    """The message in ``frames``, or WireError naming what is malformed (never another exception)."""
-    return decode_from(frames)[0]
+def decode(frames: Any, max_numel: int | None = None) -> Any:
+    """The message in ``frames``, or WireError naming what is malformed (never another exception).
+    ``max_numel``: the most values an encoded piece may decode to (the receiver's largest
+    parameter): a sparse piece's frame is ~1/9,000 of what it decodes to, so the frame bound
+    alone does not bound the memory it asks for."""
+    return decode_from(frames, max_numel)[0]
 
 
-def decode_from(frames: Any) -> tuple[Any, int]:
+def decode_from(frames: Any, max_numel: int | None = None) -> tuple[Any, int]:
     """The message in ``frames`` and the wire schema its sender speaks (a served one: ``SCHEMA``
-    or older), or WireError naming what is malformed; ``SchemaMismatch`` for a schema not served."""
+    or older), or WireError naming what is malformed; ``SchemaMismatch`` for a schema not served.
+    ``max_numel`` as in ``decode``."""
     try:
-        return _decode(frames)
+        return _decode(frames, max_numel)
     except WireError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         # Defence in depth: every check above should have caught it. The fuzz tests fail on this.
         raise WireError(f"{_BUG}: {type(e).__name__}: {_show(str(e))}") from None
+    except (RuntimeError, MemoryError) as e:  # an allocation the checks let through: the message's fault
+        raise WireError(f"{_BUG}: {type(e).__name__}: {_show(str(e))}") from None
 
 
-def _decode(frames: Any) -> tuple[Any, int]:
+def _decode(frames: Any, max_numel: int | None = None) -> tuple[Any, int]:
     cls, fields, specs, schema = _header(frames)
     plan = _plan(cls)
     # the header first: no tensor is copied for a message refused anyway
     kwargs = _values(cls.__name__, plan, fields, unknown_to(schema, cls.__name__))
-    layout = [_spec(cls.__name__, spec, frame, plan) for spec, frame in zip(specs, frames[1:])]
+    layout = [_spec(cls.__name__, spec, frame, plan, max_numel) for spec, frame in zip(specs, frames[1:])]
     kwargs.update(_tensor_fields(cls.__name__, plan, layout))
     return cls(**kwargs), schema
 
@@ -706,7 +715,9 @@ def _tensor_fields(name: str, plan: _Plan, layout: list[tuple[str, Any, str, lis
     return out
 
 
-def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str, list[int], memoryview]:
+def _spec(
+    name: str, spec: Any, frame: Any, plan: _Plan, max_numel: int | None = None
+) -> tuple[str, Any, str, list[int], memoryview]:
     """A tensor spec checked against its frame (before any byte is copied)."""
     if not (isinstance(spec, list) and len(spec) == 4):
         raise WireError("tensor spec must be [field, key, dtype, shape]")
@@ -719,13 +730,19 @@ def _spec(name: str, spec: Any, frame: Any, plan: _Plan) -> tuple[str, Any, str,
             raise WireError(f"{where}: tensor index {_show(key)} is not an integer")
     else:
         _check_str(key, where=f"{where} key")
-    if not isinstance(dtype, str) or not (compress.parse(dtype) if f in plan.encoded else dtype in DTYPES):
+    if f in plan.encoded:
+        known = isinstance(dtype, str) and len(dtype) <= _MAX_ENCODING_CHARS and compress.parse(dtype) is not None
+    else:
+        known = isinstance(dtype, str) and dtype in DTYPES
+    if not known:
         what = "encoding" if f in plan.encoded else "dtype"
         raise WireError(f"{where}[{_show(key)}]: unsupported {what} {_show(dtype)}")
     if not (
         isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
     ):
         raise WireError(f"{where}[{_show(key)}]: bad shape {_show(shape)} (at most {MAX_DIMS} dims in [0, {MAX_DIM}])")
+    if f in plan.encoded and max_numel is not None and math.prod(shape) > max_numel:
+        raise WireError(f"{where}[{_show(key)}]: {math.prod(shape)} values, more than this model's largest piece")
     buf = _buffer(frame)
     if f in plan.encoded:
         expected = compress.encoded_nbytes(math.prod(shape), dtype)

@@ -147,6 +147,8 @@ class SyncerService:
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
         g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like, take)
         self.layout, self.store, self.restored, self._state_keys = g.layout, g.store, g.found is not None, g.state_keys
+        self._max_numel = max((pc.numel for frag in g.layout.fragments.fragments for pc in frag), default=0)
+        """The most values an encoded piece from a peer may decode to (the layout's largest piece)."""
         self.startup.mark("restore")
         start = clock.monotonic()
         self.session, ended = open_session(cfg, g, self.run_dir, clock, start, shard, keys is not None)
@@ -328,7 +330,7 @@ class SyncerService:
         self.counts["messages"] += 1
         self.counts["bytes_in"] += sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames)
         try:
-            msg, schema = decode_from(frames)
+            msg, schema = decode_from(frames, self._max_numel)
         except SchemaMismatch as e:
             self._other_schema(identity, who, e)
             self._count_traffic("up", identity, None, frames)
