@@ -257,6 +257,40 @@ def summarise(
     return rows
 
 
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's two frontier targets, per H: a Decoupled point with at least ``fewer`` times
+    fewer payload bytes than data-parallel each way at most ``loss`` x the fp32 Decoupled arm's
+    loss at the same H (mean over seeds): the best such point, or the nearest miss."""
+    out = []
+    for h in sorted({r["H"] for r in rows}):
+        cells = [
+            r
+            for r in rows
+            if r["method"] == "decoupled" and r["H"] == h and r.get("over_fp32_same_h") and r.get("payload_up_x_fewer")
+        ]
+        for fewer, loss in ((1000.0, 1.03), (150.0, 1.01)):
+
+            def saved(r: dict[str, Any]) -> float:
+                return min(r["payload_up_x_fewer"], r["payload_down_x_fewer"] or 0.0)
+
+            enough = [r for r in cells if saved(r) >= fewer]
+            met = [r for r in enough if r["over_fp32_same_h"] <= loss]
+            pick = min(met or enough or cells, key=lambda r: r["over_fp32_same_h"], default=None)
+            out.append(
+                {
+                    "H": h,
+                    "target": f">= {fewer:,.0f}x fewer payload bytes each way at <= {loss}x fp32 Decoupled",
+                    "met": bool(met),
+                    "cell": pick["payload"] if pick else None,
+                    "x_fewer": saved(pick) if pick else None,
+                    "over_fp32": pick["over_fp32_same_h"] if pick else None,
+                    "over_dp": pick.get("over_dp") if pick else None,
+                    "seeds": len(pick["seeds"]) if pick else 0,
+                }
+            )
+    return out
+
+
 def markdown(rep: dict[str, Any]) -> str:
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
@@ -325,6 +359,24 @@ def markdown(rep: dict[str, Any]) -> str:
         ],
         rows,
     )
+    if rep.get("targets"):
+        lines += ["", "Targets (issue 37):", ""]
+        lines += table(
+            ["H", "target", "met", "best cell", "x fewer (each way, the smaller)", "/ fp32 Decoupled", "/ DP", "seeds"],
+            [
+                [
+                    t["H"],
+                    t["target"],
+                    "yes" if t["met"] else "**no**",
+                    t["cell"] or "-",
+                    f(t["x_fewer"], ",.0f"),
+                    f(t["over_fp32"], ".4f"),
+                    f(t["over_dp"], ".4f"),
+                    t["seeds"],
+                ]
+                for t in rep["targets"]
+            ],
+        )
     dp = rep.get("dp", {})
     lines += ["", f"Data-parallel: eval loss {f(dp.get('eval_loss'), '.4f')} over {dp.get('seeds', 0)} seeds."]
     if rep.get("plot"):
@@ -428,7 +480,10 @@ def main() -> int:
                     cells[(method, h, p)]["seeds"] += got
     rows = summarise(cells, dp, grid)
     rep = {
-        "command": "python bench/frontier.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/frontier.py"
+        + (" --quick" if args.quick else "")
+        + (f" --methods {args.methods}" if args.methods != ",".join(METHODS) else "")
+        + (f" --h {args.h}" if args.h != ",".join(map(str, H_GRID)) else ""),
         "date": utc_now(),
         "machine": machine(python=True, workers=args.workers),
         "code_digest": code,
@@ -441,7 +496,22 @@ def main() -> int:
             "seeds": len(dp),
         },
         "rows": rows,
-        "partial": f"{missing} runs of the plan are not cached yet" if missing else None,
+        "targets": targets(rows),
+        "covers": {"methods": methods, "H": hs},
+        "partial": "; ".join(
+            part
+            for part in (
+                f"{missing} runs of these cells are not cached yet" if missing else "",
+                (
+                    f"this report covers {', '.join(methods)} at H = {', '.join(map(str, hs))} of the plan's "
+                    f"{', '.join(METHODS)} at H = {', '.join(map(str, H_GRID))}"
+                )
+                if (set(methods), set(hs)) != (set(METHODS), set(H_GRID))
+                else "",
+            )
+            if part
+        )
+        or None,
     }
     figure = plot(rows, Path(args.out) / "frontier.png")
     rep["plot"] = figure.name if figure else None
