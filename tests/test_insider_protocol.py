@@ -508,7 +508,7 @@ def keyed_service(tmp_path, monkeypatch):
                             clock=FrozenClock(), keys=ServerKeys.load(keys))  # fmt: skip
     decoded = []
     real_decode = syncer_module.decode_from
-    monkeypatch.setattr(syncer_module, "decode_from", lambda frames: decoded.append(1) or real_decode(frames))
+    monkeypatch.setattr(syncer_module, "decode_from", lambda frames, *a: decoded.append(1) or real_decode(frames, *a))
     work = [0.0]
 
     def work_clock() -> float:  # read twice a message: each "takes" 0.05 s of the syncer's time

@@ -10,8 +10,14 @@ import pytest
 
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
-from ddiloco.protocol.settings import UNSAID_AT, first_difference
-from ddiloco.settings import SETTINGS, adopt, run_settings
+from ddiloco.protocol.settings import UNSAID_AT, first_difference, said
+from ddiloco.settings import SETTINGS, adopt
+from ddiloco.settings import run_settings as _all
+
+
+def run_settings(cfg: Config) -> dict:
+    """What goes on the wire (the service leaves out what is unsaid)."""
+    return said(_all(cfg))
 
 
 def _cfg(**algo: object) -> Config:

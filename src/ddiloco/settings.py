@@ -35,7 +35,6 @@ from typing import Any
 
 from ddiloco.config import Config
 from ddiloco.errors import ConfigError
-from ddiloco.protocol.settings import said
 
 EVERY_LEARNER = (
     "run.processed_tokens",
@@ -73,13 +72,13 @@ SETTINGS = EVERY_LEARNER + INNER_LOOP
 
 
 def run_settings(cfg: Config, keys: Iterable[str] = SETTINGS) -> dict[str, Any]:
-    """``cfg``'s values of ``keys`` ("section.key" -> value), less the newer ones at the value
-    older peers behave as (``protocol.settings.UNSAID_AT``)."""
+    """``cfg``'s values of ``keys`` ("section.key" -> value); what goes on the wire leaves out the
+    newer ones at the value older peers behave as (``protocol.settings.said``)."""
     out: dict[str, Any] = {}
     for key in keys:
         section, name = key.split(".")
         out[key] = getattr(getattr(cfg, section), name)
-    return said(out)
+    return out
 
 
 def adopt(cfg: Config, settings: Mapping[str, Any]) -> Config:

@@ -37,7 +37,7 @@ from ddiloco.protocol.boundary import BoundaryExecutor
 from ddiloco.protocol.config import RuntimeConfig
 from ddiloco.protocol.learner_session import BoundaryPlan, LearnerSession, Registration
 from ddiloco.protocol.messages import PeerState
-from ddiloco.protocol.settings import SettingsQuery
+from ddiloco.protocol.settings import SettingsQuery, said
 from ddiloco.service.base.clock import SYSTEM_CLOCK, Clock
 from ddiloco.service.base.keys import ClientKeys, client_keys, handshake_problem
 from ddiloco.service.base.startup import LEARNER_LAST, StartupTimes
@@ -301,7 +301,7 @@ class Learner:
         cfg = self.cfg
         registration = Registration(
             param_spec(self.model), self.layout.digest, os.getpid(), str(self.device),
-            settings=run_settings(cfg, claimed),
+            settings=said(run_settings(cfg, claimed)),
         )  # fmt: skip
         # The session's join deadline (when training starts from what it has) is the caller's
         # timeout too, not only the wait in _join.

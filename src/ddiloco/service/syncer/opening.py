@@ -17,6 +17,7 @@ from ddiloco.config import Config
 from ddiloco.core.syncer import Syncer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.protocol.learner_session import Registration
+from ddiloco.protocol.settings import said
 from ddiloco.protocol.syncer_session import Budget, SyncerSession
 from ddiloco.report.summary import run_started_at
 from ddiloco.report.tape import read_jsonl
@@ -132,7 +133,7 @@ def open_session(
         budget_of(cfg),
         # What learners must match: the model, its layout, and the run's settings (sent to a
         # learner given no config, checked against one given a config).
-        Registration(g.spec, g.layout.digest, settings=run_settings(cfg)),
+        Registration(g.spec, g.layout.digest, settings=said(run_settings(cfg))),
         start,
         shard=shard,
         # A new value per start: learners see the syncer restarted and register again.
