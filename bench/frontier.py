@@ -46,7 +46,7 @@ from harness.cells import CellCache, digest  # noqa: E402
 from harness.paths import RESULTS, ROOT  # noqa: E402
 from harness.tables import machine, table, utc_now  # noqa: E402
 from harness.tables import publish as _publish  # noqa: E402
-from quality import COMMON, TOKENS, M, ci95, code_digest  # noqa: E402  (the same regime, the same code digest)
+from quality import COMMON, TOKENS, M, ci95, code_digest, simulate_job  # noqa: E402  (the same regime and code)
 
 CACHE_VERSION = 1
 """Bump when a change outside src/ddiloco makes cached runs stale."""
@@ -93,27 +93,10 @@ Job = tuple[str, str, tuple[str, ...]]
 
 
 def run_one(job: Job) -> dict[str, Any]:
-    """Run one configuration in this worker process: its eval loss and its bytes."""
-    import torch
-
-    torch.set_num_threads(1)
-    from ddiloco.config import load_config
-    from ddiloco.methods import PRESETS
+    """Run one configuration in this worker process: the quality benchmark's figures and its bytes."""
     from ddiloco.protocol.traffic import traffic_figures
-    from ddiloco.sim.run import simulate
 
-    label, method, overrides = job
-    cfg = load_config(None, [*overrides, f"run.method={method}", "run.threads=1"], base=PRESETS[method])
-    t0, c0 = time.perf_counter(), time.process_time()
-    result = simulate(cfg)
-    out = {
-        "label": label,
-        "method": method,
-        "overrides": list(overrides),
-        "wall_s": time.perf_counter() - t0,
-        "cpu_s": time.process_time() - c0,
-        **result.summary(),
-    }
+    out, result = simulate_job(job)
     traffic = getattr(result, "traffic", None)
     if traffic:
         out["bytes"] = bytes_per_step(traffic)
@@ -513,6 +496,7 @@ def main() -> int:
         )
         or None,
     }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     figure = plot(rows, Path(args.out) / "frontier.png")
     rep["plot"] = figure.name if figure else None
     _publish(Path(args.out), "frontier", rep, markdown(rep), indent=1)

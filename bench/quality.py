@@ -151,6 +151,12 @@ def job_key(method: str, overrides: tuple[str, ...], code: str) -> str:
 
 def run_one(job: Job) -> dict[str, Any]:
     """Run one configuration in this worker process and return its figures."""
+    return simulate_job(job)[0]
+
+
+def simulate_job(job: Job) -> tuple[dict[str, Any], Any]:
+    """Run one configuration in this worker process: its figures, and the run's result (for a
+    bench that reads more of it: the frontier's bytes)."""
     import torch
 
     torch.set_num_threads(1)
@@ -162,7 +168,7 @@ def run_one(job: Job) -> dict[str, Any]:
     cfg = load_config(None, [*overrides, f"run.method={method}", "run.threads=1"], base=PRESETS[method])
     t0, c0 = time.perf_counter(), time.process_time()
     result = simulate(cfg)
-    return {
+    figures = {
         "label": label,
         "method": method,
         "overrides": list(overrides),
@@ -171,6 +177,7 @@ def run_one(job: Job) -> dict[str, Any]:
         "evals": result.evals,
         **result.summary(),
     }
+    return figures, result
 
 
 class Runner:
