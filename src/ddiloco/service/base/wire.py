@@ -513,15 +513,14 @@ def _encoded_frame(e: Encoded) -> Any:
 
 def _decode_encoded(where: str, encoding: str, shape: list[int], buf: memoryview) -> Encoded:
     """An encoded piece from its frame (sizes already checked), checked before it is decoded."""
-    n_scales, n_data, n_positions = compress.frame_nbytes(math.prod(shape), encoding)
+    n_scales, n_data, _ = compress.frame_nbytes(math.prod(shape), encoding)
     raw = np.frombuffer(buf, dtype=np.uint8)
-    value = encoding.partition("+")[0]  # a sparse encoding's values are in its value encoding
-    # an int encoding carries its scales, an empty tensor of them for an empty piece
+    value, k = compress.parse(encoding) or (encoding, 0)  # _spec has parsed it: a sparse one's values
+    # an int encoding carries its scales, a sparse one its positions: empty tensors for an empty piece
     scales = torch.from_numpy(raw[:n_scales].copy().view(np.float32)) if value in ("int8", "int4", "int2") else None
     dtype = compress.DATA_DTYPE[value]
     data = torch.from_numpy(raw[n_scales : n_scales + n_data].copy().view(_NP_DTYPE[_DTYPE_NAMES[dtype]])).view(dtype)
-    sparse = compress.density(encoding) < 1  # its positions, even none (an empty piece)
-    indices = torch.from_numpy(raw[n_scales + n_data :].copy()) if sparse else None
+    indices = torch.from_numpy(raw[n_scales + n_data :].copy()) if k else None
     e = Encoded(encoding, tuple(shape), torch.float32, data, scales, indices)
     problem = compress.check(e)
     if problem is not None:
