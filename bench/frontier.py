@@ -87,6 +87,15 @@ PAYLOADS: dict[str, list[str]] = {
     ],
 }
 METHODS = ("decoupled", "diloco")
+HEADLINE = ("decoupled", 24, "int4+EF")
+"""The setting the README recommends, picked from this frontier: the most payload bytes saved
+within 1.01x of fp32 Decoupled at the same H. It, its fp32 reference and data-parallel run on
+``HEADLINE_SEEDS``; the other cells on ``SEEDS``."""
+HEADLINE_SEEDS = (0, 1, 2, 3, 4)
+DEFAULT_ALGO = ("algo.sync_every=24", "algo.outer_lr=0.7", "algo.outer_momentum=0.9", "algo.up_encoding=fp32",
+                "algo.down_encoding=fp32", "algo.error_feedback=false")  # fmt: skip
+"""What a run gets without flags (``core.config``'s defaults, spelled out so that the cell
+records them): set against the headline on the same seeds, at this regime's inner LR."""
 
 Job = tuple[str, str, tuple[str, ...]]
 """(label, method, overrides)."""
@@ -184,6 +193,19 @@ def dp_job(base: list[str], seed: int) -> Job:
     return (f"dp seed {seed}", "dp", (*base, f"inner.lr={DP_LR}", f"run.seed={seed}"))
 
 
+def default_job(base: list[str], seed: int) -> Job:
+    over = (*base, *DEFAULT_ALGO, f"inner.lr={INNER_LR['decoupled']}", f"run.seed={seed}")
+    return (f"decoupled defaults seed {seed}", "decoupled", over)
+
+
+def seeds_for(method: str, h: int, payload: str, seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """The headline cell and its fp32 reference run on more seeds (unless a smoke run asked for one)."""
+    head_method, head_h, head_payload = HEADLINE
+    if len(seeds) > 1 and (method, h) == (head_method, head_h) and payload in (head_payload, "fp32"):
+        return HEADLINE_SEEDS
+    return seeds
+
+
 # ----------------------------------------------------------------------------- the report
 
 
@@ -209,7 +231,8 @@ def summarise(
             "seeds": [int(r["overrides"][-1].split("=")[1]) for r in runs],
         }
         if runs:
-            row["eval_loss"] = statistics.fmean(r["eval_loss"] for r in runs)
+            row["losses"] = [r["eval_loss"] for r in runs]  # in the order of "seeds"
+            row["eval_loss"] = statistics.fmean(row["losses"])
             paired = [r["eval_loss"] / dp[s]["eval_loss"] for r, s in zip(runs, row["seeds"]) if s in dp]
             if paired:
                 row["over_dp"], lo, hi = ci95(paired)
@@ -240,37 +263,111 @@ def summarise(
     return rows
 
 
+def saved(r: dict[str, Any]) -> float:
+    """How many times fewer payload bytes than data-parallel, the smaller of up and down."""
+    return min(r.get("payload_up_x_fewer") or 0.0, r.get("payload_down_x_fewer") or 0.0)
+
+
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's two frontier targets, per H: a Decoupled point with at least ``fewer`` times
     fewer payload bytes than data-parallel each way at most ``loss`` x the fp32 Decoupled arm's
-    loss at the same H (mean over seeds): the best such point, or the nearest miss."""
+    loss at the same H (mean over seeds). Each names the point that meets it with the most bytes
+    saved, and, met or not, the two nearest: the closest loss among the points that save enough
+    bytes, and the most bytes saved among the points within the loss."""
     out = []
+
+    def brief(r: dict[str, Any] | None) -> dict[str, Any] | None:
+        if r is None:
+            return None
+        return {"payload": r["payload"], "x_fewer": saved(r), "over_fp32": r["over_fp32_same_h"],
+                "over_dp": r.get("over_dp"), "seeds": len(r["seeds"])}  # fmt: skip
+
     for h in sorted({r["H"] for r in rows}):
-        cells = [
-            r
-            for r in rows
-            if r["method"] == "decoupled" and r["H"] == h and r.get("over_fp32_same_h") and r.get("payload_up_x_fewer")
-        ]
+        cells = [r for r in rows if r["method"] == "decoupled" and r["H"] == h and r.get("over_fp32_same_h")]
+        cells = [r for r in cells if saved(r)]
+        if not cells:
+            continue  # not measured at this H
         for fewer, loss in ((1000.0, 1.03), (150.0, 1.01)):
-
-            def saved(r: dict[str, Any]) -> float:
-                return min(r["payload_up_x_fewer"], r["payload_down_x_fewer"] or 0.0)
-
             enough = [r for r in cells if saved(r) >= fewer]
+            close = [r for r in cells if r["over_fp32_same_h"] <= loss]
             met = [r for r in enough if r["over_fp32_same_h"] <= loss]
-            pick = min(met or enough or cells, key=lambda r: r["over_fp32_same_h"], default=None)
             out.append(
                 {
                     "H": h,
                     "target": f">= {fewer:,.0f}x fewer payload bytes each way at <= {loss}x fp32 Decoupled",
                     "met": bool(met),
-                    "cell": pick["payload"] if pick else None,
-                    "x_fewer": saved(pick) if pick else None,
-                    "over_fp32": pick["over_fp32_same_h"] if pick else None,
-                    "over_dp": pick.get("over_dp") if pick else None,
-                    "seeds": len(pick["seeds"]) if pick else 0,
+                    "met_by": brief(max(met, key=saved, default=None)),
+                    "enough_bytes_closest_loss": brief(min(enough, key=lambda r: r["over_fp32_same_h"], default=None)),
+                    "within_loss_most_bytes": brief(max(close, key=saved, default=None)),
                 }
             )
+    return out
+
+
+def paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[float, float]]:
+    """Two rows' eval losses on the seeds both ran."""
+    bs = dict(zip(b.get("seeds", []), b.get("losses", [])))
+    return [(x, bs[s]) for s, x in zip(a.get("seeds", []), a.get("losses", [])) if s in bs]
+
+
+def versus(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decoupled against synchronous DiLoCo at equal bytes (the same H and payload: both send the
+    whole model once per H inner steps), as the paired difference of eval loss with its 95%
+    interval, and the ratio."""
+    by = {(r["method"], r["H"], r["payload"]): r for r in rows}
+    out = []
+    for (method, h, payload), dec in by.items():
+        syn = by.get(("diloco", h, payload))
+        if method != "decoupled" or syn is None:
+            continue
+        pairs = paired(dec, syn)
+        if not pairs:
+            continue
+        diff, dlo, dhi = ci95([x - y for x, y in pairs])
+        ratio, rlo, rhi = ci95([x / y for x, y in pairs])
+        out.append({"H": h, "payload": payload, "seeds": len(pairs), "decoupled": dec["eval_loss"],
+                    "diloco": syn["eval_loss"], "difference": diff, "difference_ci95": [dlo, dhi],
+                    "ratio": ratio, "ratio_ci95": [rlo, rhi], "x_fewer_decoupled": saved(dec),
+                    "x_fewer_diloco": saved(syn)})  # fmt: skip
+    return out
+
+
+def headline(
+    rows: list[dict[str, Any]], defaults: list[dict[str, Any]], dp: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    """The README's setting: its quality and bytes from the same runs, its settings in full, and
+    what a run with the defaults gets on the same seeds."""
+    method, h, payload = HEADLINE
+    row = next((r for r in rows if (r["method"], r["H"], r["payload"]) == HEADLINE), None)
+    if row is None or not row.get("best"):
+        return {"cell": list(HEADLINE), "measured": False}
+    settings = [f"algo.sync_every={h}", *PAYLOADS[payload], f"algo.outer_lr={row['best']['outer_lr']}",
+                f"algo.outer_momentum={row['best']['outer_momentum']}"]  # fmt: skip
+    out: dict[str, Any] = {"cell": list(HEADLINE), "measured": True, "settings": settings,
+                           "inner_lr": INNER_LR[method], **{k: row.get(k) for k in (
+                               "seeds", "eval_loss", "over_dp", "over_dp_ci95", "over_fp32_same_h",
+                               "over_fp32_same_h_ci95", "merged_share", "rejected", "payload_up", "payload_down",
+                               "wire_up", "wire_down", "payload_up_x_fewer", "payload_down_x_fewer",
+                               "wire_up_x_fewer", "wire_down_x_fewer")}}  # fmt: skip
+    if defaults:
+        seeds = [int(r["overrides"][-1].split("=")[1]) for r in defaults]
+        d_row = {"seeds": seeds, "losses": [r["eval_loss"] for r in defaults]}
+        vs_head = paired(d_row, row)
+        vs_dp = [(x, dp[s]["eval_loss"]) for s, x in zip(seeds, d_row["losses"]) if s in dp]
+        b = [r["bytes"] for r in defaults if r.get("bytes")]
+        out["defaults"] = {
+            "settings": list(DEFAULT_ALGO),
+            "seeds": seeds,
+            "eval_loss": statistics.fmean(d_row["losses"]),
+            "over_dp": ci95([x / y for x, y in vs_dp]) if vs_dp else None,
+            "over_headline": ci95([x / y for x, y in vs_head]) if vs_head else None,
+            "payload_up": statistics.fmean(x["payload_up"] for x in b) if b else None,
+            "payload_down": statistics.fmean(x["payload_down"] for x in b) if b else None,
+            "payload_x_fewer": min(b[0]["dp_ring"] / x[k] for x in b for k in ("payload_up", "payload_down"))
+            if b
+            else None,
+            "merged_share": statistics.fmean(r["merged_share"] for r in defaults),
+        }
     return out
 
 
@@ -343,23 +440,84 @@ def markdown(rep: dict[str, Any]) -> str:
         rows,
     )
     if rep.get("targets"):
-        lines += ["", "Targets (issue 37):", ""]
+
+        def point(t: dict[str, Any] | None) -> str:
+            if not t:
+                return "-"
+            return f"{t['payload']}: {t['x_fewer']:,.0f}x at {t['over_fp32']:.4f} ({t['seeds']} seeds)"
+
+        lines += ["", "Targets (issue 37), payload bytes each way (the smaller of up and down):", ""]
         lines += table(
-            ["H", "target", "met", "best cell", "x fewer (each way, the smaller)", "/ fp32 Decoupled", "/ DP", "seeds"],
+            ["H", "target", "met", "met by", "enough bytes, closest loss", "within the loss, most bytes"],
             [
                 [
                     t["H"],
                     t["target"],
                     "yes" if t["met"] else "**no**",
-                    t["cell"] or "-",
-                    f(t["x_fewer"], ",.0f"),
-                    f(t["over_fp32"], ".4f"),
-                    f(t["over_dp"], ".4f"),
-                    t["seeds"],
+                    point(t["met_by"]),
+                    point(t["enough_bytes_closest_loss"]),
+                    point(t["within_loss_most_bytes"]),
                 ]
                 for t in rep["targets"]
-            ],
+            ],  # fmt: skip
         )
+    if rep.get("decoupled_vs_diloco"):
+        lines += ["", "Decoupled against synchronous DiLoCo at equal bytes (same H and payload), paired by seed:", ""]
+        lines += table(
+            [
+                "H",
+                "payload",
+                "seeds",
+                "Decoupled",
+                "DiLoCo",
+                "difference [95%]",
+                "ratio [95%]",
+                "x fewer (Dec. / DiLoCo)",
+            ],
+            [
+                [
+                    v["H"],
+                    v["payload"],
+                    v["seeds"],
+                    f(v["decoupled"], ".4f"),
+                    f(v["diloco"], ".4f"),
+                    f"{v['difference']:+.4f} [{v['difference_ci95'][0]:+.4f}, {v['difference_ci95'][1]:+.4f}]",
+                    f"{v['ratio']:.4f} [{v['ratio_ci95'][0]:.3f}, {v['ratio_ci95'][1]:.3f}]",
+                    f"{v['x_fewer_decoupled']:,.0f} / {v['x_fewer_diloco']:,.0f}",
+                ]
+                for v in rep["decoupled_vs_diloco"]
+            ],  # fmt: skip
+        )
+    head = rep.get("headline") or {}
+    if head.get("measured"):
+        ci = head.get("over_dp_ci95") or [None, None]
+        cf = head.get("over_fp32_same_h_ci95") or [None, None]
+        lines += [
+            "",
+            "## Headline: the setting the README recommends",
+            "",
+            f"`{' '.join(head['settings'])}` (Decoupled; the rest at their defaults; this regime's inner LR "
+            f"{head['inner_lr']}), {len(head['seeds'])} seeds ({', '.join(map(str, head['seeds']))}):",
+            "",
+            f"- eval loss {f(head['eval_loss'], '.4f')}: {f(head['over_dp'], '.4f')} x data-parallel "
+            f"[{f(ci[0], '.3f')}, {f(ci[1], '.3f')}], {f(head['over_fp32_same_h'], '.4f')} x fp32 Decoupled at "
+            f"the same H [{f(cf[0], '.3f')}, {f(cf[1], '.3f')}]; merged share {f(head['merged_share'], '.3f')}; "
+            f"{head['rejected']} contributions refused;",
+            f"- payload bytes per learner per inner step {f(head['payload_up'], ',.0f')} up and "
+            f"{f(head['payload_down'], ',.0f')} down: {f(head['payload_up_x_fewer'], ',.0f')}x and "
+            f"{f(head['payload_down_x_fewer'], ',.0f')}x fewer than data-parallel's fp32 ring; with requests, "
+            f"acks and heartbeats (wire) {f(head['wire_up_x_fewer'], ',.0f')}x and "
+            f"{f(head['wire_down_x_fewer'], ',.0f')}x.",
+        ]
+        d = head.get("defaults")
+        if d:
+            lines += [
+                f"- A run with the defaults (`{' '.join(d['settings'])}`, the same inner LR, seeds "
+                f"{', '.join(map(str, d['seeds']))}): eval loss {f(d['eval_loss'], '.4f')}, "
+                f"{f((d['over_dp'] or [None])[0], '.4f')} x data-parallel, "
+                f"{f((d['over_headline'] or [None])[0], '.4f')} x the headline, "
+                f"{f(d['payload_x_fewer'], ',.0f')}x fewer payload bytes than data-parallel.",
+            ]
     dp = rep.get("dp", {})
     lines += ["", f"Data-parallel: eval loss {f(dp.get('eval_loss'), '.4f')} over {dp.get('seeds', 0)} seeds."]
     if rep.get("plot"):
@@ -419,6 +577,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke version: 150k tokens, one config, one seed")
     ap.add_argument("--methods", default=",".join(METHODS), help="methods to run, in this order")
     ap.add_argument("--h", default=",".join(map(str, H_GRID)), help="H values to run, in this order")
+    ap.add_argument("--payloads", default=",".join(PAYLOADS), help="payloads to run, in this order")
     ap.add_argument("--out", default=str(RESULTS), help="folder for frontier.md/.json")
     args = ap.parse_args()
     tokens = 150_000 if args.quick else TOKENS
@@ -431,18 +590,23 @@ def main() -> int:
     started = time.time()
     methods = [m for m in args.methods.split(",") if m]
     hs = [int(h) for h in args.h.split(",") if h]
+    payloads = [p for p in args.payloads.split(",") if p]
+    unknown = sorted({*methods} - {*METHODS}) + sorted({*payloads} - {*PAYLOADS})
+    if unknown:
+        ap.error(f"unknown {', '.join(unknown)}: methods are {', '.join(METHODS)}; payloads {', '.join(PAYLOADS)}")
     print(f"code {code}; cells in {cells_dir}", flush=True)
 
-    dp_runs = runner.run([dp_job(base, s) for s in seeds])
-    dp = {s: r for s, r in zip(seeds, dp_runs) if r is not None}
+    all_seeds = seeds if args.quick else HEADLINE_SEEDS
+    dp_runs = runner.run([dp_job(base, s) for s in all_seeds])
+    dp = {s: r for s, r in zip(all_seeds, dp_runs) if r is not None}
     cells: dict[tuple[str, int, str], dict[str, Any]] = {}
     missing = 0
     for method in methods:
         for h in hs:
             # the search of every payload at this (method, H) in one batch, so the workers stay busy
-            jobs = [cell_jobs(base, method, h, p, 0, lr, mom) for p in PAYLOADS for lr, mom in grid]
+            jobs = [cell_jobs(base, method, h, p, 0, lr, mom) for p in payloads for lr, mom in grid]
             found = iter(runner.run(jobs))
-            for p in PAYLOADS:
+            for p in payloads:
                 tried = [next(found) for _ in grid]
                 done = [(cfg, r) for cfg, r in zip(grid, tried) if r is not None]
                 best = min(done, key=lambda x: x[1]["eval_loss"])[0] if len(done) == len(grid) else None
@@ -451,22 +615,24 @@ def main() -> int:
                 missing += sum(r is None for r in tried)
             more = [
                 cell_jobs(base, method, h, p, s, *cells[(method, h, p)]["best"])
-                for p in PAYLOADS
+                for p in payloads
                 if cells[(method, h, p)]["best"]
-                for s in seeds[1:]
+                for s in seeds_for(method, h, p, seeds)[1:]
             ]
             results = iter(runner.run(more))
-            for p in PAYLOADS:
+            for p in payloads:
                 if cells[(method, h, p)]["best"]:
-                    got = [next(results) for _ in seeds[1:]]
+                    got = [next(results) for _ in seeds_for(method, h, p, seeds)[1:]]
                     missing += sum(r is None for r in got)
                     cells[(method, h, p)]["seeds"] += got
+    defaults = [] if args.quick else runner.run([default_job(base, s) for s in seeds])
     rows = summarise(cells, dp, grid)
     rep = {
         "command": "python bench/frontier.py"
         + (" --quick" if args.quick else "")
         + (f" --methods {args.methods}" if args.methods != ",".join(METHODS) else "")
-        + (f" --h {args.h}" if args.h != ",".join(map(str, H_GRID)) else ""),
+        + (f" --h {args.h}" if args.h != ",".join(map(str, H_GRID)) else "")
+        + (f" --payloads {args.payloads}" if args.payloads != ",".join(PAYLOADS) else ""),
         "date": utc_now(),
         "machine": machine(python=True, workers=args.workers),
         "code_digest": code,
@@ -480,16 +646,19 @@ def main() -> int:
         },
         "rows": rows,
         "targets": targets(rows),
-        "covers": {"methods": methods, "H": hs},
+        "headline": headline(rows, [r for r in defaults if r is not None], dp),
+        "decoupled_vs_diloco": versus(rows),
+        "covers": {"methods": methods, "H": hs, "payloads": payloads},
         "partial": "; ".join(
             part
             for part in (
                 f"{missing} runs of these cells are not cached yet" if missing else "",
                 (
-                    f"this report covers {', '.join(methods)} at H = {', '.join(map(str, hs))} of the plan's "
-                    f"{', '.join(METHODS)} at H = {', '.join(map(str, H_GRID))}"
+                    f"this report covers {', '.join(methods)} at H = {', '.join(map(str, hs))} with "
+                    f"{', '.join(payloads)} of the plan's {', '.join(METHODS)} at H = "
+                    f"{', '.join(map(str, H_GRID))} with {', '.join(PAYLOADS)}"
                 )
-                if (set(methods), set(hs)) != (set(METHODS), set(H_GRID))
+                if (set(methods), set(hs), set(payloads)) != (set(METHODS), set(H_GRID), set(PAYLOADS))
                 else "",
             )
             if part
