@@ -24,7 +24,7 @@ from ddiloco.protocol.messages import (
     StatusRequest,
     SyncerHeartbeat,
 )
-from ddiloco.service.base.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, max_frame_bytes
+from ddiloco.service.base.wire import MAX_HEADER, SCHEMA, WireError, decode, encode, largest_piece, max_frame_bytes
 
 
 def contribution(values, **kw):
@@ -530,6 +530,22 @@ def test_a_sparse_piece_that_would_decode_past_the_receivers_largest_piece_is_re
     with pytest.raises(WireError, match="more than this model's largest piece"):
         decode(frames, max_numel=numel - 1)
     assert decode(frames, max_numel=numel).values[0].shape == (numel,)  # within the bound: decoded
+
+
+def test_both_receivers_bound_a_sparse_piece_by_their_layouts_largest_piece():
+    """The syncer and a learner's comm thread pass ``largest_piece(layout)`` to ``decode``: a
+    version's piece that decodes past it is refused like a contribution's."""
+    from ddiloco.core.fragments import TensorSpec, balanced_layout
+
+    layout = balanced_layout([TensorSpec("w", (300, 40)), TensorSpec("b", (40,)), TensorSpec("e", (7, 3))], 4)
+    biggest = max(pc.numel for frag in layout.fragments for pc in frag)
+    assert largest_piece(layout) == biggest <= 300 * 40
+    e = compress.encode(torch.zeros(biggest + 1), "int2+top1")
+    update = FragmentUpdate(learner=1, fragment=0, version=3, values=[compress.decode(e)], merged_tokens=10.0,
+                            live_learners=2, kind="delta", base_version=2, encoded=[e])  # fmt: skip
+    frames = _frames(update)
+    with pytest.raises(WireError, match="more than this model's largest piece"):
+        decode(frames, max_numel=largest_piece(layout))
 
 
 def test_an_empty_sparse_piece_travels_and_long_encoding_names_are_refused():

@@ -35,6 +35,7 @@ import torch
 
 from ddiloco.core import compress
 from ddiloco.core.compress import Encoded
+from ddiloco.core.fragments import FragmentLayout
 from ddiloco.core.messages import Ack, Contribution, FragmentRequest, FragmentUpdate, Heartbeat, Leave
 from ddiloco.protocol.messages import (
     FetchGlobal,
@@ -588,6 +589,12 @@ def _parse(raw: bytes) -> Any:
         )
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so is WireError
         raise WireError(f"header is not JSON: {e}" if not isinstance(e, WireError) else f"header: {e}") from None
+
+
+def largest_piece(layout: FragmentLayout) -> int:
+    """``decode``'s ``max_numel`` for a peer of this layout: the values of its largest piece (every
+    encoded piece of a contribution or a version is one of the layout's pieces)."""
+    return max((pc.numel for frag in layout.fragments for pc in frag), default=0)
 
 
 def decode(frames: Any, max_numel: int | None = None) -> Any:

@@ -25,7 +25,7 @@ from ddiloco.protocol.learner_session import LearnerOutput, LearnerSession, Send
 from ddiloco.protocol.messages import PeerState
 from ddiloco.service.base.clock import Clock
 from ddiloco.service.base.transport import LearnerSocket
-from ddiloco.service.base.wire import SchemaMismatch, WireError, decode, encode
+from ddiloco.service.base.wire import SchemaMismatch, WireError, decode, encode, largest_piece
 from ddiloco.service.base.wire_schemas import OLDEST_SERVED, SCHEMA
 from ddiloco.service.learner.handoff_sender import HandoffSender, untracked
 
@@ -53,6 +53,9 @@ class LearnerComm:
         self.wire_bytes_sent = 0
         """Bytes of contributions on the wire (every frame, to every shard); this thread only."""
         self._warned: set[str] = set()
+        self._max_numel = largest_piece(session.layout)
+        """The most values an encoded piece from a syncer may decode to (a forged sparse piece asks
+        for up to ~9,000x its frame's bytes)."""
         tracked = getattr(sock, "send_tracked", None)
         self.handoff = HandoffSender(tracked if tracked is not None else untracked(sock.send), clock.monotonic)
         """The optimizer state this learner serves, waiting for its link (this thread's only)."""
@@ -127,7 +130,7 @@ class LearnerComm:
                 wait = min(wait, self.handoff.poll_s)
             for index, frames in self.sock.recv(wait):
                 try:
-                    msg = decode(frames)
+                    msg = decode(frames, self._max_numel)
                 except SchemaMismatch as e:  # a syncer of a version this one cannot talk to
                     with self.lock:
                         session.refuse(

@@ -48,7 +48,15 @@ from ddiloco.service.base.ratelimit import RateLimits
 from ddiloco.service.base.startup import StartupTimes
 from ddiloco.service.base.status import write_status
 from ddiloco.service.base.transport import Frames, SyncerSocket, ZmqSyncerSocket
-from ddiloco.service.base.wire import SchemaMismatch, WireError, decode_from, encode, max_frame_bytes, refusal
+from ddiloco.service.base.wire import (
+    SchemaMismatch,
+    WireError,
+    decode_from,
+    encode,
+    largest_piece,
+    max_frame_bytes,
+    refusal,
+)
 from ddiloco.service.base.wire_schemas import SCHEMA, refusal_reason
 from ddiloco.service.syncer.final_model import file_entries
 from ddiloco.service.syncer.fleet_status import LearnerMetrics, fleet_status, learner_records, status_reply
@@ -147,7 +155,7 @@ class SyncerService:
         self.evaluates = model is None  # a model given in code has no workload here to evaluate on
         g = restore_global(cfg, self.run_dir, shard, num_shards, fsync, model, embedding_like, take)
         self.layout, self.store, self.restored, self._state_keys = g.layout, g.store, g.found is not None, g.state_keys
-        self._max_numel = max((pc.numel for frag in g.layout.fragments.fragments for pc in frag), default=0)
+        self._max_numel = largest_piece(g.layout.fragments)
         """The most values an encoded piece from a peer may decode to (the layout's largest piece)."""
         self.startup.mark("restore")
         start = clock.monotonic()
