@@ -11,7 +11,7 @@ the same code a real run executes). Each cell is one method at one H with one pa
 - methods: Decoupled DiLoCo and synchronous DiLoCo, each at its inner LR from the quality
   report's sweep (``INNER_LR``);
 - H in ``H_GRID``;
-- payloads (``PAYLOADS``): fp32; int4 both ways with error feedback; the k largest of every
+- payloads (``PAYLOADS``): fp32; int4 and int2 both ways with error feedback; the k largest of every
   4,096 values (3 % and 1 %) at 2 bits both ways with error feedback, and 3 % at 4 bits (the
   12-bit positions dominate a sparse payload: 4-bit values cost ~15 % more than 2-bit ones).
 
@@ -19,6 +19,11 @@ Every cell gets the same search, in the same order: the outer LR and momentum ov
 ``SEARCH`` on seed 0 (the configurations tried are counted in the report). The best of them
 (lowest eval loss) then runs on the other seeds. Data-parallel runs at the quality report's LR
 on every seed. Each ratio is paired by seed, with a 95% t-interval.
+
+The headline (``HEADLINE``: the setting the README recommends) and its fp32 reference run on
+``HEADLINE_SEEDS``; beside it, a run with the defaults (``DEFAULT_ALGO``) on ``SEEDS``. Decoupled
+and synchronous DiLoCo at the same H and payload send the same bytes (the whole model once per H
+inner steps); the report sets them against each other as a paired difference.
 
 Bytes are counted at the simulated wire (``protocol.traffic``: what the service meter counts for
 real processes): *payload* bytes per learner per inner step each way are the contributions
@@ -64,6 +69,7 @@ with error feedback, which itself carries the past updates forward)."""
 PAYLOADS: dict[str, list[str]] = {
     "fp32": ["algo.up_encoding=fp32", "algo.down_encoding=fp32", "algo.error_feedback=false"],
     "int4+EF": ["algo.up_encoding=int4", "algo.down_encoding=int4", "algo.error_feedback=true"],
+    "int2+EF": ["algo.up_encoding=int2", "algo.down_encoding=int2", "algo.error_feedback=true"],
     "top3%+int2+EF": [
         "algo.up_encoding=int2",
         "algo.down_encoding=int2",
