@@ -112,3 +112,55 @@ def test_the_headline_and_its_reference_run_on_more_seeds_and_a_smoke_run_on_one
     assert frontier.seeds_for("diloco", h, payload, seeds) == seeds
     assert frontier.seeds_for(method, h, payload, (0,)) == (0,)
     assert len(frontier.HEADLINE_SEEDS) >= 5 > len(seeds)
+
+
+@pytest.fixture(scope="module")
+def links():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_frontier_links", ROOT / "bench" / "frontier_links.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def link_cell(name: str, share: float, loss: float, payload: float) -> dict:
+    b = {"payload_up": payload, "payload_down": payload, "wire_up": 1.2 * payload, "wire_down": 1.3 * payload,
+         "dp_ring": RING}  # fmt: skip
+    return {"name": name, "summary": {"merged_share": share, "eval_loss": loss, "tokens_processed": 800_000,
+                                      "rejected": 0}, "round_latency_s": {"median": 1.5}, "staleness_max": 2,
+            "step_s_mean": 0.1, "invariants": {"violations": []}, "bytes": b, "seen": {"wall_s": 90.0}}  # fmt: skip
+
+
+def test_thin_links_are_set_against_unlimited_and_the_simulated_bytes_against_the_real(links):
+    cells = {
+        "unlimited": link_cell("unlimited", 0.9, 2.0, 4000.0),
+        "10mbit,50ms": link_cell("10mbit,50ms", 0.81, 2.02, 4000.0),
+        "2mbit,100ms + 20 s partition": None,
+    }
+    sim = {"rc": 0, "merged_share": 0.92, "eval_loss": 2.01, "settings": [],
+           "bytes": {"payload_up": 4200.0, "payload_down": 3800.0, "wire_up": 5000.0, "wire_down": 5000.0,
+                     "dp_ring": RING}}  # fmt: skip
+    rep = links.build(cells, sim, ["algo.sync_every=24"])
+    rows = {r["cell"]: r for r in rep["rows"]}
+    assert rows["unlimited"]["merged_share_vs_unlimited"] == pytest.approx(1.0)
+    assert rows["10mbit,50ms"]["merged_share_vs_unlimited"] == pytest.approx(0.9)
+    assert rows["10mbit,50ms"]["final_loss_vs_unlimited"] == pytest.approx(1.01)
+    assert rows["2mbit,100ms + 20 s partition"] == {"cell": "2mbit,100ms + 20 s partition", "measured": False}
+    check = {c["what"]: c for c in rep["bytes_check"]}
+    assert check["payload_up"]["sim_over_real"] == pytest.approx(1.05)
+    assert check["payload_down"]["x_fewer_real"] == pytest.approx(RING / 4000.0)
+    assert check["wire_up"]["x_fewer_simulated"] == pytest.approx(RING / 5000.0)
+    md = links.markdown({**rep, "command": "python bench/frontier_links.py", "date": "today",
+                         "machine": {"cpus": 2, "platform": "linux"}})  # fmt: skip
+    assert "| 2mbit,100ms + 20 s partition | not run |" in md
+    assert "0.810 (0.900)" in md and "| 1.050 |" in md
+
+
+def test_thin_links_check_no_bytes_without_the_simulation(links):
+    rep = links.build({"unlimited": link_cell("unlimited", 0.9, 2.0, 4000.0)}, None, [])
+    assert rep["bytes_check"] == [] and rep["sim"] is None
