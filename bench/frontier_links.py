@@ -101,16 +101,24 @@ def real_cell(name: str, head: list[str], runs: Path, cache: CellCache, report_o
     return rec
 
 
-def sim_cell(real: dict[str, Any], runs: Path, cache: CellCache, report_only: bool) -> dict[str, Any] | None:
-    """``ddiloco simulate`` with the real cell's settings, step time and speeds."""
+def sim_settings(real: dict[str, Any]) -> list[str] | None:
+    """The real cell's settings less the runtime's, with its measured step time and speeds (None
+    without them). Chaos stays as it was: on, with no failures or downtime (without those two
+    the simulator would draw its default failures)."""
     per = [real["learners"].get(str(m), {}).get("step_s_mean") for m in (0, 1)]
     step_s = real.get("step_s_mean")
     if not step_s or not all(per):
         return None
     speeds = [round(step_s / s, 4) for s in per]
-    settings = [s for s in real["settings"] if not s.startswith(("runtime.", "chaos.enabled", "chaos.downtime",
-                                                                   "chaos.failures"))]  # fmt: skip
-    settings += [f"sim.step_time_s={step_s:.5f}", f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]
+    settings = [s for s in real["settings"] if not s.startswith("runtime.")]
+    return [*settings, f"sim.step_time_s={step_s:.5f}", f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]
+
+
+def sim_cell(real: dict[str, Any], runs: Path, cache: CellCache, report_only: bool) -> dict[str, Any] | None:
+    """``ddiloco simulate`` with the real cell's settings, step time and speeds."""
+    settings = sim_settings(real)
+    if settings is None:
+        return None
     key = cell_key("links-sim", {"v": CACHE_VERSION, "settings": sorted(settings)})
     got = cache.get(key)
     if got is not None or report_only:

@@ -164,3 +164,13 @@ def test_thin_links_are_set_against_unlimited_and_the_simulated_bytes_against_th
 def test_thin_links_check_no_bytes_without_the_simulation(links):
     rep = links.build({"unlimited": link_cell("unlimited", 0.9, 2.0, 4000.0)}, None, [])
     assert rep["bytes_check"] == [] and rep["sim"] is None
+
+
+def test_the_simulated_cell_keeps_the_real_cells_chaos_and_drops_its_runtime(links):
+    real = {"settings": [*links.COMMON, "runtime.duration_s=420", "algo.sync_every=24"], "step_s_mean": 0.2,
+            "learners": {"0": {"step_s_mean": 0.2}, "1": {"step_s_mean": 0.25}}}  # fmt: skip
+    got = links.sim_settings(real)
+    assert "chaos.failures_per_learner=0" in got and "chaos.downtime_fraction=0" in got and "chaos.enabled=true" in got
+    assert not [s for s in got if s.startswith("runtime.")]
+    assert "sim.speeds=[1.0, 0.8]" in got and "algo.sync_every=24" in got
+    assert links.sim_settings({**real, "learners": {"0": {"step_s_mean": 0.2}}}) is None
