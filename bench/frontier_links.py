@@ -104,14 +104,16 @@ def real_cell(name: str, head: list[str], runs: Path, cache: CellCache, report_o
 def sim_settings(real: dict[str, Any]) -> list[str] | None:
     """The real cell's settings less the runtime's, with its measured step time and speeds (None
     without them). Chaos stays as it was: on, with no failures or downtime (without those two
-    the simulator would draw its default failures)."""
+    the simulator would draw its default failures), and no straggler (``ddiloco simulate``
+    without a config file adds the demo's 2x straggler)."""
     per = [real["learners"].get(str(m), {}).get("step_s_mean") for m in (0, 1)]
     step_s = real.get("step_s_mean")
     if not step_s or not all(per):
         return None
     speeds = [round(step_s / s, 4) for s in per]
     settings = [s for s in real["settings"] if not s.startswith("runtime.")]
-    return [*settings, f"sim.step_time_s={step_s:.5f}", f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]
+    sim = [f"sim.step_time_s={step_s:.5f}", f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]
+    return [*settings, "chaos.stragglers=[]", *sim]
 
 
 def sim_cell(real: dict[str, Any], runs: Path, cache: CellCache, report_only: bool) -> dict[str, Any] | None:

@@ -172,5 +172,5 @@ def test_the_simulated_cell_keeps_the_real_cells_chaos_and_drops_its_runtime(lin
     got = links.sim_settings(real)
     assert "chaos.failures_per_learner=0" in got and "chaos.downtime_fraction=0" in got and "chaos.enabled=true" in got
     assert not [s for s in got if s.startswith("runtime.")]
-    assert "sim.speeds=[1.0, 0.8]" in got and "algo.sync_every=24" in got
+    assert "sim.speeds=[1.0, 0.8]" in got and "algo.sync_every=24" in got and "chaos.stragglers=[]" in got
     assert links.sim_settings({**real, "learners": {"0": {"step_s_mean": 0.2}}}) is None
