@@ -130,7 +130,7 @@ def links():
 
 def link_cell(name: str, share: float, loss: float, payload: float) -> dict:
     b = {"payload_up": payload, "payload_down": payload, "wire_up": 1.2 * payload, "wire_down": 1.3 * payload,
-         "dp_ring": RING}  # fmt: skip
+         "dp_ring": RING, "contribution_bytes": payload / 0.9, "contributions_per_step": 0.9}  # fmt: skip
     return {"name": name, "summary": {"merged_share": share, "eval_loss": loss, "tokens_processed": 800_000,
                                       "rejected": 0}, "round_latency_s": {"median": 1.5}, "staleness_max": 2,
             "step_s_mean": 0.1, "invariants": {"violations": []}, "bytes": b, "seen": {"wall_s": 90.0}}  # fmt: skip
@@ -144,7 +144,7 @@ def test_thin_links_are_set_against_unlimited_and_the_simulated_bytes_against_th
     }
     sim = {"rc": 0, "merged_share": 0.92, "eval_loss": 2.01, "settings": [],
            "bytes": {"payload_up": 4200.0, "payload_down": 3800.0, "wire_up": 5000.0, "wire_down": 5000.0,
-                     "dp_ring": RING}}  # fmt: skip
+                     "dp_ring": RING, "contribution_bytes": 4200.0 / 0.99, "contributions_per_step": 0.99}}  # fmt: skip
     rep = links.build(cells, sim, ["algo.sync_every=24"])
     rows = {r["cell"]: r for r in rep["rows"]}
     assert rows["unlimited"]["merged_share_vs_unlimited"] == pytest.approx(1.0)
@@ -155,6 +155,8 @@ def test_thin_links_are_set_against_unlimited_and_the_simulated_bytes_against_th
     assert check["payload_up"]["sim_over_real"] == pytest.approx(1.05)
     assert check["payload_down"]["x_fewer_real"] == pytest.approx(RING / 4000.0)
     assert check["wire_up"]["x_fewer_simulated"] == pytest.approx(RING / 5000.0)
+    assert check["contributions_per_step"]["sim_over_real"] == pytest.approx(0.99 / 0.9)
+    assert check["contribution_bytes"]["x_fewer_real"] is None
     md = links.markdown({**rep, "command": "python bench/frontier_links.py", "date": "today",
                          "machine": {"cpus": 2, "platform": "linux"}})  # fmt: skip
     assert "| 2mbit,100ms + 20 s partition | not run |" in md
