@@ -331,8 +331,9 @@ def versus(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         diff, dlo, dhi = ci95([x - y for x, y in pairs])
         ratio, rlo, rhi = ci95([x / y for x, y in pairs])
-        out.append({"H": h, "payload": payload, "seeds": len(pairs), "decoupled": dec["eval_loss"],
-                    "diloco": syn["eval_loss"], "difference": diff, "difference_ci95": [dlo, dhi],
+        out.append({"H": h, "payload": payload, "seeds": len(pairs),  # the means over the paired seeds
+                    "decoupled": statistics.fmean(x for x, _ in pairs),
+                    "diloco": statistics.fmean(y for _, y in pairs), "difference": diff, "difference_ci95": [dlo, dhi],
                     "ratio": ratio, "ratio_ci95": [rlo, rhi], "x_fewer_decoupled": saved(dec),
                     "x_fewer_diloco": saved(syn)})  # fmt: skip
     return out

@@ -74,6 +74,7 @@ def test_decoupled_against_diloco_is_paired_on_the_seeds_both_ran(frontier):
     assert v["difference"] == pytest.approx((0.1 + 0.1 + 0.2) / 3)
     assert v["difference_ci95"][0] < v["difference"] < v["difference_ci95"][1]
     assert v["ratio"] == pytest.approx((2.0 / 1.9 + 2.1 / 2.0 + 2.2 / 2.0) / 3)
+    assert v["decoupled"] == pytest.approx(2.1) and v["diloco"] == pytest.approx(5.9 / 3)  # the paired seeds' means
 
 
 def test_the_headline_quotes_its_settings_quality_and_bytes_from_the_same_runs(frontier):
