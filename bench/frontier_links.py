@@ -1,6 +1,6 @@
 """The frontier's headline through thin links, and its bytes counted twice (issue 37).
 
-    python bench/frontier_links.py            # 3 real runs and one simulation (~10 min; resumes)
+    python bench/frontier_links.py            # 3 real runs and one simulation (~6 min; resumes)
     python bench/frontier_links.py --report   # the report from cached cells only (trains nothing)
 
 The setting is the one the README recommends: ``headline.settings`` of docs/results/frontier.json
@@ -48,8 +48,9 @@ from wan import COMMON, analyse, check_invariants, train  # noqa: E402
 
 CACHE_VERSION = 1
 TOKENS = 800_000
-"""Tokens each cell processes: ~90 s of training for 2 learners here, so that the partition
-(30 s to 50 s) falls inside it with time to recover."""
+"""Tokens each cell processes: ~46 s of training for 2 learners here (from ~24 s of the run's
+clock, after the processes start), so that the partition (30 s to 50 s) falls inside it with
+time to recover."""
 CAP_S = 420.0
 """A cell's time budget: a guard only (the cells end at their tokens)."""
 CELLS: dict[str, tuple[str, ...]] = {

@@ -177,3 +177,24 @@ def test_the_simulated_cell_keeps_the_real_cells_chaos_and_drops_its_runtime(lin
     assert not [s for s in got if s.startswith("runtime.")]
     assert "sim.speeds=[1.0, 0.8]" in got and "algo.sync_every=24" in got and "chaos.stragglers=[]" in got
     assert links.sim_settings({**real, "learners": {"0": {"step_s_mean": 0.2}}}) is None
+
+
+def test_the_meter_splits_payload_up_into_bytes_per_contribution_and_contributions_per_step(links, tmp_path):
+    import json
+
+    def part(contrib: tuple[int, int], steps: int) -> dict:
+        up = {"contribution": {"bytes": contrib[0], "messages": contrib[1]}, "heartbeat": {"bytes": 50, "messages": 5}}
+        down = {"version": {"bytes": contrib[0], "messages": contrib[1]}, "rejoin": {"bytes": 9999, "messages": 1}}
+        return {"format": 1, "params": 1000, "learners": 2,
+                "by_learner": {"0": {"steps": steps, "up": up, "down": down},
+                               "1": {"steps": steps, "up": up, "down": down}}}  # fmt: skip
+
+    (tmp_path / "metrics").mkdir()
+    # two syncer shards: bytes and messages add up, a learner's steps are the most either saw
+    (tmp_path / "metrics" / "traffic.json").write_text(json.dumps(part((9000, 90), 100)))
+    (tmp_path / "metrics" / "traffic-1.json").write_text(json.dumps(part((900, 9), 100)))
+    b = links.metered_bytes(tmp_path)
+    assert b["contribution_bytes"] == pytest.approx(9900 / 99)
+    assert b["contributions_per_step"] == pytest.approx(99 / 100)
+    assert b["contribution_bytes"] * b["contributions_per_step"] == pytest.approx(b["payload_up"])
+    assert links.metered_bytes(tmp_path / "nothing") is None
