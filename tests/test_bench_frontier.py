@@ -1,11 +1,15 @@
 """The frontier report's arithmetic (bench/frontier.py) on made-up runs: which cells meet the
-targets, the pairing by seed, the headline and the defaults beside it. Nothing here trains."""
+targets, the pairing by seed, the headline and the defaults beside it; and the thin-link
+report's (bench/frontier_links.py): its ratios, its simulated cell's settings, the meter's
+split. Nothing here trains."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -13,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RING = 1_000_000.0
 
 
-@pytest.fixture(scope="module")
-def frontier():
+def bench_module(name: str) -> Iterator[ModuleType]:
+    """bench/NAME.py as a module (its imports of bench's harness resolve), unloaded after."""
     sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_frontier", ROOT / "bench" / "frontier.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
@@ -25,6 +29,11 @@ def frontier():
     finally:
         del sys.modules[spec.name]
         sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    yield from bench_module("frontier")
 
 
 def run(loss: float, seed: int, per_step: float = 1000.0) -> dict:
@@ -117,16 +126,7 @@ def test_the_headline_and_its_reference_run_on_more_seeds_and_a_smoke_run_on_one
 
 @pytest.fixture(scope="module")
 def links():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_frontier_links", ROOT / "bench" / "frontier_links.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
-        sys.path.remove(str(ROOT / "bench"))
+    yield from bench_module("frontier_links")
 
 
 def link_cell(name: str, share: float, loss: float, payload: float) -> dict:
