@@ -120,6 +120,9 @@ def restarted(tmp_path_factory):
             if saver._pieces is None:
                 break
             train(a, model_a, opt_a, 1, seed=1000 + k)
+        # its writer may still be finishing that save (slow on a busy machine): counting from
+        # before it finished would take that older save for the last one
+        wait_for(lambda: not saver._writing.is_set(), 60, "the save under way to be written")
         saves, saver._ended_at = saver.saves, -math.inf
         for k in range(400):
             if saver.saves > saves:
