@@ -232,11 +232,10 @@ def markdown(rep: dict[str, Any]) -> str:
         ]
         lines += table(
             ["bytes", "real", "simulated", "simulated / real", "x fewer than DP, real", "x fewer, simulated"],
-            [[c["what"], f(c["real"], ".3f" if c["what"] == "contributions_per_step" else ",.0f"),
-              f(c["simulated"], ".3f" if c["what"] == "contributions_per_step" else ",.0f"),
-              f(c["sim_over_real"], ".3f"),
+            [[c["what"], f(c["real"], fmt), f(c["simulated"], fmt), f(c["sim_over_real"], ".3f"),
               f(c["x_fewer_real"], ",.0f"), f(c["x_fewer_simulated"], ",.0f")]
-             for c in rep["bytes_check"]],
+             for c in rep["bytes_check"]
+             for fmt in [".3f" if c["what"] == "contributions_per_step" else ",.0f"]],
         )  # fmt: skip
     return "\n".join(lines) + "\n"
 
