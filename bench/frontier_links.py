@@ -44,7 +44,7 @@ from harness.cells import CellCache, cell_key  # noqa: E402
 from harness.files import read_json_dict  # noqa: E402
 from harness.paths import CACHE, ENV, RESULTS, ROOT, sets  # noqa: E402
 from harness.tables import machine, publish, table, utc_now  # noqa: E402
-from wan import COMMON, analyse, check_invariants, train  # noqa: E402
+from wan import COMMON, NO_DEMO_STRAGGLER, analyse, check_invariants, train  # noqa: E402
 
 CACHE_VERSION = 1
 TOKENS = 800_000
@@ -84,10 +84,9 @@ def metered_bytes(run_dir: Path) -> dict[str, Any] | None:
         return None
     traffic = merge_traffic(parts)
     out: dict[str, Any] = bytes_per_step(traffic)
-    learners = traffic["by_learner"].values()
-    sent = [e["up"].get("contribution", {}) for e in learners]
+    sent = [e["up"].get("contribution", {}) for e in traffic["by_learner"].values()]
     n, total = sum(c.get("messages", 0) for c in sent), sum(c.get("bytes", 0) for c in sent)
-    steps = sum(e.get("steps", 0) for e in learners)
+    steps = out["steps"]  # the learners' steps, as bytes_per_step summed them
     out["contribution_bytes"] = total / n if n else None
     out["contributions_per_step"] = n / steps if steps else None
     return out
@@ -125,7 +124,7 @@ def sim_settings(real: dict[str, Any]) -> list[str] | None:
     speeds = [round(step_s / s, 4) for s in per]
     settings = [s for s in real["settings"] if not s.startswith("runtime.")]
     sim = [f"sim.step_time_s={step_s:.5f}", f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]
-    return [*settings, "chaos.stragglers=[]", *sim]
+    return [*settings, NO_DEMO_STRAGGLER, *sim]
 
 
 def sim_cell(real: dict[str, Any], runs: Path, cache: CellCache, report_only: bool) -> dict[str, Any] | None:

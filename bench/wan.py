@@ -87,6 +87,9 @@ COMMON = [
     "runtime.eval_every_tokens=40000",  # about every 8 s here (the automatic cadence is sized for long runs)
     "runtime.status_interval_s=0.5",
 ]
+NO_DEMO_STRAGGLER = "chaos.stragglers=[]"
+"""For a ``ddiloco simulate`` of a real cell: without a config file it adds the demo's 2x
+straggler, which no real cell has (the simulated learners would run at 1x and 0.5x)."""
 ENCODINGS: dict[str, list[str]] = {
     "fp32": ["algo.up_encoding=fp32", "algo.down_encoding=fp32", "algo.error_feedback=false"],
     "bf16": ["algo.up_encoding=bf16", "algo.down_encoding=bf16", "algo.error_feedback=false"],
@@ -545,9 +548,7 @@ class Bench:
             return None
         speeds = [round(step_s / s, 4) for s in per]
         link = LINKS[real["link"]]
-        # no straggler: `ddiloco simulate` without a config file adds the demo's 2x one, which the
-        # real cells never had (the simulated learners then ran at 1x and 0.5x)
-        settings = [*COMMON[:5], "chaos.stragglers=[]", f"run.processed_tokens={self.tokens}",
+        settings = [*COMMON[:5], NO_DEMO_STRAGGLER, f"run.processed_tokens={self.tokens}",
                     *ENCODINGS[real["encoding"]], *link.settings, f"sim.step_time_s={step_s:.5f}",
                     f"sim.speeds={json.dumps(speeds)}", "run.eval_points=1"]  # fmt: skip
         key = key_of(name, settings, {})
